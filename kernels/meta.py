@@ -1,0 +1,148 @@
+"""Per-step metadata the kernels read. Built once per step, shared by every layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SGMVMeta:
+    """Which tokens use which adapter slot, without reordering activations.
+
+    Tokens are grouped by slot through ``sorted_token_ids`` (a stable sort of the token
+    indices by slot, base-model tokens excluded). Segment ``i`` covers
+    ``sorted_token_ids[seg_starts[i] : seg_starts[i] + seg_lens[i]]`` and uses slot
+    ``active_slots[i]`` with rank ``slot_ranks[active_slots[i]]``.
+    """
+
+    token_slots: torch.Tensor  # [num_tokens] int32, -1 = base model
+    sorted_token_ids: torch.Tensor  # [num_lora_tokens] int64
+    active_slots: torch.Tensor  # [num_active] int32
+    seg_starts: torch.Tensor  # [num_active] int32
+    seg_lens: torch.Tensor  # [num_active] int32
+    slot_ranks: torch.Tensor  # [num_slots] int32
+    # Host copies so CPU code and launchers never synchronise with the device.
+    active_slots_list: tuple[int, ...]
+    seg_starts_list: tuple[int, ...]
+    seg_lens_list: tuple[int, ...]
+    slot_ranks_list: tuple[int, ...]
+    num_tokens: int
+    max_seg_len: int
+    max_rank: int  # largest rank among active slots (0 when none)
+
+    @property
+    def has_lora(self) -> bool:
+        return len(self.active_slots_list) > 0
+
+    @classmethod
+    def build(
+        cls,
+        token_slots: Sequence[int],
+        slot_ranks: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SGMVMeta:
+        num_slots = len(slot_ranks)
+        for s in token_slots:
+            if s < -1 or s >= num_slots:
+                raise ValueError(f"token slot {s} out of range [-1, {num_slots})")
+        order = sorted((i for i, s in enumerate(token_slots) if s >= 0),
+                       key=lambda i: token_slots[i])
+        active: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        for pos, tok in enumerate(order):
+            s = token_slots[tok]
+            if not active or active[-1] != s:
+                active.append(s)
+                starts.append(pos)
+                lens.append(0)
+            lens[-1] += 1
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            token_slots=torch.tensor(list(token_slots), **i32),  # type: ignore[arg-type]
+            sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=device),
+            active_slots=torch.tensor(active, **i32),  # type: ignore[arg-type]
+            seg_starts=torch.tensor(starts, **i32),  # type: ignore[arg-type]
+            seg_lens=torch.tensor(lens, **i32),  # type: ignore[arg-type]
+            slot_ranks=torch.tensor(list(slot_ranks), **i32),  # type: ignore[arg-type]
+            active_slots_list=tuple(active),
+            seg_starts_list=tuple(starts),
+            seg_lens_list=tuple(lens),
+            slot_ranks_list=tuple(int(r) for r in slot_ranks),
+            num_tokens=len(token_slots),
+            max_seg_len=max(lens, default=0),
+            max_rank=max((int(slot_ranks[s]) for s in active), default=0),
+        )
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """Paged-attention layout of one step's flattened batch.
+
+    Sequence ``b`` owns query rows ``query_start_loc[b] : query_start_loc[b + 1]`` and
+    attends to its first ``seq_lens[b]`` cached positions (which include the new tokens,
+    already stored). The causal mask is aligned bottom-right: query row ``i`` of a sequence
+    with ``q`` new tokens sees keys ``0 .. seq_len - q + i``.
+    """
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not store
+    seq_lens_list: tuple[int, ...]
+    query_lens_list: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_list, default=0)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens_list)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMeta:
+        """Builds the metadata; the slot mapping is derived from the block tables."""
+        if not (len(block_tables) == len(seq_lens) == len(query_lens)):
+            raise ValueError("block_tables, seq_lens and query_lens differ in length")
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        slots: list[int] = []
+        for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens, strict=True):
+            if q_len < 1 or q_len > seq_len:
+                raise ValueError(f"query length {q_len} not in [1, seq_len={seq_len}]")
+            if len(table) * block_size < seq_len:
+                raise ValueError(f"block table of {len(table)} blocks too short for {seq_len}")
+            starts.append(starts[-1] + q_len)
+            for pos in range(seq_len - q_len, seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        return cls(
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
+                len(padded), width),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            seq_lens_list=tuple(seq_lens),
+            query_lens_list=tuple(query_lens),
+            block_size=block_size,
+        )

@@ -1,0 +1,141 @@
+"""Frozen, validated configuration dataclasses, one per subsystem.
+
+They are built once (in ``cli.py``, ``LLM`` or ``create_app``) and passed explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loraplex.errors import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16"]
+PreemptionMode = Literal["recompute", "swap"]
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which base model to load and how."""
+
+    model: str
+    dtype: DType = "float32"
+    device: str | None = None  # None: cuda if available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16", "float16"),
+                 f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0,
+                 "max_model_len must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit count wins over the memory budget
+    kv_cache_memory: int | None = None  # bytes; None: a default fraction of free memory
+    enable_prefix_caching: bool = True
+    swap_space_blocks: int = 0  # host blocks for swap preemption
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a power of two, got {self.block_size}")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks > 0,
+                 "num_kv_blocks must be positive")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                 "kv_cache_memory must be positive")
+        _require(self.swap_space_blocks >= 0, "swap_space_blocks must be >= 0")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Adapter slots on the device and the host-memory cache in front of disk."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras must be >= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        _require(self.max_cpu_loras >= self.max_loras,
+                 "max_cpu_loras must be >= max_loras")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What runs each step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    max_waiting: int = 1024  # admission limit; beyond it the engine reports overload
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.preemption_mode in ("recompute", "swap"),
+                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        _require(self.max_waiting >= 1, "max_waiting must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, grouped."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def default_home() -> str:
+    """Where the embedded default keeps its database, adapters and models."""
+    import os
+
+    return os.environ.get("LORAPLEX_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache", "loraplex")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Where tenants, keys and adapters are recorded, and where adapter files live."""
+
+    database_url: str
+    adapter_dir: str
+
+    @classmethod
+    def default(cls) -> RegistryConfig:
+        import os
+
+        home = default_home()
+        return cls(database_url=f"sqlite:///{os.path.join(home, 'loraplex.db')}",
+                   adapter_dir=os.path.join(home, "adapters"))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None  # None: in-process rate limiter
+    admin_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096
+    max_n: int = 8
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _require(self.max_body_bytes > 0, "max_body_bytes must be positive")

@@ -1,0 +1,43 @@
+"""Domain exceptions. No HTTP here: the gateway maps these to status codes in one place."""
+
+from __future__ import annotations
+
+
+class LoraplexError(Exception):
+    """Base of every error loraplex raises on purpose."""
+
+
+class ConfigError(LoraplexError, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class ModelLoadError(LoraplexError):
+    """A base model folder cannot be loaded."""
+
+
+class AdapterError(LoraplexError):
+    """An adapter is refused: unsupported, malformed, or does not fit the base model."""
+
+
+class AdapterNotFoundError(LoraplexError):
+    """No adapter with that name is visible to the caller."""
+
+
+class InvalidRequestError(LoraplexError, ValueError):
+    """A request's parameters are invalid (named in the message)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus max_tokens) does not fit the model's context or the KV pool."""
+
+
+class EngineOverloadedError(LoraplexError):
+    """The engine's waiting queue is full; retry later."""
+
+
+class EngineDeadError(LoraplexError):
+    """The engine's step loop stopped after an unrecoverable error."""

@@ -1,0 +1,150 @@
+"""Builders of tiny random models and adapters, for tests and benchmarks (no hub needed)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "loraplex serves many adapters from one resident base model",
+    "hello world, how are you today? i am fine, thank you",
+    "paged attention keeps keys and values in fixed size blocks",
+    "tenants upload low rank adapters and call them by name",
+    "0123456789 + - * / = ( ) [ ] { } < > : ; , . ! ?",
+    "The Quick Brown Fox Jumps Over The Lazy Dog",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 384) -> Any:
+    """Trains a small byte-level BPE locally and saves it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    seed: int = 0,
+    shard_size: str | None = None,
+) -> Path:
+    """Saves a random Llama/Mistral/Qwen2 model plus a locally trained tokenizer."""
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    common: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        rms_norm_eps=1e-6,
+    )
+    if rope_scaling is not None:
+        common["rope_scaling"] = rope_scaling
+    cls_by_arch = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    if arch not in cls_by_arch:
+        raise ValueError(f"unknown arch {arch!r}")
+    config_cls, model_cls = cls_by_arch[arch]
+    if arch == "mistral":
+        common["sliding_window"] = None
+    config = config_cls(**common)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms and biases: non-trivial but well scaled
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.shape[0] == hidden_size
+                        else 0.1 * torch.randn_like(p))
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if shard_size is not None:
+        kwargs["max_shard_size"] = shard_size
+    model.save_pretrained(str(out), **kwargs)
+    return out
+
+
+def build_adapter(
+    out_dir: str | Path,
+    base_dir: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                     "gate_proj", "up_proj", "down_proj"),
+    use_rslora: bool = False,
+    seed: int = 0,
+    weight_scale: float = 0.5,
+) -> Path:
+    """Saves a PEFT LoRA adapter with random non-zero A and B for the model in base_dir."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir),
+                                                              dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules),
+                          use_rslora=use_rslora, init_lora_weights=False, lora_dropout=0.0)
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * weight_scale / (p.shape[-1] ** 0.5))
+    out = Path(out_dir)
+    pm.save_pretrained(str(out), safe_serialization=True)
+    cfg_path = out / "adapter_config.json"
+    data = json.loads(cfg_path.read_text())
+    data["base_model_name_or_path"] = str(base_dir)
+    cfg_path.write_text(json.dumps(data, indent=2))
+    return out
