@@ -41,3 +41,11 @@ class EngineOverloadedError(LoraplexError):
 
 class EngineDeadError(LoraplexError):
     """The engine's step loop stopped after an unrecoverable error."""
+
+
+class NotFoundError(LoraplexError, LookupError):
+    """A tenant, API key or other registry record does not exist (or is not visible)."""
+
+
+class ConflictError(LoraplexError):
+    """The change clashes with existing state: a duplicate name, or a concurrent writer."""

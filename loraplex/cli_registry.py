@@ -1,0 +1,437 @@
+"""The registry's command groups of the ``loraplex`` CLI: ``db``, ``tenants``, ``keys``,
+``adapters``.
+
+``add_registry_commands(subparsers)`` registers them on the main parser; every leaf command
+sets ``func(args) -> int`` (the exit status), prints errors as one line on stderr, and exits 2
+on failure. ``add_registry_options`` and ``registry_config_from_args`` give ``serve`` the same
+``--database-url``/``--adapter-dir``/``--model`` options, environment variables and defaults,
+so what the CLI writes is what a running server reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loraplex.config import LoRAConfig, RegistryConfig
+
+ENV_DATABASE_URL = "LORAPLEX_DATABASE_URL"
+ENV_ADAPTER_DIR = "LORAPLEX_ADAPTER_DIR"
+ENV_MODEL = "LORAPLEX_MODEL"
+EXIT_ERROR = 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def add_registry_options(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    """Adds ``--database-url``, ``--adapter-dir``, ``--model`` (and ``--json``) to a parser.
+
+    Defaults are resolved when the command runs (flag, then environment variable, then
+    ``RegistryConfig.default()``), see ``registry_config_from_args``.
+    """
+    parser.add_argument("--database-url", default=None, metavar="URL",
+                        help=f"registry database (env {ENV_DATABASE_URL}; default: a SQLite "
+                             "file under LORAPLEX_HOME)")
+    parser.add_argument("--adapter-dir", default=None, metavar="DIR",
+                        help=f"adapter file store (env {ENV_ADAPTER_DIR}; default: "
+                             "LORAPLEX_HOME/adapters)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help=f"base model folder adapters are validated against (env "
+                             f"{ENV_MODEL}; default: the demo model folder)")
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def registry_config_from_args(args: argparse.Namespace) -> RegistryConfig:
+    """The registry config of a parsed command line: flag, else environment, else default."""
+    default = RegistryConfig.default()
+    return RegistryConfig(
+        database_url=(getattr(args, "database_url", None) or os.environ.get(ENV_DATABASE_URL)
+                      or default.database_url),
+        adapter_dir=(getattr(args, "adapter_dir", None) or os.environ.get(ENV_ADAPTER_DIR)
+                     or default.adapter_dir),
+    )
+
+
+def model_dir_from_args(args: argparse.Namespace) -> str:
+    """The base model folder: ``--model``, else ``LORAPLEX_MODEL``, else the demo model."""
+    model = getattr(args, "model", None) or os.environ.get(ENV_MODEL)
+    if model:
+        return model
+    from loraplex.model.demo import default_demo_dir
+
+    return str(default_demo_dir())
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+def _tenant_json(t: Any) -> dict[str, Any]:
+    return {"id": t.id, "name": t.name, "status": t.status,
+            "max_requests_per_minute": t.max_requests_per_minute,
+            "max_tokens_per_minute": t.max_tokens_per_minute,
+            "max_concurrent_requests": t.max_concurrent_requests,
+            "created_at": _iso(t.created_at)}
+
+
+def _key_json(k: Any, tenant_name: str) -> dict[str, Any]:
+    return {"id": k.id, "tenant": tenant_name, "role": k.role, "name": k.name,
+            "prefix": k.prefix, "created_at": _iso(k.created_at),
+            "last_used_at": _iso(k.last_used_at), "revoked_at": _iso(k.revoked_at)}
+
+
+def _adapter_json(a: Any, tenant_name: str) -> dict[str, Any]:
+    return {"id": a.id, "tenant": tenant_name, "name": a.name, "version": a.version,
+            "model": f"{tenant_name}/{a.name}", "identity": a.identity, "digest": a.digest,
+            "base_model": a.base_model, "rank": a.rank, "alpha": a.alpha,
+            "use_rslora": a.use_rslora, "target_modules": list(a.target_modules),
+            "size_bytes": a.size_bytes, "storage_path": a.storage_path,
+            "visibility": a.visibility, "status": a.status, "created_at": _iso(a.created_at)}
+
+
+def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    if not rows:
+        print("(none)")
+        return
+    cells = [[("-" if r[c] is None else str(r[c])) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        text()
+
+
+# --- plumbing ----------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Turns expected failures into one line on stderr and exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        import sqlalchemy.exc
+
+        from loraplex.errors import LoraplexError
+
+        try:
+            return handler(args)
+        except LoraplexError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            print(f"error: database: {_one_line(exc)}", file=sys.stderr)
+        except OSError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+    return run
+
+
+def _session_factory(args: argparse.Namespace, *, check: bool = True) -> Any:
+    from loraplex.registry.db import check_schema, make_engine, make_session_factory
+
+    engine = make_engine(registry_config_from_args(args).database_url)
+    if check:
+        check_schema(engine)
+    return make_session_factory(engine)
+
+
+# --- db ----------------------------------------------------------------------------------
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from loraplex.registry import db
+
+    url = registry_config_from_args(args).database_url
+    db.upgrade(url, args.revision)
+    return _db_report(args, url, "upgraded")
+
+
+def _db_downgrade(args: argparse.Namespace) -> int:
+    from loraplex.registry import db
+
+    url = registry_config_from_args(args).database_url
+    db.downgrade(url, args.revision)
+    return _db_report(args, url, "downgraded")
+
+
+def _db_current(args: argparse.Namespace) -> int:
+    return _db_report(args, registry_config_from_args(args).database_url, None)
+
+
+def _db_report(args: argparse.Namespace, url: str, action: str | None) -> int:
+    from sqlalchemy.engine import make_url
+
+    from loraplex.registry import db
+
+    engine = db.make_engine(url)
+    try:
+        current = db.current_revision(engine)
+    finally:
+        engine.dispose()
+    head = db.head_revision()
+    shown = make_url(url).render_as_string(hide_password=True)
+    data = {"database_url": shown, "revision": current, "head": head}
+    verb = f"{action} " if action else ""
+    _emit(args, data, lambda: print(f"{shown}: {verb}at revision {current or 'base'} "
+                                    f"(head {head})"))
+    return 0
+
+
+# --- tenants -----------------------------------------------------------------------------
+
+
+def _tenants_create(args: argparse.Namespace) -> int:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    with transaction(_session_factory(args)) as session:
+        tenant = service.create_tenant(
+            session, args.name, max_requests_per_minute=args.rpm,
+            max_tokens_per_minute=args.tpm, max_concurrent_requests=args.max_concurrency)
+        data = _tenant_json(tenant)
+    _emit(args, data, lambda: print(f"created tenant {data['name']} (id {data['id']})"))
+    return 0
+
+
+def _tenants_list(args: argparse.Namespace) -> int:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    with transaction(_session_factory(args)) as session:
+        data = [_tenant_json(t) for t in service.list_tenants(session)]
+    _emit(args, data, lambda: _print_table(data, (
+        "id", "name", "status", "max_requests_per_minute", "max_tokens_per_minute",
+        "max_concurrent_requests")))
+    return 0
+
+
+# --- keys --------------------------------------------------------------------------------
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    with transaction(_session_factory(args)) as session:
+        tenant = service.get_tenant_by_name(session, args.tenant)
+        row, plaintext = service.create_key(session, tenant.id,
+                                            role="admin" if args.admin else "tenant",
+                                            name=args.key_name)
+        data = _key_json(row, tenant.name) | {"key": plaintext}
+
+    def text() -> None:
+        print(f"created {data['role']} key {data['id']} for tenant {data['tenant']}; "
+              "it is shown only this once:", file=sys.stderr)
+        print(plaintext)
+
+    _emit(args, data, text)
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    with transaction(_session_factory(args)) as session:
+        row = service.revoke_key(session, args.id)
+        data = _key_json(row, row.tenant.name)
+    _emit(args, data, lambda: print(f"revoked key {data['id']} ({data['prefix']}…)"))
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    with transaction(_session_factory(args)) as session:
+        tenant_id = (service.get_tenant_by_name(session, args.tenant).id
+                     if args.tenant else None)
+        data = [_key_json(k, k.tenant.name) for k in service.list_keys(session, tenant_id)]
+    _emit(args, data, lambda: _print_table(data, (
+        "id", "tenant", "role", "name", "prefix", "created_at", "last_used_at", "revoked_at")))
+    return 0
+
+
+# --- adapters ----------------------------------------------------------------------------
+
+
+def _adapters_add(args: argparse.Namespace) -> int:
+    from loraplex.errors import AdapterError, LoraplexError
+    from loraplex.model.adapter_loader import TargetShapes, validate_adapter_dir
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+    from loraplex.registry.names import check_adapter_name
+    from loraplex.registry.store import AdapterStore
+
+    config = registry_config_from_args(args)
+    model_dir = str(Path(model_dir_from_args(args)).expanduser().resolve())
+    factory = _session_factory(args)
+    check_adapter_name(args.name)
+    with transaction(factory) as session:  # fail fast, before copying any file
+        service.get_tenant_by_name(session, args.tenant)
+    target = TargetShapes.from_model_dir(model_dir)
+    store = AdapterStore(config.adapter_dir)
+    # Copy first, then validate the stored copy: what was checked is exactly what is served.
+    stored = store.put_dir(args.dir)
+    try:
+        adapter = validate_adapter_dir(stored.path, target, args.max_lora_rank)
+        if adapter.digest != stored.digest:
+            raise AdapterError(f"digest mismatch after copy ({adapter.digest[:12]} != "
+                               f"{stored.digest[:12]}); the source changed, retry")
+        # The files are in place: only now is the row written and committed.
+        with transaction(factory) as session:
+            tenant = service.get_tenant_by_name(session, args.tenant)
+            row = service.register_adapter(
+                session, tenant_id=tenant.id, name=args.name, digest=stored.digest,
+                size_bytes=stored.size, storage_path=stored.relative_path,
+                base_model=model_dir, rank=adapter.rank, alpha=adapter.alpha,
+                use_rslora=adapter.use_rslora, target_modules=list(adapter.target_modules),
+                visibility="public" if args.public else "private")
+            data = _adapter_json(row, tenant.name)
+    except (LoraplexError, Exception):
+        if stored.created:
+            _discard_unreferenced(factory, store, stored.digest)
+        raise
+    _emit(args, data, lambda: print(
+        f"added {data['model']} version {data['version']} ({data['visibility']}), "
+        f"identity {data['identity']}"))
+    return 0
+
+
+def _discard_unreferenced(factory: Any, store: Any, digest: str) -> None:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    try:
+        with transaction(factory) as session:
+            if service.is_digest_referenced(session, digest):
+                return
+    except Exception:  # the database is the problem: keep the files, they are harmless
+        return
+    store.remove(digest)
+
+
+def _adapters_list(args: argparse.Namespace) -> int:
+    from loraplex.registry import service
+    from loraplex.registry.db import transaction
+
+    with transaction(_session_factory(args)) as session:
+        if args.tenant:
+            tenant = service.get_tenant_by_name(session, args.tenant)
+            rows = (service.list_adapters(session, tenant.id, include_deleted=True)
+                    if args.all else service.list_visible_adapters(session, tenant.id))
+        else:
+            rows = service.list_adapters(session, include_deleted=args.all)
+        data = [_adapter_json(a, a.tenant.name) for a in rows]
+    _emit(args, data, lambda: _print_table(data, (
+        "id", "model", "version", "rank", "visibility", "status", "digest")))
+    return 0
+
+
+# --- wiring ------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value}")
+    return value
+
+
+def add_registry_commands(subparsers: Any) -> None:
+    """Registers ``db``, ``tenants``, ``keys`` and ``adapters`` on the main parser's
+    subparsers. Each leaf sets ``func``: call ``args.func(args)`` and exit with its result."""
+    common = argparse.ArgumentParser(add_help=False)
+    add_registry_options(common)
+
+    def leaf(group: Any, name: str, handler: Handler, help_: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = group.add_parser(name, parents=[common], help=help_,
+                                                           description=help_)
+        parser.set_defaults(func=_guarded(handler))
+        return parser
+
+    def group(name: str, help_: str) -> Any:
+        parser = subparsers.add_parser(name, help=help_, description=help_)
+        return parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
+
+    db = group("db", "migrate the registry database")
+    p = leaf(db, "upgrade", _db_upgrade, "migrate the database up (creates it if needed)")
+    p.add_argument("--revision", default="head", help="target revision (default: head)")
+    p = leaf(db, "downgrade", _db_downgrade, "migrate the database down")
+    p.add_argument("revision", help="target revision, e.g. base or -1")
+    leaf(db, "current", _db_current, "show the database's revision")
+
+    tenants = group("tenants", "manage tenants")
+    p = leaf(tenants, "create", _tenants_create, "create a tenant")
+    p.add_argument("name")
+    p.add_argument("--rpm", type=_positive_int, help="max requests per minute")
+    p.add_argument("--tpm", type=_positive_int, help="max tokens per minute")
+    p.add_argument("--max-concurrency", type=_positive_int,
+                   help="max concurrent requests")
+    leaf(tenants, "list", _tenants_list, "list tenants")
+
+    keys = group("keys", "manage API keys")
+    p = leaf(keys, "create", _keys_create, "create an API key (printed once)")
+    p.add_argument("--tenant", required=True, metavar="NAME")
+    p.add_argument("--admin", action="store_true", help="an admin key (default: tenant)")
+    p.add_argument("--name", dest="key_name", metavar="LABEL", help="a label for humans")
+    p = leaf(keys, "revoke", _keys_revoke, "revoke an API key")
+    p.add_argument("id", type=int)
+    p = leaf(keys, "list", _keys_list, "list API keys (prefixes only)")
+    p.add_argument("--tenant", metavar="NAME")
+
+    adapters = group("adapters", "manage LoRA adapters")
+    p = leaf(adapters, "add", _adapters_add,
+             "validate a PEFT adapter folder, store it, and record a new version")
+    p.add_argument("--tenant", required=True, metavar="NAME")
+    p.add_argument("--name", required=True, metavar="NAME")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--public", action="store_true", help="callable by other tenants")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=LoRAConfig().max_lora_rank,
+                   help="largest rank accepted (default: %(default)s)")
+    p = leaf(adapters, "list", _adapters_list, "list adapters")
+    p.add_argument("--tenant", metavar="NAME",
+                   help="what this tenant can call (own and public, latest versions)")
+    p.add_argument("--all", action="store_true",
+                   help="every version, deleted ones included")
+
+
+def build_registry_parser() -> argparse.ArgumentParser:
+    """A parser with only the registry's commands (tests, ``python -m``)."""
+    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_registry_commands(subparsers)
+    return parser
+
+
+def run_registry_cli(argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv`` with the registry's commands and runs one; returns the exit status."""
+    args = build_registry_parser().parse_args(argv)
+    handler: Handler = args.func
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(run_registry_cli())

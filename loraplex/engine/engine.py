@@ -1,0 +1,302 @@
+"""The engine: admission, one step (schedule → run → update), outputs. Single-threaded;
+``EngineClient`` runs it on a background thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from loraplex.config import EngineConfig
+from loraplex.engine.adapters import AdapterManager
+from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.outputs import RequestMetrics, SequenceDelta
+from loraplex.engine.request import AdapterRef, Request, RequestStatus
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.errors import (
+    AdapterError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapter
+from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
+from loraplex.model.sampler import SamplingRow
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True,
+                 max_adapter_wait_s: float = 2.0) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, config.cache, config.lora, progress=progress)
+        self.tokenizer = self.runner.tokenizer
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = self._eos_ids()
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching,
+                                 config.cache.swap_space_blocks)
+        self.target_shapes = TargetShapes.from_model_dir(config.model.model)
+        self.adapters = AdapterManager(config.lora.max_loras, config.lora.max_cpu_loras,
+                                       self._load_adapter, self.runner.set_lora_slot)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
+                                   max_adapter_wait_s)
+        self._groups: dict[str, list[Request]] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.runner.args.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def _load_adapter(self, ref: AdapterRef) -> LoRAAdapter:
+        adapter = load_adapter(ref.path, self.target_shapes, self.config.lora.max_lora_rank,
+                               name=ref.adapter_id)
+        if adapter.digest != ref.digest:
+            raise AdapterError(f"adapter {ref.adapter_id!r}: file digest {adapter.digest[:12]} "
+                               f"does not match the registered {ref.digest[:12]}")
+        return adapter
+
+    def close(self) -> None:
+        self.adapters.close()
+
+    # --- admission ---------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, adapter: AdapterRef | None = None,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queues a request, or raises an error that names what is wrong with it."""
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                      param="request_id")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        vocab = self.runner.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
+                                      param="prompt")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total}, over the model's context length of {self.max_model_len}",
+                param="max_tokens" if len(prompt) < self.max_model_len else "prompt")
+        if not self.kv.can_fit(total):
+            raise PromptTooLongError(
+                f"prompt plus max_tokens ({total} tokens) can never fit the KV cache of "
+                f"{self.kv.num_blocks} blocks x {self.kv.block_size} tokens", param="prompt")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(prompt) > sched.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt)} tokens) exceeds max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) with chunked prefill off", param="prompt")
+        if params.n > sched.max_num_seqs:
+            raise InvalidRequestError(f"n ({params.n}) exceeds max_num_seqs "
+                                      f"({sched.max_num_seqs})", param="n")
+        if self.scheduler.num_unfinished >= sched.max_waiting:
+            raise EngineOverloadedError(f"engine queue is full ({sched.max_waiting} requests)")
+        request = Request(request_id, prompt, params, adapter, cache_salt,
+                          arrival_time if arrival_time is not None else time.monotonic(),
+                          group_id=request_id, sample_index=0,
+                          eos_token_ids=self.eos_token_ids)
+        self._groups[request_id] = [request]
+        self._make_generator(request)
+        self.scheduler.add(request)
+
+    def _make_generator(self, request: Request) -> None:
+        seed = request.params.seed
+        if seed is None or request.params.is_greedy:
+            return
+        gen = torch.Generator(device=self.runner.device)
+        # Sample i of n gets its own stream, derived from the seed alone.
+        gen.manual_seed(seed if request.sample_index == 0
+                        else hash((seed, request.sample_index)) & 0x7FFF_FFFF_FFFF)
+        self._generators[request.request_id] = gen
+
+    def abort(self, request_id: str) -> list[SequenceDelta]:
+        """Ends every sequence of the request and frees what they hold."""
+        deltas = []
+        for request in self._groups.get(request_id, []):
+            if not request.status.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                deltas.append(self._delta(request, [], []))
+        self._forget_finished(request_id)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[SequenceDelta]:
+        out = self.scheduler.schedule()
+        deltas = [self._error_delta(r, e) for r, e in out.failed]
+        if out.is_empty:
+            return deltas
+        self.num_steps += 1
+        self.runner.swap_out(out.swap_out)
+        self.runner.copy_blocks(out.block_copies)
+        self.runner.swap_in(out.swap_in)
+        batch = BatchInputs([SeqInput(s.token_ids, s.request.num_computed_tokens,
+                                      self.kv.block_table(s.request.request_id), s.lora_slot,
+                                      self._sampling_rows(s.request) if s.samples else ())
+                             for s in out.scheduled])
+        results = self.runner.execute(batch)
+        deltas.extend(self._update(out, results))
+        return deltas
+
+    def _sampling_rows(self, request: Request) -> list[SamplingRow]:
+        p = request.params
+        first_of_group = (request.num_output_tokens == 0 and p.n > 1
+                          and request.sample_index == 0
+                          and len(self._groups.get(request.group_id or "", [])) == 1)
+        count = p.n if first_of_group else 1
+        rows = []
+        for i in range(count):
+            gen = self._generators.get(request.request_id if i == 0
+                                       else self._child_id(request, i))
+            if gen is None and i > 0 and p.seed is not None and not p.is_greedy:
+                child = Request(self._child_id(request, i), [], p, sample_index=i)
+                self._make_generator(child)
+                gen = self._generators.get(child.request_id)
+            rows.append(SamplingRow(p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p,
+                                    p.min_p, gen, p.logprobs))
+        return rows
+
+    @staticmethod
+    def _child_id(request: Request, index: int) -> str:
+        return f"{request.group_id}#{index}"
+
+    def _update(self, out: SchedulerOutput, results: list[list[Any]]) -> list[SequenceDelta]:
+        now = time.monotonic()
+        deltas: list[SequenceDelta] = []
+        for sched, tokens in zip(out.scheduled, results, strict=True):
+            request = sched.request
+            request.num_computed_tokens += sched.num_new_tokens
+            if not tokens:
+                continue
+            if len(tokens) > 1:
+                deltas.extend(self._fork_children(request, tokens[1:], now))
+            deltas.append(self._append_token(request, tokens[0], now))
+        for group_id in {d.request_id for d in deltas if d.finished}:
+            self._forget_finished(group_id)
+        return deltas
+
+    def _fork_children(self, parent: Request, tokens: list[Any],
+                       now: float) -> list[SequenceDelta]:
+        deltas = []
+        for i, token in enumerate(tokens, start=1):
+            child = Request(self._child_id(parent, i), parent.prompt_token_ids, parent.params,
+                            parent.adapter, parent.cache_salt, parent.arrival_time,
+                            group_id=parent.group_id, sample_index=i,
+                            eos_token_ids=parent.eos_token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.kv.fork(parent.request_id, child.request_id)
+            slot = -1 if child.adapter is None else self.adapters.acquire(child.adapter)
+            self.scheduler.add_running(child, slot)
+            self._groups[parent.group_id or parent.request_id].append(child)
+            deltas.append(self._append_token(child, token, now))
+        return deltas
+
+    def _append_token(self, request: Request, token: Any, now: float) -> SequenceDelta:
+        request.output_token_ids.append(token.token_id)
+        logprob_entry = None
+        if request.params.logprobs is not None:
+            logprob_entry = (token.logprob, token.top_logprobs or ())
+            request.output_logprobs.append(logprob_entry)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        status = self._check_stop(request, token.token_id)
+        stop_string = self.detokenizer.update(request)
+        if stop_string is not None:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+        if status is not None:
+            self.scheduler.finish(request, status)
+        return self._delta(request, [token.token_id],
+                           [logprob_entry] if logprob_entry is not None else None)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        p = request.params
+        if not p.ignore_eos and token_id in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in p.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _delta(self, request: Request, new_ids: list[int],
+               new_logprobs: list[Any] | None) -> SequenceDelta:
+        finished = request.status.is_finished
+        metrics = None
+        if finished:
+            e2e = (request.finish_time or time.monotonic()) - request.arrival_time
+            metrics = RequestMetrics(request.arrival_time, request.queue_time, request.ttft,
+                                     request.tpot, e2e, request.num_preemptions)
+            self._generators.pop(request.request_id, None)
+        return SequenceDelta(
+            request_id=request.group_id or request.request_id, index=request.sample_index,
+            new_token_ids=new_ids, text_delta=self.detokenizer.take_text_delta(request, finished),
+            new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens, metrics=metrics)
+
+    def _error_delta(self, request: Request, error: AdapterError) -> SequenceDelta:
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finish_time = time.monotonic()
+        self._forget_finished(request.group_id or request.request_id)
+        return SequenceDelta(request.group_id or request.request_id, request.sample_index, [],
+                             "", None, "error", None, request.num_prompt_tokens, 0,
+                             error=str(error))
+
+    def _forget_finished(self, group_id: str) -> None:
+        group = self._groups.get(group_id)
+        if group is None:
+            return
+        n = group[0].params.n
+        if len(group) >= n and all(r.status.is_finished for r in group) or \
+                group[0].status == RequestStatus.FINISHED_ABORTED:
+            if all(r.status.is_finished for r in group):
+                del self._groups[group_id]
+                for r in group:
+                    self._generators.pop(r.request_id, None)
+
+    # --- figures -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv.stats()
+        ad = self.adapters.stats()
+        return {
+            "num_preemptions": kv.num_preemptions,
+            "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "kv_blocks_total": kv.num_blocks_total,
+            "kv_blocks_used": kv.num_blocks_used,
+            "kv_blocks_free": kv.num_blocks_free,
+            "kv_blocks_cached_free": kv.num_blocks_cached_free,
+            "kv_utilization": kv.kv_utilization,
+            "host_blocks_total": kv.num_host_blocks_total,
+            "host_blocks_used": kv.num_host_blocks_used,
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_swapped": len(self.scheduler.swapped),
+            "num_steps": self.num_steps,
+            "adapter_slot_loads": ad.num_slot_loads,
+            "adapter_slot_evictions": ad.num_slot_evictions,
+            "adapter_disk_loads": ad.num_disk_loads,
+            "adapter_load_seconds": ad.total_load_seconds,
+            "adapter_slots": [None if k is None else f"{k[0]}@{k[1][:12]}" for k in ad.slots],
+        }
+

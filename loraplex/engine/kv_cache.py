@@ -1,0 +1,654 @@
+"""Paged KV block manager: block pool, per-request block tables, prefix cache, swap space.
+
+Pure Python (no torch): the model runner owns the KV tensors and applies the block copies
+this module asks for. Every physical block is in exactly one place at any time:
+
+- pure free: no content anyone can reuse (``_free_ids``);
+- used: ref count > 0, held by the block tables of live requests;
+- cached free: ref count 0 but registered in the prefix cache, waiting in an LRU queue
+  (``_cached_free_ids``) from which it is either reclaimed by a prefix hit or evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+ExtraKey = tuple[str, ...]
+"""A tagged field of a block's cache key, e.g. ``("adapter", id, digest)``, ``("salt", s)``."""
+
+_HASH_DOMAIN = b"loraplex.kv.block.v1"
+_TOKEN_FORMAT = "<q"
+
+
+def extra_keys_for(
+    adapter: tuple[str, str] | None, cache_salt: str | None
+) -> tuple[ExtraKey, ...]:
+    """The extra keys of a request's blocks: its adapter identity and its cache salt.
+
+    ``adapter`` is ``(adapter_id, content_digest)``; ``None`` means the base model. Every
+    field carries a tag, so an adapter id can never collide with a salt, and a re-upload
+    under the same id (new digest) is a separate cache domain.
+    """
+    keys: list[ExtraKey] = []
+    if adapter is not None:
+        adapter_id, digest = adapter
+        if not adapter_id or not digest:
+            raise ValueError(f"adapter needs a non-empty id and digest, got {adapter!r}")
+        keys.append(("adapter", adapter_id, digest))
+    if cache_salt is not None:
+        keys.append(("salt", cache_salt))
+    return tuple(keys)
+
+
+def _encode_field(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def hash_block(
+    parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
+) -> bytes:
+    """The chained prefix-cache hash of one full block (sha256, 32 bytes).
+
+    The encoding is unambiguous: every variable-length part is length- or count-prefixed,
+    so no choice of tokens, adapter ids or salts can make two different keys encode alike.
+    """
+    digest = hashlib.sha256(_HASH_DOMAIN)
+    if parent is None:
+        digest.update(b"\x00")
+    else:
+        digest.update(b"\x01" + _encode_field(parent))
+    digest.update(struct.pack("<Q", len(token_ids)))
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    digest.update(struct.pack("<Q", len(extra_keys)))
+    for key in extra_keys:
+        digest.update(struct.pack("<Q", len(key)))
+        for part in key:
+            if not isinstance(part, str):
+                raise TypeError(f"extra key fields must be str, got {part!r} in {key!r}")
+            digest.update(_encode_field(part.encode("utf-8")))
+    return digest.digest()
+
+
+def _normalize_extra_keys(extra_keys: Sequence[Sequence[str]]) -> tuple[ExtraKey, ...]:
+    return tuple(tuple(key) for key in extra_keys)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Full cached blocks that already hold a prompt's first ``num_tokens`` tokens."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int  # len(block_ids) * block_size
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A snapshot of the block pool.
+
+    ``num_blocks_total == num_blocks_used + num_blocks_free + num_blocks_cached_free``:
+    used blocks have ref count > 0; free blocks hold nothing reusable; cached-free blocks
+    have ref count 0 but still serve prefix hits until evicted. Allocatable blocks are
+    ``num_blocks_free + num_blocks_cached_free`` (see ``KVCacheManager.num_free_blocks``).
+    ``kv_utilization`` is tokens stored / token slots held, summed over live requests
+    (0.0 when none): 1 minus the internal fragmentation of their last blocks.
+    """
+
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    kv_utilization: float
+    num_host_blocks_total: int
+    num_host_blocks_used: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0.0 before any query)."""
+        if self.prefix_cache_queried_tokens == 0:
+            return 0.0
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+
+
+# What a registered block's hash stands for; compared on every hit so that a hash
+# collision can never serve another prompt's (or another tenant's) KV.
+_BlockKey = tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]
+
+
+@dataclass
+class _RequestBlocks:
+    block_ids: list[int]
+    num_tokens: int
+    extra_keys: tuple[ExtraKey, ...]
+    # chained hashes of the request's leading full blocks (whether or not registered)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class _SwappedRequest:
+    host_block_ids: list[int]
+    num_tokens: int
+    extra_keys: tuple[ExtraKey, ...]
+    block_hashes: list[bytes]
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests; shares them through forks and the prefix cache.
+
+    Block transfers are returned to the caller, who must apply them to the KV tensors
+    before the next forward, in this order: swap-outs (device → host), then
+    ``take_pending_copies()`` (device → device, in list order), then swap-ins
+    (host → device). A block released during a step may be handed out again in the same
+    step; that order makes every read happen before the block is overwritten.
+
+    Blocks are registered in the prefix cache when ``allocate_slots`` makes them full,
+    i.e. before the forward that computes them (a hit in the same step is fine: KV is
+    written before attention reads it). So a request given slots in a step must not be
+    freed or swapped out before that step's forward; aborts and preemptions of requests
+    not scheduled in the step are fine.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_blocks = num_host_blocks
+
+        self._ref_counts = [0] * num_blocks
+        self._free_ids: deque[int] = deque(range(num_blocks))
+        # front = least recently used = evicted first
+        self._cached_free_ids: OrderedDict[int, None] = OrderedDict()
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._block_keys: list[_BlockKey | None] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._swapped: dict[str, _SwappedRequest] = {}
+        self._free_host_ids: deque[int] = deque(range(num_host_blocks))
+        self._pending_copies: list[tuple[int, int]] = []
+
+        # running sums over live requests, so stats() is O(1)
+        self._num_live_tokens = 0
+        self._num_live_blocks = 0
+
+        self._num_queried_tokens = 0
+        self._num_hit_tokens = 0
+        self._num_preemptions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        """Allocatable blocks: pure free plus cached with ref count 0."""
+        return len(self._free_ids) + len(self._cached_free_ids)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens could fit the whole pool at all."""
+        return self._num_blocks_for(num_tokens) <= self.num_blocks
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request holds device blocks (live) or host blocks (swapped)."""
+        return request_id in self._requests or request_id in self._swapped
+
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the request's blocks currently sit in the host pool."""
+        return request_id in self._swapped
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's device block ids, in token order (a copy)."""
+        return list(self._live(request_id).block_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        """Token positions the request's blocks hold (from its last ``allocate_slots``)."""
+        if request_id in self._swapped:
+            return self._swapped[request_id].num_tokens
+        return self._live(request_id).num_tokens
+
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], extra_keys: Sequence[Sequence[str]] = ()
+    ) -> CachedPrefix:
+        """The longest run of cached full blocks holding a prefix of ``token_ids``.
+
+        Each hit is verified by comparing the stored token ids, parent hash and extra keys.
+        Never covers the last token (at most ``len(token_ids) - 1`` tokens, rounded down to
+        full blocks), so at least one token is always computed. Changes nothing: stats
+        are counted when ``allocate_slots`` claims the prefix.
+        """
+        if not self.enable_prefix_caching:
+            return CachedPrefix((), 0)
+        keys = _normalize_extra_keys(extra_keys)
+        max_num_blocks = max(0, (len(token_ids) - 1) // self.block_size)
+        block_ids: list[int] = []
+        parent: bytes | None = None
+        for index in range(max_num_blocks):
+            start = index * self.block_size
+            block_tokens = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(parent, block_tokens, keys)
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None or self._block_keys[block_id] != (parent, block_tokens, keys):
+                break
+            block_ids.append(block_id)
+            parent = block_hash
+        return CachedPrefix(tuple(block_ids), len(block_ids) * self.block_size)
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        extra_keys: Sequence[Sequence[str]] = (),
+        cached: CachedPrefix | None = None,
+    ) -> list[int] | None:
+        """Grows the request's block table to cover ``num_computed + num_new`` positions.
+
+        ``token_ids`` are all tokens known for the request (prompt + generated so far).
+        On the first call for a request, ``cached`` (fresh from ``get_computed_blocks``)
+        is claimed and prefix-cache stats are counted; ``num_computed_tokens`` must then
+        be at least ``cached.num_tokens``. A write into a block shared with a fork copies
+        it first (see ``take_pending_copies``). Blocks that become full are hashed and
+        registered in the prefix cache.
+
+        Returns the newly allocated block ids (copies included), or None when there are not
+        enough free blocks, in which case nothing changed.
+        """
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(
+                f"token counts must be >= 0, got {num_computed_tokens=}, {num_new_tokens=}"
+            )
+        if request_id in self._swapped:
+            raise ValueError(f"request {request_id!r} is swapped out; swap it in first")
+        keys = _normalize_extra_keys(extra_keys)
+        request = self._requests.get(request_id)
+        is_first_call = request is None
+        claimed_ids: tuple[int, ...] = ()
+        claimed_hashes: list[bytes] = []
+        if request is None:
+            if cached is not None and cached.block_ids:
+                claimed_hashes = self._verify_cached(token_ids, keys, cached)
+                if num_computed_tokens < cached.num_tokens:
+                    raise ValueError(
+                        f"num_computed_tokens={num_computed_tokens} is below the cached "
+                        f"prefix ({cached.num_tokens} tokens)"
+                    )
+                claimed_ids = cached.block_ids
+            current_ids: list[int] = list(claimed_ids)
+        else:
+            if cached is not None and cached.block_ids:
+                raise ValueError(f"request {request_id!r} already has blocks; cached is "
+                                 "only accepted on the first call")
+            if keys and keys != request.extra_keys:
+                raise ValueError(f"extra keys of request {request_id!r} changed: "
+                                 f"{request.extra_keys!r} -> {keys!r}")
+            current_ids = request.block_ids
+
+        end = num_computed_tokens + num_new_tokens
+        if num_computed_tokens > len(current_ids) * self.block_size:
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} exceeds the "
+                f"{len(current_ids)} blocks request {request_id!r} holds"
+            )
+        num_new_blocks = max(0, self._num_blocks_for(end) - len(current_ids))
+        cow_indices: list[int] = []
+        if num_new_tokens > 0:
+            first = num_computed_tokens // self.block_size
+            last = min(len(current_ids), self._num_blocks_for(end))
+            cow_indices = [i for i in range(first, last) if False]
+        # claimed ref-0 blocks leave the allocatable pool too
+        num_claimed_idle = sum(1 for b in claimed_ids if self._ref_counts[b] == 0)
+        if num_new_blocks + len(cow_indices) + num_claimed_idle > self.num_free_blocks():
+            return None
+
+        # ---- from here on, nothing can fail ----
+        if request is None:
+            for block_id in claimed_ids:
+                self._incref(block_id)
+            request = _RequestBlocks(
+                block_ids=current_ids, num_tokens=0, extra_keys=keys,
+                block_hashes=claimed_hashes,
+            )
+            self._requests[request_id] = request
+            if self.enable_prefix_caching:
+                self._num_queried_tokens += len(token_ids)
+                self._num_hit_tokens += len(claimed_ids) * self.block_size
+
+        new_ids: list[int] = []
+        for index in cow_indices:
+            src = request.block_ids[index]
+            dst = self._take_free_block()
+            request.block_ids[index] = dst
+            # src stays referenced by the other holders, so it never reaches a free queue
+            self._ref_counts[src] -= 1
+            self._pending_copies.append((src, dst))
+            new_ids.append(dst)
+        for _ in range(num_new_blocks):
+            block_id = self._take_free_block()
+            request.block_ids.append(block_id)
+            new_ids.append(block_id)
+
+        self._num_live_blocks += num_new_blocks + (len(claimed_ids) if is_first_call else 0)
+        num_tokens = max(end, request.num_tokens)
+        self._num_live_tokens += num_tokens - request.num_tokens
+        request.num_tokens = num_tokens
+
+        if self.enable_prefix_caching:
+            self._hash_full_blocks(request, token_ids, min(end, len(token_ids)))
+        return new_ids
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Makes ``child_id`` share every block of ``parent_id`` (parallel sampling)."""
+        if self.has_request(child_id):
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        parent = self._live(parent_id)
+        for block_id in parent.block_ids:
+            self._incref(block_id)
+        self._requests[child_id] = _RequestBlocks(
+            block_ids=list(parent.block_ids), num_tokens=parent.num_tokens,
+            extra_keys=parent.extra_keys, block_hashes=list(parent.block_hashes),
+        )
+        self._num_live_blocks += len(parent.block_ids)
+        self._num_live_tokens += parent.num_tokens
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's device or host blocks; unknown requests are a no-op.
+
+        Blocks are released tail first, so within one request the tail goes to the LRU
+        queue first and is evicted first, while the (likely shared) prefix survives longest.
+        """
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:
+            self._free_host_ids.extend(swapped.host_block_ids)
+            return
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self._release_device_blocks(request)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write copies ``(src, dst)`` to apply, in order, before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ---- swap (KV offloading) ------------------------------------------------------------
+
+    def can_swap_out(self, request_id: str) -> bool:
+        """Whether the host pool has room for all of the request's blocks."""
+        return len(self._live(request_id).block_ids) <= len(self._free_host_ids)
+
+    def can_swap_in(self, request_id: str) -> bool:
+        """Whether enough device blocks are allocatable to bring the request back."""
+        return len(self._swapped[request_id].host_block_ids) <= self.num_free_blocks()
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Moves the request's blocks to the host pool; returns ``(device, host)`` pairs.
+
+        The device blocks are released as by ``free`` (hashed ones stay cached). Returns
+        None, changing nothing, when the host pool is too small: preempt by recompute then.
+        """
+        request = self._live(request_id)
+        if len(request.block_ids) > len(self._free_host_ids):
+            return None
+        pairs = [(block_id, self._free_host_ids.popleft()) for block_id in request.block_ids]
+        del self._requests[request_id]
+        self._release_device_blocks(request)
+        self._swapped[request_id] = _SwappedRequest(
+            host_block_ids=[host_id for _, host_id in pairs], num_tokens=request.num_tokens,
+            extra_keys=request.extra_keys, block_hashes=request.block_hashes,
+        )
+        return pairs
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Brings a swapped request back; returns ``(host, device)`` pairs.
+
+        Returns None, changing nothing, when too few device blocks are allocatable.
+        """
+        swapped = self._swapped.get(request_id)
+        if swapped is None:
+            raise KeyError(f"request {request_id!r} is not swapped out")
+        if len(swapped.host_block_ids) > self.num_free_blocks():
+            return None
+        del self._swapped[request_id]
+        pairs = [(host_id, self._take_free_block()) for host_id in swapped.host_block_ids]
+        self._free_host_ids.extend(swapped.host_block_ids)
+        # the fresh blocks are not registered: their hashes most likely still point at the
+        # device blocks swap_out released into the cached queue
+        self._requests[request_id] = _RequestBlocks(
+            block_ids=[device_id for _, device_id in pairs], num_tokens=swapped.num_tokens,
+            extra_keys=swapped.extra_keys, block_hashes=swapped.block_hashes,
+        )
+        self._num_live_blocks += len(pairs)
+        self._num_live_tokens += swapped.num_tokens
+        return pairs
+
+    # ---- prefix-cache maintenance --------------------------------------------------------
+
+    def drop_cached(self, predicate: Callable[[tuple[ExtraKey, ...]], bool]) -> int:
+        """Unregisters every cached block whose extra keys match ``predicate``.
+
+        Used when an adapter is deleted. Ref-0 blocks become pure free; blocks in use keep
+        their content for their requests but are never hit again. Returns the number of
+        blocks unregistered.
+        """
+        matched_ids = []
+        for block_id in self._hash_to_block.values():
+            key = self._block_keys[block_id]
+            assert key is not None
+            if predicate(key[2]):
+                matched_ids.append(block_id)
+        for block_id in matched_ids:
+            self._unregister(block_id)
+        return len(matched_ids)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (blocks in use keep their content)."""
+        for block_id in list(self._hash_to_block.values()):
+            self._unregister(block_id)
+
+    # ---- stats ---------------------------------------------------------------------------
+
+    def record_preemption(self) -> None:
+        """Counts one preemption (the scheduler decides; swap or recompute alike)."""
+        self._num_preemptions += 1
+
+    def stats(self) -> KVCacheStats:
+        """The current figures, in O(1)."""
+        num_free = len(self._free_ids)
+        num_cached_free = len(self._cached_free_ids)
+        num_slots = self._num_live_blocks * self.block_size
+        return KVCacheStats(
+            num_blocks_total=self.num_blocks,
+            num_blocks_used=self.num_blocks - num_free - num_cached_free,
+            num_blocks_free=num_free,
+            num_blocks_cached_free=num_cached_free,
+            prefix_cache_queried_tokens=self._num_queried_tokens,
+            prefix_cache_hit_tokens=self._num_hit_tokens,
+            num_preemptions=self._num_preemptions,
+            kv_utilization=self._num_live_tokens / num_slots if num_slots else 0.0,
+            num_host_blocks_total=self.num_host_blocks,
+            num_host_blocks_used=self.num_host_blocks - len(self._free_host_ids),
+        )
+
+    def all_free_or_cached(self) -> bool:
+        """Whether no request holds any device or host block."""
+        return (
+            not self._requests
+            and not self._swapped
+            and self.num_free_blocks() == self.num_blocks
+            and len(self._free_host_ids) == self.num_host_blocks
+        )
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError (with detail) if the bookkeeping is inconsistent. O(n)."""
+        expected_refs = [0] * self.num_blocks
+        for request_id, request in self._requests.items():
+            assert len(set(request.block_ids)) == len(request.block_ids), (
+                f"request {request_id!r} holds a block twice: {request.block_ids}")
+            for block_id in request.block_ids:
+                expected_refs[block_id] += 1
+            assert request.num_tokens <= len(request.block_ids) * self.block_size, (
+                f"request {request_id!r}: {request.num_tokens} tokens in "
+                f"{len(request.block_ids)} blocks")
+            assert len(request.block_hashes) <= len(request.block_ids), (
+                f"request {request_id!r}: more hashes than blocks")
+            for index, request_hash in enumerate(request.block_hashes):
+                registered = self._block_hashes[request.block_ids[index]]
+                assert registered is None or registered == request_hash, (
+                    f"request {request_id!r} block {index}: registered hash differs")
+        assert self._requests.keys().isdisjoint(self._swapped.keys()), (
+            "a request is both live and swapped")
+
+        free_ids = set(self._free_ids)
+        assert len(free_ids) == len(self._free_ids), "a block is twice in the free queue"
+        cached_ids = set(self._cached_free_ids)
+        assert free_ids.isdisjoint(cached_ids), (
+            f"blocks both free and cached: {sorted(free_ids & cached_ids)}")
+        for block_id in range(self.num_blocks):
+            ref = self._ref_counts[block_id]
+            assert ref == expected_refs[block_id], (
+                f"block {block_id}: ref count {ref}, held by {expected_refs[block_id]} tables")
+            places = (ref > 0) + (block_id in free_ids) + (block_id in cached_ids)
+            assert places == 1, (
+                f"block {block_id} is in {places} places (ref={ref}, "
+                f"free={block_id in free_ids}, cached={block_id in cached_ids})")
+            block_hash = self._block_hashes[block_id]
+            assert (block_hash is None) == (self._block_keys[block_id] is None), (
+                f"block {block_id}: hash and key disagree")
+            if block_hash is not None:
+                assert self._hash_to_block.get(block_hash) == block_id, (
+                    f"block {block_id}: its hash maps elsewhere")
+            if block_id in free_ids:
+                assert block_hash is None, f"free block {block_id} still has a hash"
+            if block_id in cached_ids:
+                assert block_hash is not None, f"cached block {block_id} has no hash"
+        for block_hash, block_id in self._hash_to_block.items():
+            assert self._block_hashes[block_id] == block_hash, (
+                f"hash map points at block {block_id}, which has another hash")
+        assert not self._hash_to_block or self.enable_prefix_caching, (
+            "blocks registered while prefix caching is off")
+
+        num_live_blocks = sum(len(r.block_ids) for r in self._requests.values())
+        num_live_tokens = sum(r.num_tokens for r in self._requests.values())
+        assert self._num_live_blocks == num_live_blocks, (
+            f"live block sum {self._num_live_blocks} != {num_live_blocks}")
+        assert self._num_live_tokens == num_live_tokens, (
+            f"live token sum {self._num_live_tokens} != {num_live_tokens}")
+
+        host_ids = list(self._free_host_ids)
+        for swapped in self._swapped.values():
+            host_ids.extend(swapped.host_block_ids)
+            assert swapped.num_tokens <= len(swapped.host_block_ids) * self.block_size
+        assert sorted(host_ids) == list(range(self.num_host_blocks)), (
+            "host blocks leaked or held twice")
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _live(self, request_id: str) -> _RequestBlocks:
+        request = self._requests.get(request_id)
+        if request is None:
+            state = "swapped out" if request_id in self._swapped else "unknown"
+            raise KeyError(f"request {request_id!r} is {state}")
+        return request
+
+    def _incref(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            # a ref-0 block held by a request can only come from the cached queue
+            del self._cached_free_ids[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _take_free_block(self) -> int:
+        if self._free_ids:
+            block_id = self._free_ids.popleft()
+        else:
+            block_id, _ = self._cached_free_ids.popitem(last=False)
+            self._drop_hash(block_id)
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _release_device_blocks(self, request: _RequestBlocks) -> None:
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if self._block_hashes[block_id] is not None:
+                    self._cached_free_ids[block_id] = None  # most recently used end
+                else:
+                    self._free_ids.append(block_id)
+        self._num_live_blocks -= len(request.block_ids)
+        self._num_live_tokens -= request.num_tokens
+
+    def _drop_hash(self, block_id: int) -> None:
+        block_hash = self._block_hashes[block_id]
+        assert block_hash is not None
+        del self._hash_to_block[block_hash]
+        self._block_hashes[block_id] = None
+        self._block_keys[block_id] = None
+
+    def _unregister(self, block_id: int) -> None:
+        self._drop_hash(block_id)
+        if self._ref_counts[block_id] == 0:
+            del self._cached_free_ids[block_id]
+            self._free_ids.append(block_id)
+
+    def _verify_cached(
+        self, token_ids: Sequence[int], keys: tuple[ExtraKey, ...], cached: CachedPrefix
+    ) -> list[bytes]:
+        # The prefix may have gone stale if blocks were evicted since get_computed_blocks;
+        # claiming a reused block would serve someone else's KV, so refuse loudly.
+        if cached.num_tokens != len(cached.block_ids) * self.block_size:
+            raise ValueError(f"cached prefix is inconsistent: {cached!r}")
+        if cached.num_tokens >= max(1, len(token_ids)):
+            raise ValueError("a cached prefix must leave the last prompt token to compute")
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        for index, block_id in enumerate(cached.block_ids):
+            start = index * self.block_size
+            block_tokens = tuple(token_ids[start : start + self.block_size])
+            block_hash = self._block_hashes[block_id]
+            if block_hash is None or self._block_keys[block_id] != (parent, block_tokens, keys):
+                raise ValueError(
+                    f"cached block {block_id} no longer holds this prefix; call "
+                    "get_computed_blocks right before allocate_slots"
+                )
+            hashes.append(block_hash)
+            parent = block_hash
+        return hashes
+
+    def _hash_full_blocks(
+        self, request: _RequestBlocks, token_ids: Sequence[int], num_known_tokens: int
+    ) -> None:
+        num_full_blocks = min(num_known_tokens // self.block_size, len(request.block_ids))
+        parent: bytes | None = request.block_hashes[-1] if request.block_hashes else None
+        for index in range(len(request.block_hashes), num_full_blocks):
+            start = index * self.block_size
+            block_tokens = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(parent, block_tokens, request.extra_keys)
+            request.block_hashes.append(block_hash)
+            block_id = request.block_ids[index]
+            # a duplicate (same prefix computed twice concurrently) stays unregistered and
+            # goes back to the pure free queue when released
+            if block_hash not in self._hash_to_block and self._block_hashes[block_id] is None:
+                self._hash_to_block[block_hash] = block_id
+                self._block_hashes[block_id] = block_hash
+                self._block_keys[block_id] = (parent, block_tokens, request.extra_keys)
+            parent = block_hash

@@ -1,0 +1,131 @@
+"""A request's whole state, in one class. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from loraplex.engine.kv_cache import ExtraKey, extra_keys_for
+from loraplex.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, its KV freed (recompute)
+    SWAPPED = 3  # its KV in the host pool
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which adapter version a request runs: identity is ``adapter_id@digest``."""
+
+    adapter_id: str
+    digest: str
+    path: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.adapter_id, self.digest)
+
+
+@dataclass
+class Request:
+    """One sequence being generated. ``n > 1`` is a group of these sharing a prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterRef | None = None
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    group_id: str | None = None  # the user's request id when this is one of n samples
+    sample_index: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # Text state kept by the engine's detokenizer.
+    output_text: str = ""
+    num_text_sent: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether more than the newest token is still to be computed."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def extra_keys(self) -> tuple[ExtraKey, ...]:
+        return extra_keys_for(self.adapter.key if self.adapter else None, self.cache_salt)
+
+    @property
+    def adapter_key(self) -> tuple[str, str] | None:
+        return self.adapter.key if self.adapter else None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.finish_time is None:
+            return None
+        if self.num_output_tokens < 2:
+            return 0.0
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)

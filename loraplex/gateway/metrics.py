@@ -1,0 +1,225 @@
+"""Prometheus metrics for GET /metrics, held in one object with its own registry.
+
+Nothing is registered globally or at import time: each ``GatewayMetrics`` owns a
+``CollectorRegistry``, so tests and several apps in one process never collide.
+
+Label values are bounded so a tenant with many adapters (or a bug passing raw input)
+cannot blow up the series count: each of ``tenant`` and ``adapter`` keeps at most
+``max_label_values`` distinct values (first come, first kept) and maps the rest to
+``"other"``; ``status`` must be one of ``REQUEST_STATUSES``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Final
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+OTHER_LABEL: Final = "other"
+
+REQUEST_STATUSES: Final = (
+    "ok",  # completed (2xx)
+    "client_error",  # refused as invalid, unauthorised, forbidden, not found (4xx)
+    "rate_limited",  # 429 from the tenant's limits
+    "overloaded",  # the engine's queue was full (503)
+    "aborted",  # the client went away mid-request
+    "server_error",  # anything else (5xx)
+)
+
+TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ADAPTER_LOAD_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def status_for_http(code: int) -> str:
+    """The request status label for an HTTP status code."""
+    if code < 400:
+        return "ok"
+    if code == 429:
+        return "rate_limited"
+    if code == 503:
+        return "overloaded"
+    if code < 500:
+        return "client_error"
+    return "server_error"
+
+
+class _CappedLabel:
+    """Keeps the first ``max_values`` distinct values of one label; the rest become other."""
+
+    def __init__(self, max_values: int) -> None:
+        self._max_values = max_values
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self._max_values and value != OTHER_LABEL:
+                self._seen.add(value)
+                return value
+        return OTHER_LABEL
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports, registered in its own ``CollectorRegistry``."""
+
+    def __init__(self, max_label_values: int = 100, namespace: str = "loraplex") -> None:
+        if max_label_values < 1:
+            raise ValueError(f"max_label_values must be >= 1, got {max_label_values}")
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._tenant_label = _CappedLabel(max_label_values)
+        self._adapter_label = _CappedLabel(max_label_values)
+        reg = self.registry
+        ns = namespace
+
+        self.requests = Counter(
+            "requests",
+            "Requests finished, by tenant, adapter and status.",
+            ["tenant", "adapter", "status"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            namespace=ns,
+            registry=reg,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            namespace=ns,
+            registry=reg,
+            buckets=TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds",
+            "Time from arrival to the last output token.",
+            namespace=ns,
+            registry=reg,
+            buckets=E2E_BUCKETS,
+        )
+        self.queue_depth = Gauge(
+            "queue_depth",
+            "Requests waiting to be scheduled.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.running = Gauge(
+            "running_requests",
+            "Requests in the running batch.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.kv_blocks_used = Gauge(
+            "kv_blocks_used",
+            "KV cache blocks referenced by live requests.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.kv_blocks_free = Gauge(
+            "kv_blocks_free",
+            "KV cache blocks free or cached with no reference.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "prefix_cache_hit_rate",
+            "Fraction of prompt tokens served from the prefix cache.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.adapter_loads = Counter(
+            "adapter_loads",
+            "Adapters loaded into a device slot.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.adapter_evictions = Counter(
+            "adapter_evictions",
+            "Adapters evicted from a device slot.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.adapter_load_time = Histogram(
+            "adapter_load_seconds",
+            "Time to load an adapter into a device slot.",
+            namespace=ns,
+            registry=reg,
+            buckets=ADAPTER_LOAD_BUCKETS,
+        )
+
+    def observe_request(
+        self,
+        tenant: str,
+        adapter: str,
+        status: str,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        e2e_s: float | None = None,
+    ) -> None:
+        """Records one finished request.
+
+        ``tenant`` and ``adapter`` are registry names, not raw input; ``status`` is one of
+        ``REQUEST_STATUSES`` (``ValueError`` otherwise). Latencies that do not apply (no
+        token produced, a single output token) are ``None`` and are not observed.
+        """
+        if status not in REQUEST_STATUSES:
+            raise ValueError(f"unknown request status {status!r}; one of {REQUEST_STATUSES}")
+        self.requests.labels(
+            tenant=self._tenant_label(tenant),
+            adapter=self._adapter_label(adapter),
+            status=status,
+        ).inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+
+    def set_engine_gauges(
+        self,
+        *,
+        queue_depth: int | None = None,
+        running: int | None = None,
+        kv_blocks_used: int | None = None,
+        kv_blocks_free: int | None = None,
+        prefix_cache_hit_rate: float | None = None,
+    ) -> None:
+        """Sets the engine's gauges; ``None`` leaves a gauge as it was."""
+        pairs = (
+            (self.queue_depth, queue_depth),
+            (self.running, running),
+            (self.kv_blocks_used, kv_blocks_used),
+            (self.kv_blocks_free, kv_blocks_free),
+            (self.prefix_cache_hit_rate, prefix_cache_hit_rate),
+        )
+        for gauge, value in pairs:
+            if value is not None:
+                gauge.set(value)
+
+    def record_adapter_load(self, seconds: float) -> None:
+        """Records one adapter loaded into a slot and how long it took."""
+        self.adapter_loads.inc()
+        self.adapter_load_time.observe(seconds)
+
+    def record_adapter_eviction(self) -> None:
+        """Records one adapter evicted from a slot."""
+        self.adapter_evictions.inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,139 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, params, lora_request)``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    PreemptionMode,
+    SchedulerConfig,
+)
+from loraplex.engine.engine import LLMEngine
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.request import AdapterRef
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.errors import AdapterError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter folder to run a prompt with; ``name`` is its id in caches and stats."""
+
+    name: str
+    path: str
+
+    def to_ref(self) -> AdapterRef:
+        from loraplex.model.adapter_loader import WEIGHTS_NAME, file_digest
+
+        weights = os.path.join(self.path, WEIGHTS_NAME)
+        if not os.path.isfile(weights):
+            raise AdapterError(f"missing {WEIGHTS_NAME} in {self.path}")
+        return AdapterRef(self.name, file_digest(weights), self.path)
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "float32", max_loras: int = 4,
+                 max_lora_rank: int = 64, max_cpu_loras: int = 16, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, device: str | None = None, seed: int = 0,
+                 enable_chunked_prefill: bool = True,
+                 preemption_mode: PreemptionMode = "recompute", swap_space_blocks: int = 0,
+                 max_model_len: int | None = None, progress: bool = True) -> None:
+        self.config = EngineConfig(
+            model=ModelConfig(model, dtype, device, seed, max_model_len),  # type: ignore[arg-type]
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory,
+                              enable_prefix_caching, swap_space_blocks),
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                      enable_chunked_prefill, preemption_mode),
+        )
+        self.engine = LLMEngine(self.config, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
+        cache_salt: str | None | Sequence[str | None] = None,
+        arrival_steps: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in the prompts' order.
+
+        ``arrival_steps`` (optional, one per prompt) admits prompt i only after that many
+        engine steps, to exercise requests that arrive while others run.
+        """
+        items = _as_prompt_list(prompts)
+        n = len(items)
+        params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = _per_prompt(lora_request, n, "lora_request")
+        salts = _per_prompt(cache_salt, n, "cache_salt")
+        refs = {id(lr): lr.to_ref() for lr in loras if lr is not None}
+        for lr in loras:
+            if lr is not None:  # fail fast, before anything is queued
+                self.engine.adapters.load_now(refs[id(lr)])
+        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
+        if len(arrivals) != n:
+            raise InvalidRequestError("arrival_steps must have one entry per prompt")
+        outputs: dict[str, RequestOutput] = {}
+        order = sorted(range(n), key=lambda i: arrivals[i])
+        pending = list(order)
+        ids = [f"offline-{next(self._ids)}" for _ in range(n)]
+        step = 0
+        try:
+            while pending or self.engine.has_unfinished():
+                while pending and arrivals[pending[0]] <= step:
+                    i = pending.pop(0)
+                    token_ids = items[i] if not isinstance(items[i], str) else \
+                        self.tokenizer.encode(items[i])
+                    lr = loras[i]
+                    self.engine.add_request(ids[i], token_ids, params[i],
+                                            refs[id(lr)] if lr is not None else None, salts[i])
+                    outputs[ids[i]] = RequestOutput(
+                        ids[i], items[i] if isinstance(items[i], str) else None,
+                        list(token_ids),
+                        [CompletionOutput(j) for j in range(params[i].n)])
+                for delta in self.engine.step():
+                    if delta.error is not None:
+                        raise AdapterError(delta.error)
+                    outputs[delta.request_id].apply(delta)
+                step += 1
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [outputs[rid] for rid in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts",
+                                      param=name)
+        return list(value)
+    return [value] * n

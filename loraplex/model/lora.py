@@ -1,0 +1,80 @@
+"""LoRA-aware linear layers: a base projection plus every token's own adapter delta.
+
+Each packed projection keeps, per slice (q/k/v, gate/up), the A and B weights of all
+``max_loras`` slots stacked: A ``[num_slots, max_rank, in]``, B ``[num_slots, out_k, max_rank]``.
+A slot's rows beyond its rank stay zero and are never read by the kernels, which stop at
+each slot's own rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex_kernels.meta import SGMVMeta
+from loraplex_kernels.ops import Backend, add_lora
+
+# PEFT module name -> (our packed module, slice index within it)
+MODULE_SLICES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+@dataclass(frozen=True)
+class LoRAStep:
+    """What every LoRA layer needs for one forward pass."""
+
+    meta: SGMVMeta
+    scales: torch.Tensor  # [num_slots] float32
+    backend: Backend | None = None
+
+
+class LoRALinear(nn.Module):
+    """A (possibly packed) linear projection with per-token LoRA deltas."""
+
+    def __init__(self, in_features: int, slice_widths: list[int], bias: bool,
+                 num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.slice_widths = list(slice_widths)
+        self.slice_offsets = [0]
+        for w in slice_widths:
+            self.slice_offsets.append(self.slice_offsets[-1] + w)
+        out = self.slice_offsets[-1]
+        kw = dict(dtype=dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(out, in_features, **kw),  # type: ignore[arg-type]
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out, **kw), requires_grad=False)  # type: ignore[arg-type]
+                     if bias else None)
+        # [num_slots, max_rank, in] and [num_slots, out_k, max_rank], one per slice
+        self.lora_a = [torch.zeros(num_slots, max_rank, in_features, **kw)  # type: ignore[arg-type]
+                       for _ in slice_widths]
+        self.lora_b = [torch.zeros(num_slots, w, max_rank, **kw)  # type: ignore[arg-type]
+                       for w in slice_widths]
+
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)  # [num_tokens, out]
+        if lora is not None and lora.meta.has_lora:
+            add_lora(out, x, self.lora_a, self.lora_b, lora.scales, lora.meta,
+                     self.slice_offsets, lora.backend)
+        return out
+
+    def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor | None,
+                 b: torch.Tensor | None) -> None:
+        """Writes one slice of one slot; ``None`` clears it (module not targeted)."""
+        self.lora_a[slice_idx][slot].zero_()
+        self.lora_b[slice_idx][slot].zero_()
+        if a is not None and b is not None:
+            rank = a.shape[0]
+            self.lora_a[slice_idx][slot, :rank].copy_(a)
+            self.lora_b[slice_idx][slot, :, :rank].copy_(b)

@@ -1,0 +1,202 @@
+"""The model runner: one batch of sequences at any mix of prefill and decode → tokens.
+
+It owns the resident model, the paged KV cache tensors (plus the host swap pool) and the
+LoRA slot weights. What to run comes in as ``BatchInputs``; the engine decides it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
+from loraplex.errors import ConfigError
+from loraplex.model.args import ModelArgs
+from loraplex.model.loader import DTYPES, load_model, load_tokenizer
+from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
+from loraplex.model.sampler import SampledToken, SamplingRow, sample
+from loraplex_kernels.meta import AttentionMeta, SGMVMeta
+from loraplex_kernels.ops import Backend
+
+if TYPE_CHECKING:
+    from loraplex.model.adapter_loader import LoRAAdapter
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence's share of a step."""
+
+    token_ids: Sequence[int]  # the tokens computed this step
+    num_computed: int  # positions already in the KV cache before them
+    block_table: Sequence[int]
+    lora_slot: int = -1  # -1: base model
+    # One row per token to sample from this sequence's last position: empty mid-prefill,
+    # several when n > 1 parallel samples start from one prompt.
+    samplings: Sequence[SamplingRow] = ()
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    seqs: Sequence[SeqInput]
+    block_copies: Sequence[tuple[int, int]] = field(default_factory=tuple)  # (src, dst)
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 lora_config: LoRAConfig, progress: bool = True,
+                 kernel_backend: Backend | None = None) -> None:
+        self.device = pick_device(model_config.device)
+        self.dtype = DTYPES[model_config.dtype]
+        self.lora_config = lora_config
+        self.block_size = cache_config.block_size
+        self.kernel_backend = kernel_backend
+        self.model, self.args = load_model(
+            model_config.model, model_config.dtype, self.device, lora_config.max_loras,
+            lora_config.max_lora_rank, model_config.max_model_len, progress)
+        self.max_model_len = model_config.max_model_len or self.args.max_position_embeddings
+        self.tokenizer = load_tokenizer(model_config.model)
+        self.num_blocks = self._num_blocks(cache_config)
+        shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        # Per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.args.num_layers)]
+        host_shape = (cache_config.swap_space_blocks,) + shape[1:]
+        self.host_caches = [(torch.zeros(host_shape, dtype=self.dtype),
+                             torch.zeros(host_shape, dtype=self.dtype))
+                            for _ in range(self.args.num_layers)] if host_shape[0] else []
+        self.slot_ranks = [0] * lora_config.max_loras
+        self.lora_scales = torch.zeros(lora_config.max_loras, dtype=torch.float32,
+                                       device=self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(model_config.seed)
+
+    @property
+    def block_bytes(self) -> int:
+        a = self.args
+        return (2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim
+                * torch.finfo(self.dtype).bits // 8)
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.85)
+            else:
+                budget = _CPU_DEFAULT_KV_BYTES
+        num = budget // self.block_bytes
+        if num < 1:
+            raise ConfigError(f"kv_cache_memory of {budget} bytes holds no block of "
+                              f"{self.block_bytes} bytes")
+        return int(num)
+
+    # --- LoRA slots -------------------------------------------------------------------
+
+    def _lora_modules(self, layer: int) -> dict[str, LoRALinear]:
+        blk = self.model.layers[layer]
+        return {"qkv_proj": blk.self_attn.qkv_proj, "o_proj": blk.self_attn.o_proj,
+                "gate_up_proj": blk.mlp.gate_up_proj, "down_proj": blk.mlp.down_proj}
+
+    def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Writes an adapter's weights into a slot (``None`` empties it)."""
+        with torch.no_grad():
+            for layer in range(self.args.num_layers):
+                modules = self._lora_modules(layer)
+                for peft_name, (ours, slice_idx) in MODULE_SLICES.items():
+                    w = adapter.weights.get((layer, peft_name)) if adapter else None
+                    modules[ours].set_slot(
+                        slot, slice_idx,
+                        None if w is None else w.lora_a.to(self.device, self.dtype),
+                        None if w is None else w.lora_b.to(self.device, self.dtype))
+        self.slot_ranks[slot] = adapter.rank if adapter else 0
+        self.lora_scales[slot] = adapter.scaling if adapter else 0.0
+
+    # --- KV block movement ------------------------------------------------------------
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copies (device block, host block) pairs to the host pool."""
+        if not pairs:
+            return
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches, strict=True):
+            for d, h in pairs:
+                hk[h].copy_(k[d])
+                hv[h].copy_(v[d])
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copies (host block, device block) pairs back to the device."""
+        if not pairs:
+            return
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches, strict=True):
+            for h, d in pairs:
+                k[d].copy_(hk[h])
+                v[d].copy_(hv[h])
+
+    # --- one step ---------------------------------------------------------------------
+
+    def execute(self, batch: BatchInputs) -> list[list[SampledToken]]:
+        """Runs one forward; returns the tokens sampled for each sequence (often none)."""
+        logits = self.forward_logits(batch)  # [num_sampling_seqs, vocab]
+        rows = [row for s in batch.seqs for row in s.samplings]
+        if not rows:
+            return [[] for _ in batch.seqs]
+        repeat = torch.tensor([len(s.samplings) for s in batch.seqs if s.samplings],
+                              device=logits.device)
+        if len(rows) != logits.shape[0]:
+            logits = logits.repeat_interleave(repeat, dim=0)  # [num_rows, vocab]
+        sampled = iter(sample(logits, rows, self.generator))
+        return [[next(sampled) for _ in s.samplings] for s in batch.seqs]
+
+    def forward_logits(self, batch: BatchInputs) -> torch.Tensor:
+        """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token."""
+        self.copy_blocks(batch.block_copies)
+        seqs = batch.seqs
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        sample_rows: list[int] = []
+        for s in seqs:
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.num_computed, s.num_computed + n))
+            token_slots.extend([s.lora_slot] * n)
+            if s.samplings:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.device
+        meta = AttentionMeta.build(
+            [s.block_table for s in seqs], [s.num_computed + len(s.token_ids) for s in seqs],
+            [len(s.token_ids) for s in seqs], self.block_size, dev)
+        lora = None
+        if any(slot >= 0 for slot in token_slots):
+            lora = LoRAStep(SGMVMeta.build(token_slots, self.slot_ranks, dev), self.lora_scales,
+                            self.kernel_backend)
+        hidden = self.model(torch.tensor(input_ids, device=dev),
+                            torch.tensor(positions, device=dev), self.kv_caches, meta, lora,
+                            self.kernel_backend)  # [num_tokens, hidden]
+        return self.model.compute_logits(
+            hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=dev)))
+
+
+__all__ = ["BatchInputs", "ModelArgs", "ModelRunner", "SeqInput", "pick_device"]

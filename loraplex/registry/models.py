@@ -1,0 +1,223 @@
+"""SQLAlchemy 2 models of the registry: tenants, API keys, adapters and hourly usage.
+
+Every timestamp is timezone-aware UTC in Python, whatever the backend stores. The schema is
+created by the Alembic migrations in ``migrations/``, never by ``metadata.create_all`` in
+production; a test compares the two so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+TENANT_STATUSES: Final = ("active", "suspended")
+KEY_ROLES: Final = ("tenant", "admin")
+ADAPTER_STATUSES: Final = ("active", "deleted")
+VISIBILITIES: Final = ("private", "public")
+
+# Named constraints: PostgreSQL and SQLite batch migrations both need names to drop them.
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always aware UTC in Python.
+
+    SQLite keeps no offset, PostgreSQL's ``timestamptz`` does; normalising on the way in and
+    out makes both backends return the same values and compare equal in upserts.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column; attach a timezone")
+        value = value.astimezone(UTC)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every registry table."""
+
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Tenant(Base):
+    """A customer of the platform. Limits of ``None`` mean unlimited."""
+
+    __tablename__ = "tenants"
+    __table_args__ = (
+        sa.UniqueConstraint("name"),
+        sa.CheckConstraint(_in("status", TENANT_STATUSES), name="status"),
+        sa.CheckConstraint("max_requests_per_minute IS NULL OR max_requests_per_minute > 0",
+                           name="max_requests_per_minute"),
+        sa.CheckConstraint("max_tokens_per_minute IS NULL OR max_tokens_per_minute > 0",
+                           name="max_tokens_per_minute"),
+        sa.CheckConstraint("max_concurrent_requests IS NULL OR max_concurrent_requests > 0",
+                           name="max_concurrent_requests"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(64))
+    status: Mapped[str] = mapped_column(sa.String(16), default="active")
+    max_requests_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+    max_tokens_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(sa.Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow,
+                                                 onupdate=utcnow)
+
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+    adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant")
+
+    @property
+    def is_active(self) -> bool:
+        return self.status == "active"
+
+    def __repr__(self) -> str:
+        return f"Tenant(id={self.id!r}, name={self.name!r}, status={self.status!r})"
+
+
+class ApiKey(Base):
+    """An API key. Only its sha256 is stored; the plaintext is shown once at creation."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (
+        sa.UniqueConstraint("key_hash"),
+        sa.CheckConstraint(_in("role", KEY_ROLES), name="role"),
+        sa.Index(None, "tenant_id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(sa.ForeignKey("tenants.id"))
+    role: Mapped[str] = mapped_column(sa.String(16), default="tenant")
+    name: Mapped[str | None] = mapped_column(sa.String(128))
+    # The first characters of the key, so humans can tell keys apart in lists and logs.
+    prefix: Mapped[str] = mapped_column(sa.String(16))
+    key_hash: Mapped[str] = mapped_column(sa.String(64))  # sha256 hex of the whole key
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def __repr__(self) -> str:
+        return f"ApiKey(id={self.id!r}, prefix={self.prefix!r}, role={self.role!r})"
+
+
+class Adapter(Base):
+    """One version of a tenant's LoRA adapter; a new upload under a name is a new row."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "name", "version"),
+        sa.CheckConstraint(_in("status", ADAPTER_STATUSES), name="status"),
+        sa.CheckConstraint(_in("visibility", VISIBILITIES), name="visibility"),
+        sa.CheckConstraint("version >= 1", name="version"),
+        sa.CheckConstraint("rank >= 1", name="rank"),
+        sa.Index(None, "visibility", "status"),
+        sa.Index(None, "digest"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(sa.ForeignKey("tenants.id"))
+    name: Mapped[str] = mapped_column(sa.String(128))
+    version: Mapped[int] = mapped_column(sa.Integer)
+    base_model: Mapped[str] = mapped_column(sa.String(512))
+    rank: Mapped[int] = mapped_column(sa.Integer)
+    alpha: Mapped[float] = mapped_column(sa.Float)
+    use_rslora: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    target_modules: Mapped[list[str]] = mapped_column(sa.JSON)
+    digest: Mapped[str] = mapped_column(sa.String(64))  # sha256 hex of the weights file
+    size_bytes: Mapped[int] = mapped_column(sa.BigInteger)
+    # Relative to the adapter store's root, so the store can be mounted elsewhere.
+    storage_path: Mapped[str] = mapped_column(sa.String(512))
+    visibility: Mapped[str] = mapped_column(sa.String(16), default="private")
+    status: Mapped[str] = mapped_column(sa.String(16), default="active")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="adapters")
+
+    @property
+    def identity(self) -> str:
+        """``adapter_id@content_digest``: what caches key on, never the name alone."""
+        return f"{self.id}@{self.digest}"
+
+    @property
+    def is_public(self) -> bool:
+        return self.visibility == "public"
+
+    def __repr__(self) -> str:
+        return (f"Adapter(id={self.id!r}, tenant_id={self.tenant_id!r}, name={self.name!r}, "
+                f"version={self.version!r}, digest={self.digest[:12]!r})")
+
+
+class Usage(Base):
+    """Requests and tokens of one tenant on one adapter (or the base model) in one hour."""
+
+    __tablename__ = "usage"
+    __table_args__ = (
+        # An expression index because adapter_id is NULL for base-model requests and unique
+        # constraints treat NULLs as distinct; upserts name this same expression as target.
+        sa.Index("uq_usage_tenant_adapter_hour", "tenant_id",
+                 sa.text("coalesce(adapter_id, 0)"), "hour", unique=True),
+        sa.Index(None, "tenant_id", "hour"),
+        sa.CheckConstraint("requests >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0",
+                           name="non_negative"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(sa.ForeignKey("tenants.id"))
+    adapter_id: Mapped[int | None] = mapped_column(sa.ForeignKey("adapters.id"))
+    hour: Mapped[datetime] = mapped_column(UTCDateTime())  # start of the hour, UTC
+    requests: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+    def __repr__(self) -> str:
+        return (f"Usage(tenant_id={self.tenant_id!r}, adapter_id={self.adapter_id!r}, "
+                f"hour={self.hour.isoformat()!r}, requests={self.requests!r})")
+
+
+def model_to_dict(obj: Base) -> dict[str, Any]:
+    """Column values of a row, for JSON output (timestamps as ISO 8601 strings)."""
+    out: dict[str, Any] = {}
+    for column in obj.__table__.columns:
+        value = getattr(obj, column.key)
+        out[column.key] = value.isoformat() if isinstance(value, datetime) else value
+    return out

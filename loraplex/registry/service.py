@@ -1,0 +1,57 @@
+"""The registry's use cases in one namespace.
+
+Every function takes a SQLAlchemy ``Session`` and never commits: the request handler or CLI
+command that opened the session owns the transaction (``db.transaction``). They flush, so
+ids exist and constraint violations surface as domain errors (ConflictError,
+NotFoundError, AdapterNotFoundError, InvalidRequestError) at the call that caused them.
+"""
+
+from __future__ import annotations
+
+from loraplex.registry.adapters import (
+    delete_adapter,
+    get_adapter,
+    is_digest_referenced,
+    list_adapters,
+    list_visible_adapters,
+    register_adapter,
+    resolve_adapter,
+    set_visibility,
+)
+from loraplex.registry.api_keys import (
+    KEY_PREFIX,
+    Principal,
+    authenticate,
+    create_key,
+    generate_key,
+    hash_key,
+    list_keys,
+    revoke_key,
+)
+from loraplex.registry.tenants import (
+    UNSET,
+    create_tenant,
+    get_tenant,
+    get_tenant_by_name,
+    list_tenants,
+    set_tenant_status,
+    update_tenant_limits,
+)
+from loraplex.registry.usage import (
+    UsageRecord,
+    UsageTotals,
+    hour_start,
+    list_usage,
+    record_usage,
+    usage_totals,
+)
+
+__all__ = [
+    "KEY_PREFIX", "UNSET", "Principal", "UsageRecord", "UsageTotals",
+    "authenticate", "create_key", "create_tenant", "delete_adapter", "generate_key",
+    "get_adapter", "get_tenant", "get_tenant_by_name", "hash_key", "hour_start",
+    "is_digest_referenced", "list_adapters", "list_keys", "list_tenants", "list_usage",
+    "list_visible_adapters", "record_usage", "register_adapter", "resolve_adapter",
+    "revoke_key", "set_tenant_status", "set_visibility", "update_tenant_limits",
+    "usage_totals",
+]

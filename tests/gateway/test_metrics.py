@@ -1,0 +1,150 @@
+"""Prometheus metrics: values as rendered, bounded label cardinality, no shared state."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from loraplex.gateway.metrics import (
+    OTHER_LABEL,
+    REQUEST_STATUSES,
+    GatewayMetrics,
+    status_for_http,
+)
+
+
+def samples(metrics: GatewayMetrics) -> list[Sample]:
+    payload, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return [
+        s for family in text_string_to_metric_families(payload.decode()) for s in family.samples
+    ]
+
+
+def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    found = [s.value for s in samples(metrics) if s.name == name and s.labels == labels]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_request_counter_by_tenant_adapter_status() -> None:
+    metrics = GatewayMetrics()
+    metrics.observe_request("acme", "sql@abc", "ok", ttft_s=0.1, tpot_s=0.02, e2e_s=1.0)
+    metrics.observe_request("acme", "sql@abc", "ok", ttft_s=0.3, tpot_s=0.04, e2e_s=2.0)
+    metrics.observe_request("acme", "sql@abc", "rate_limited")
+    metrics.observe_request("beta", "base", "server_error")
+    total = "loraplex_requests_total"
+    assert value(metrics, total, tenant="acme", adapter="sql@abc", status="ok") == 2
+    assert value(metrics, total, tenant="acme", adapter="sql@abc", status="rate_limited") == 1
+    assert value(metrics, total, tenant="beta", adapter="base", status="server_error") == 1
+
+
+def test_latency_histograms() -> None:
+    metrics = GatewayMetrics()
+    metrics.observe_request("acme", "a", "ok", ttft_s=0.1, tpot_s=0.02, e2e_s=1.0)
+    metrics.observe_request("acme", "a", "ok", ttft_s=0.3, tpot_s=None, e2e_s=2.0)
+    metrics.observe_request("acme", "a", "aborted")  # no latency observed
+    ttft = "loraplex_time_to_first_token_seconds"
+    assert value(metrics, f"{ttft}_count") == 2
+    assert value(metrics, f"{ttft}_sum") == pytest.approx(0.4)
+    assert value(metrics, f"{ttft}_bucket", le="0.25") == 1
+    assert value(metrics, f"{ttft}_bucket", le="+Inf") == 2
+    tpot = "loraplex_time_per_output_token_seconds"
+    assert value(metrics, f"{tpot}_count") == 1
+    assert value(metrics, f"{tpot}_sum") == pytest.approx(0.02)
+    e2e = "loraplex_e2e_request_latency_seconds"
+    assert value(metrics, f"{e2e}_count") == 2
+    assert value(metrics, f"{e2e}_sum") == pytest.approx(3.0)
+    assert value(metrics, f"{e2e}_bucket", le="1.0") == 1
+
+
+def test_engine_gauges() -> None:
+    metrics = GatewayMetrics()
+    metrics.set_engine_gauges(
+        queue_depth=7, running=3, kv_blocks_used=120, kv_blocks_free=8, prefix_cache_hit_rate=0.25
+    )
+    metrics.set_engine_gauges(queue_depth=5)  # the others keep their values
+    assert value(metrics, "loraplex_queue_depth") == 5
+    assert value(metrics, "loraplex_running_requests") == 3
+    assert value(metrics, "loraplex_kv_blocks_used") == 120
+    assert value(metrics, "loraplex_kv_blocks_free") == 8
+    assert value(metrics, "loraplex_prefix_cache_hit_rate") == 0.25
+
+
+def test_adapter_loads_and_evictions() -> None:
+    metrics = GatewayMetrics()
+    metrics.record_adapter_load(0.02)
+    metrics.record_adapter_load(0.3)
+    metrics.record_adapter_eviction()
+    assert value(metrics, "loraplex_adapter_loads_total") == 2
+    assert value(metrics, "loraplex_adapter_evictions_total") == 1
+    assert value(metrics, "loraplex_adapter_load_seconds_count") == 2
+    assert value(metrics, "loraplex_adapter_load_seconds_sum") == pytest.approx(0.32)
+    assert value(metrics, "loraplex_adapter_load_seconds_bucket", le="0.025") == 1
+
+
+def test_label_cardinality_is_capped() -> None:
+    metrics = GatewayMetrics(max_label_values=5)
+    for i in range(50):
+        metrics.observe_request(f"tenant{i}", f"adapter{i % 20}", "ok")
+    metrics.observe_request("tenant0", "adapter0", "ok")  # a kept value stays kept
+    counted = [s for s in samples(metrics) if s.name == "loraplex_requests_total"]
+    tenants = {s.labels["tenant"] for s in counted}
+    adapters = {s.labels["adapter"] for s in counted}
+    assert tenants == {f"tenant{i}" for i in range(5)} | {OTHER_LABEL}
+    assert adapters == {f"adapter{i}" for i in range(5)} | {OTHER_LABEL}
+    assert sum(s.value for s in counted) == 51  # nothing lost, only folded
+    # Tenants 5..49 are other; of those, adapters i % 20 >= 5 are other too.
+    assert (
+        value(metrics, "loraplex_requests_total", tenant="tenant0", adapter="adapter0", status="ok")
+        == 2
+    )
+    assert (
+        value(
+            metrics, "loraplex_requests_total", tenant=OTHER_LABEL, adapter=OTHER_LABEL, status="ok"
+        )
+        == 35
+    )
+
+
+def test_default_cap_is_100() -> None:
+    metrics = GatewayMetrics()
+    for i in range(150):
+        metrics.observe_request(f"t{i}", "a", "ok")
+    tenants = {s.labels["tenant"] for s in samples(metrics) if s.name == "loraplex_requests_total"}
+    assert len(tenants) == 101 and OTHER_LABEL in tenants
+
+
+def test_status_is_from_a_fixed_set() -> None:
+    metrics = GatewayMetrics()
+    with pytest.raises(ValueError):
+        metrics.observe_request("t", "a", "teapot")
+    for status in REQUEST_STATUSES:
+        metrics.observe_request("t", "a", status)
+    statuses = {s.labels["status"] for s in samples(metrics) if s.name == "loraplex_requests_total"}
+    assert statuses == set(REQUEST_STATUSES)
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (200, "ok"),
+        (400, "client_error"),
+        (401, "client_error"),
+        (404, "client_error"),
+        (429, "rate_limited"),
+        (500, "server_error"),
+        (503, "overloaded"),
+    ],
+)
+def test_status_for_http(code: int, status: str) -> None:
+    assert status_for_http(code) == status
+
+
+def test_instances_do_not_share_state() -> None:
+    first, second = GatewayMetrics(), GatewayMetrics()
+    first.observe_request("t", "a", "ok")
+    first.record_adapter_eviction()
+    assert not [s for s in samples(second) if s.name == "loraplex_requests_total"]
+    assert value(second, "loraplex_adapter_evictions_total") == 0

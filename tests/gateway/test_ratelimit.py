@@ -1,0 +1,425 @@
+"""Rate limits, against a real Redis and the in-process limiter alike."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import redis
+
+from loraplex.errors import ConfigError, InvalidRequestError
+from loraplex.gateway.ratelimit import (
+    InProcessRateLimiter,
+    Lease,
+    RateLimiter,
+    RateLimitExceeded,
+    RedisRateLimiter,
+    TenantLimits,
+    make_rate_limiter,
+)
+
+REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+T = TypeVar("T")
+LimiterFactory = Callable[..., RateLimiter]
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    prefix = f"loraplex:test:rl:{uuid.uuid4().hex}:"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        client.close()
+        pytest.fail(f"these tests need a real Redis at {REDIS_URL}: {exc}")
+    try:
+        yield prefix
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture(params=["redis", "in_process"])
+def make_limiter(request: pytest.FixtureRequest, redis_prefix: str) -> LimiterFactory:
+    """Builds a limiter of the parametrised kind; call it inside the test's event loop."""
+
+    def factory(
+        window_s: float = 1.0, lease_ttl_s: float = 600.0, concurrency_retry_s: float = 1.0
+    ) -> RateLimiter:
+        if request.param == "redis":
+            return RedisRateLimiter(
+                REDIS_URL,
+                key_prefix=redis_prefix,
+                window_s=window_s,
+                lease_ttl_s=lease_ttl_s,
+                concurrency_retry_s=concurrency_retry_s,
+            )
+        return InProcessRateLimiter(
+            window_s=window_s, lease_ttl_s=lease_ttl_s, concurrency_retry_s=concurrency_retry_s
+        )
+
+    return factory
+
+
+def test_n_plus_first_request_in_window_is_refused(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=1.0)
+        limits = TenantLimits(requests_per_minute=5)
+        try:
+            for _ in range(5):
+                await limiter.release(await limiter.acquire("t", limits, 0), 0)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)
+            assert info.value.limit == "requests"
+            assert info.value.tenant_id == "t"
+            assert 0 < info.value.retry_after <= 1.0
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_recovers_after_the_window_exactly_as_told(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=0.6)
+        limits = TenantLimits(requests_per_minute=3)
+        try:
+            await limiter.acquire("t", limits, 0)
+            await asyncio.sleep(0.2)
+            await limiter.acquire("t", limits, 0)
+            await limiter.acquire("t", limits, 0)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)
+            # The oldest request leaves first, about 0.4 s from now.
+            assert 0 < info.value.retry_after <= 0.4
+            await asyncio.sleep(info.value.retry_after + 0.03)
+            await limiter.acquire("t", limits, 0)  # one slot came back...
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)  # ...only one: the window slides
+            await asyncio.sleep(0.65)
+            for _ in range(3):
+                await limiter.acquire("t", limits, 0)
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_tokens_reserved_up_front_then_settled(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=5.0)
+        limits = TenantLimits(tokens_per_minute=100)
+        try:
+            first = await limiter.acquire("t", limits, 60)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 50)  # 60 + 50 > 100
+            assert info.value.limit == "tokens"
+            assert 0 < info.value.retry_after <= 5.0
+            await limiter.release(first, 20)  # refund 40: 20 in the window
+            second = await limiter.acquire("t", limits, 50)  # 70
+            with pytest.raises(RateLimitExceeded):
+                await limiter.acquire("t", limits, 40)  # 110
+            await limiter.release(second, 80)  # 30 over the reservation: 100
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 1)
+            assert info.value.limit == "tokens"
+            await limiter.acquire("t", limits, 0)  # a request reserving nothing still fits
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_tokens_recover_after_the_window(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=0.5)
+        limits = TenantLimits(tokens_per_minute=100)
+        try:
+            lease = await limiter.acquire("t", limits, 100)
+            await limiter.release(lease, 100)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 10)
+            assert 0 < info.value.retry_after <= 0.5
+            await asyncio.sleep(info.value.retry_after + 0.03)
+            await limiter.acquire("t", limits, 100)
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_over_use_is_charged_at_release_time(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=0.6)
+        limits = TenantLimits(tokens_per_minute=100)
+        try:
+            lease = await limiter.acquire("t", limits, 10)
+            await asyncio.sleep(0.4)
+            await limiter.release(lease, 100)  # 90 extra, charged now
+            await asyncio.sleep(0.3)  # the reservation has left the window, the extra not
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 20)
+            assert 0.1 < info.value.retry_after <= 0.35
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_reservation_above_the_token_limit_is_invalid(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter()
+        try:
+            with pytest.raises(InvalidRequestError) as info:
+                await limiter.acquire("t", TenantLimits(tokens_per_minute=100), 101)
+            assert info.value.param == "max_tokens"
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_concurrency_limit_holds_with_20_clients(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=10.0)
+        limits = TenantLimits(max_concurrent=4)
+        in_flight = 0
+        max_in_flight = 0
+        refusals: list[RateLimitExceeded] = []
+        done = 0
+
+        async def client() -> None:
+            nonlocal in_flight, max_in_flight, done
+            for _ in range(3):
+                while True:
+                    try:
+                        lease = await limiter.acquire("t", limits, 0)
+                        break
+                    except RateLimitExceeded as exc:
+                        refusals.append(exc)
+                        await asyncio.sleep(random.uniform(0.002, 0.01))
+                in_flight += 1
+                max_in_flight = max(max_in_flight, in_flight)
+                await asyncio.sleep(random.uniform(0.005, 0.02))
+                in_flight -= 1
+                await limiter.release(lease, 0)
+                done += 1
+
+        try:
+            await asyncio.gather(*(client() for _ in range(20)))
+        finally:
+            await limiter.close()
+        assert done == 60
+        assert max_in_flight == 4  # the limit was reached, never passed
+        assert refusals
+        assert all(r.limit == "concurrency" and 0 < r.retry_after <= 1.0 for r in refusals)
+
+    run(main())
+
+
+def test_token_limit_holds_with_20_clients(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=30.0)
+        limits = TenantLimits(tokens_per_minute=1000)
+        rng = random.Random(0)
+        wanted = [rng.randint(50, 150) for _ in range(20)]  # ~2000 in all
+
+        async def client(tokens: int) -> tuple[int, Lease | None]:
+            try:
+                return tokens, await limiter.acquire("t", limits, tokens)
+            except RateLimitExceeded as exc:
+                assert exc.limit == "tokens"
+                return tokens, None
+
+        try:
+            results = await asyncio.gather(*(client(n) for n in wanted))
+            admitted = sum(n for n, lease in results if lease is not None)
+            refused = [n for n, lease in results if lease is None]
+            assert admitted <= 1000
+            assert refused
+            # Usage only grew, so each refused reservation did not fit at its turn.
+            assert all(admitted + n > 1000 for n in refused)
+            for _, lease in results:
+                if lease is not None:
+                    await limiter.release(lease, 0)
+            # Every reservation was refunded in full.
+            await limiter.acquire("t", limits, 1000)
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_nothing_is_reserved_when_refused(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=10.0)
+        limits = TenantLimits(requests_per_minute=3, tokens_per_minute=100, max_concurrent=1)
+        try:
+            held = await limiter.acquire("t", limits, 50)  # request 1, 50 tokens
+            for _ in range(5):
+                with pytest.raises(RateLimitExceeded) as info:
+                    await limiter.acquire("t", limits, 50)
+                assert info.value.limit == "concurrency"
+            await limiter.release(held, 50)
+            for _ in range(5):
+                with pytest.raises(RateLimitExceeded) as info:
+                    await limiter.acquire("t", limits, 51)
+                assert info.value.limit == "tokens"
+            # Had any refusal reserved something, one of these would not fit.
+            second = await limiter.acquire("t", limits, 50)  # request 2, 100 tokens
+            await limiter.release(second, 50)
+            await limiter.acquire("t", limits, 0)  # request 3, one slot
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_release_is_idempotent(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=10.0)
+        limits = TenantLimits(tokens_per_minute=100, max_concurrent=1)
+        try:
+            first = await limiter.acquire("t", limits, 60)
+            await limiter.release(first, 30)
+            await limiter.release(first, 30)  # a second refund would leave 0 in use
+            await limiter.release(first, 0)
+            second = await limiter.acquire("t", limits, 70)  # 100
+            await limiter.release(first, 0)  # must not free the second's slot
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)
+            assert info.value.limit == "concurrency"
+            await limiter.release(second, 70)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 1)
+            assert info.value.limit == "tokens"
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_leases_expire_by_ttl(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=10.0, lease_ttl_s=0.3)
+        limits = TenantLimits(tokens_per_minute=100, max_concurrent=1)
+        try:
+            lost = await limiter.acquire("t", limits, 40)  # its process "dies"
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)
+            assert info.value.limit == "concurrency"
+            assert 0 < info.value.retry_after <= 0.3  # the lease expires before the hint
+            await asyncio.sleep(info.value.retry_after + 0.03)
+            held = await limiter.acquire("t", limits, 60)  # the reservation stood: 100
+            await limiter.release(lost, 0)  # late: neither refunds nor frees a slot
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)
+            assert info.value.limit == "concurrency"
+            await limiter.release(held, 60)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 1)
+            assert info.value.limit == "tokens"
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_refusal_reports_the_limit_that_clears_last(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=2.0, concurrency_retry_s=0.5)
+        limits = TenantLimits(requests_per_minute=1, max_concurrent=1)
+        try:
+            await limiter.acquire("t", limits, 0)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiter.acquire("t", limits, 0)
+            assert info.value.limit == "requests"
+            assert 1.0 < info.value.retry_after <= 2.0
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_tenants_are_independent(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter(window_s=10.0)
+        limits = TenantLimits(requests_per_minute=1, tokens_per_minute=10, max_concurrent=1)
+        try:
+            await limiter.acquire("a", limits, 10)
+            with pytest.raises(RateLimitExceeded):
+                await limiter.acquire("a", limits, 0)
+            await limiter.acquire("b", limits, 10)
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_unlimited_tenant(make_limiter: LimiterFactory) -> None:
+    async def main() -> None:
+        limiter = make_limiter()
+        limits = TenantLimits()
+        try:
+            leases = [await limiter.acquire("t", limits, 10_000) for _ in range(50)]
+            for lease in leases:
+                await limiter.release(lease, 20_000)
+        finally:
+            await limiter.close()
+
+    run(main())
+
+
+def test_gateway_processes_share_redis_limits(redis_prefix: str) -> None:
+    async def main() -> None:
+        limiters = [
+            RedisRateLimiter(REDIS_URL, key_prefix=redis_prefix, window_s=5.0) for _ in range(2)
+        ]
+        limits = TenantLimits(requests_per_minute=4, max_concurrent=2)
+        try:
+            a = await limiters[0].acquire("t", limits, 0)
+            await limiters[1].acquire("t", limits, 0)
+            with pytest.raises(RateLimitExceeded) as info:
+                await limiters[0].acquire("t", limits, 0)
+            assert info.value.limit == "concurrency"
+            await limiters[1].release(a, 0)  # any process can release any lease
+            await limiters[0].acquire("t", limits, 0)
+        finally:
+            for limiter in limiters:
+                await limiter.close()
+
+    run(main())
+
+
+def test_make_rate_limiter_picks_the_backend(redis_prefix: str) -> None:
+    async def main() -> None:
+        in_process = make_rate_limiter(None, window_s=2.0)
+        shared = make_rate_limiter(REDIS_URL, key_prefix=redis_prefix, window_s=2.0)
+        try:
+            assert isinstance(in_process, InProcessRateLimiter)
+            assert isinstance(shared, RedisRateLimiter)
+        finally:
+            await in_process.close()
+            await shared.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("field", ["requests_per_minute", "tokens_per_minute", "max_concurrent"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_limits_must_be_positive(field: str, value: int) -> None:
+    with pytest.raises(ConfigError):
+        TenantLimits(**{field: value})

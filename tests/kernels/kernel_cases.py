@@ -1,0 +1,363 @@
+"""Shared kernel test cases: inputs, a dense float64 oracle, and the checks.
+
+Used by the reference tests (CPU, in-process), the Triton interpreter cases (CPU, in a
+subprocess with ``TRITON_INTERPRET=1``) and the ``gpu`` tests (CUDA). Every check poisons
+what a kernel must not read (weights past a slot's rank, activations of base-model rows,
+cache slots past a sequence's length) and what it must write (outputs start as NaN).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from loraplex_kernels import ops
+from loraplex_kernels.meta import AttentionMeta, SGMVMeta
+
+# (vs float64 oracle, vs reference) absolute/relative tolerance per dtype
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (4e-2, 4e-2),
+}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    tol = TOLERANCES[actual.dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(),
+                               atol=tol[0], rtol=tol[1], msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------- SGMV
+
+
+@dataclass(frozen=True)
+class SGMVCase:
+    name: str
+    token_slots: tuple[int, ...]
+    slot_ranks: tuple[int, ...]
+    hidden: int
+    widths: tuple[int, ...]  # one entry per slice
+    max_rank: int = 64
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _scattered_slots(num_tokens: int, num_slots: int, seed: int) -> tuple[int, ...]:
+    # Every slot and base-model rows, interleaved so no adapter's tokens are contiguous.
+    rng = random.Random(seed)
+    slots = [i % (num_slots + 1) - 1 for i in range(num_tokens)]
+    rng.shuffle(slots)
+    return tuple(slots)
+
+
+MIXED_RANKS = (1, 8, 16, 64)
+
+SGMV_CASES: list[SGMVCase] = [
+    SGMVCase("mixed-1slice", _scattered_slots(23, 4, 1), MIXED_RANKS, 67, (67,)),
+    SGMVCase("mixed-2slices", _scattered_slots(23, 4, 2), MIXED_RANKS, 67, (90, 41)),
+    SGMVCase("mixed-3slices-gqa", _scattered_slots(29, 4, 3), MIXED_RANKS, 67, (48, 16, 16)),
+    # One long prefill segment (several row tiles) beside single decode tokens.
+    SGMVCase("prefill-and-decode", tuple([2] * 40 + [-1, 0, 3, -1, 1] + [2] * 30),
+             MIXED_RANKS, 33, (40, 24, 24)),
+    SGMVCase("all-base", (-1,) * 7, MIXED_RANKS, 33, (33,)),
+    SGMVCase("rank-8-max", _scattered_slots(17, 2, 4), (8, 3), 50, (150, 19), max_rank=8),
+]
+
+
+@dataclass
+class SGMVInputs:
+    meta: SGMVMeta
+    x: torch.Tensor  # [num_tokens, hidden]
+    lora_a: list[torch.Tensor]  # per slice [num_slots, max_rank, hidden]
+    lora_b: list[torch.Tensor]  # per slice [num_slots, width, max_rank]
+    scales: torch.Tensor  # [num_slots] float32
+    y: torch.Tensor  # [num_slices, num_tokens, max_rank], an expand input
+    slice_offsets: list[int]
+    out_width: int
+
+
+def make_sgmv_inputs(case: SGMVCase, dtype: torch.dtype, device: str,
+                     seed: int = 0) -> SGMVInputs:
+    g = torch.Generator().manual_seed(seed)
+    num_slots = len(case.slot_ranks)
+    num_tokens = len(case.token_slots)
+    r = case.max_rank
+    x = torch.randn(num_tokens, case.hidden, generator=g)
+    lora_a = [torch.randn(num_slots, r, case.hidden, generator=g) / math.sqrt(case.hidden)
+              for _ in case.widths]
+    lora_b = [torch.randn(num_slots, w, r, generator=g) / math.sqrt(r) for w in case.widths]
+    y = torch.randn(len(case.widths), num_tokens, r, generator=g)
+    for s, rank in enumerate(case.slot_ranks):
+        # Padding past a slot's rank must never be read: NaN would spread into the result.
+        for a in lora_a:
+            a[s, rank:] = float("nan")
+        for b in lora_b:
+            b[s, :, rank:] = float("nan")
+    for t, s in enumerate(case.token_slots):
+        # Base-model rows are never read; other rows only up to their slot's rank.
+        y[:, t, case.slot_ranks[s] if s >= 0 else 0:] = float("nan")
+    scales = torch.rand(num_slots, generator=g) + 0.5
+    offsets = [0]
+    for w in case.widths:
+        offsets.append(offsets[-1] + w)
+    return SGMVInputs(
+        meta=SGMVMeta.build(case.token_slots, case.slot_ranks, device=device),
+        x=x.to(dtype).to(device),
+        lora_a=[a.to(dtype).to(device) for a in lora_a],
+        lora_b=[b.to(dtype).to(device) for b in lora_b],
+        scales=scales.to(device),
+        y=y.to(dtype).to(device),
+        slice_offsets=offsets,
+        out_width=offsets[-1] + 3,  # 3 trailing columns no slice owns
+    )
+
+
+def dense_shrink(case: SGMVCase, inp: SGMVInputs) -> torch.Tensor:
+    """float64 ``x @ A^T * scale`` per token; zeros past the rank, NaN on base rows."""
+    x = inp.x.double().cpu()
+    out = torch.full((len(case.widths), len(case.token_slots), case.max_rank), float("nan"),
+                     dtype=torch.float64)
+    for t, s in enumerate(case.token_slots):
+        if s < 0:
+            continue
+        rank = case.slot_ranks[s]
+        for k, a in enumerate(inp.lora_a):
+            out[k, t] = 0.0
+            out[k, t, :rank] = a[s, :rank].double().cpu() @ x[t] * float(inp.scales[s])
+    return out
+
+
+def dense_expand(case: SGMVCase, inp: SGMVInputs, out0: torch.Tensor) -> torch.Tensor:
+    """float64 ``out0 + y @ B^T`` per token and slice."""
+    out = out0.double().cpu().clone()
+    for t, s in enumerate(case.token_slots):
+        if s < 0:
+            continue
+        rank = case.slot_ranks[s]
+        for k, b in enumerate(inp.lora_b):
+            lo, hi = inp.slice_offsets[k], inp.slice_offsets[k + 1]
+            out[t, lo:hi] += b[s, :, :rank].double().cpu() @ inp.y[k, t, :rank].double().cpu()
+    return out
+
+
+def check_shrink(case: SGMVCase, dtype: torch.dtype, device: str,
+                 backend: ops.Backend) -> None:
+    inp = make_sgmv_inputs(case, dtype, device)
+    out = torch.full((len(case.widths), len(case.token_slots), case.max_rank), float("nan"),
+                     dtype=dtype, device=device)
+    ops.sgmv_shrink(inp.x, inp.lora_a, inp.scales, inp.meta, out, backend=backend)
+    base = [t for t, s in enumerate(case.token_slots) if s < 0]
+    lora = [t for t, s in enumerate(case.token_slots) if s >= 0]
+    assert bool(out[:, base].isnan().all()), "a base-model row of the shrink output was written"
+    expected = dense_shrink(case, inp)
+    _close(out[:, lora], expected[:, lora], f"shrink {case} vs float64")
+    if backend != "torch":
+        ref = torch.full_like(out, float("nan"))
+        ops.sgmv_shrink(inp.x, inp.lora_a, inp.scales, inp.meta, ref, backend="torch")
+        _close(out[:, lora], ref[:, lora], f"shrink {case} vs reference")
+
+
+def check_expand(case: SGMVCase, dtype: torch.dtype, device: str,
+                 backend: ops.Backend) -> None:
+    inp = make_sgmv_inputs(case, dtype, device)
+    g = torch.Generator().manual_seed(1)
+    out0 = torch.randn(len(case.token_slots), inp.out_width, generator=g).to(dtype).to(device)
+    out = out0.clone()
+    ops.sgmv_expand(inp.y, inp.lora_b, inp.meta, out, inp.slice_offsets, backend=backend)
+    base = [t for t, s in enumerate(case.token_slots) if s < 0]
+    assert torch.equal(out[base], out0[base]), "a base-model row of the expand output changed"
+    end = inp.slice_offsets[-1]
+    assert torch.equal(out[:, end:], out0[:, end:]), "columns outside every slice changed"
+    _close(out, dense_expand(case, inp, out0), f"expand {case} vs float64")
+    if backend != "torch":
+        ref = out0.clone()
+        ops.sgmv_expand(inp.y, inp.lora_b, inp.meta, ref, inp.slice_offsets, backend="torch")
+        _close(out, ref, f"expand {case} vs reference")
+
+
+def check_add_lora(case: SGMVCase, dtype: torch.dtype, device: str,
+                   backend: ops.Backend) -> None:
+    """Shrink then expand through the public entry point, against float64."""
+    inp = make_sgmv_inputs(case, dtype, device)
+    g = torch.Generator().manual_seed(2)
+    out0 = torch.randn(len(case.token_slots), inp.out_width, generator=g).to(dtype).to(device)
+    out = out0.clone()
+    ops.add_lora(out, inp.x, inp.lora_a, inp.lora_b, inp.scales, inp.meta, inp.slice_offsets,
+                 backend=backend)
+    expected = out0.double().cpu().clone()
+    shrunk = dense_shrink(case, inp)
+    for t, s in enumerate(case.token_slots):
+        if s < 0:
+            continue
+        rank = case.slot_ranks[s]
+        for k, b in enumerate(inp.lora_b):
+            lo, hi = inp.slice_offsets[k], inp.slice_offsets[k + 1]
+            expected[t, lo:hi] += b[s, :, :rank].double().cpu() @ shrunk[k, t, :rank]
+    base = [t for t, s in enumerate(case.token_slots) if s < 0]
+    assert torch.equal(out[base], out0[base]), "a base-model row changed"
+    _close(out, expected, f"add_lora {case} vs float64")
+
+
+# ---------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    seq_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_splits: int | None = None  # forced decode KV splits (Triton only)
+    strided: bool = False  # query/out are column views of a wider buffer
+
+    def __str__(self) -> str:
+        return self.name
+
+
+ATTENTION_CASES: list[AttentionCase] = [
+    # Lengths of 1, on block boundaries (16, 32) and just past them.
+    AttentionCase("decode-gqa", (1, 16, 17, 32, 63, 100), (1,) * 6, 8, 2, 32, 16),
+    AttentionCase("decode-gqa-split3", (1, 16, 17, 32, 63, 200), (1,) * 6, 8, 2, 32, 16,
+                  num_splits=3),
+    AttentionCase("decode-mha-split5-dim24", (5, 8, 64, 130), (1,) * 4, 2, 2, 24, 8,
+                  num_splits=5),
+    AttentionCase("prefill-prefix-mixed", (40, 33, 1, 16, 48, 70), (7, 33, 1, 1, 16, 40),
+                  4, 2, 32, 16),
+    AttentionCase("prefill-gqa4-dim40-strided", (24, 9, 50), (24, 1, 35), 8, 2, 40, 8,
+                  num_splits=2, strided=True),
+]
+
+
+@dataclass
+class AttentionInputs:
+    meta: AttentionMeta
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim], maybe a strided view
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    keys: list[torch.Tensor]  # per sequence [seq_len, num_kv_heads, head_dim], logical order
+    values: list[torch.Tensor]
+
+
+def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str,
+                          garbage: float, seed: int = 0) -> AttentionInputs:
+    """Scatters logical K/V into shuffled blocks; every unowned cache row holds ``garbage``."""
+    g = torch.Generator().manual_seed(seed)
+    bs, kvh, d = case.block_size, case.num_kv_heads, case.head_dim
+    needed = [-(-s // bs) for s in case.seq_lens]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables: list[list[int]] = []
+    for n in needed:
+        tables.append(perm[:n])
+        perm = perm[n:]
+    k_cache = torch.full((num_blocks, bs, kvh, d), garbage)
+    v_cache = torch.full((num_blocks, bs, kvh, d), garbage)
+    keys, values = [], []
+    for table, seq_len in zip(tables, case.seq_lens, strict=True):
+        k = torch.randn(seq_len, kvh, d, generator=g)
+        v = torch.randn(seq_len, kvh, d, generator=g)
+        for p in range(seq_len):
+            k_cache[table[p // bs], p % bs] = k[p]
+            v_cache[table[p // bs], p % bs] = v[p]
+        keys.append(k.to(dtype))
+        values.append(v.to(dtype))
+    num_tokens = sum(case.query_lens)
+    q = torch.randn(num_tokens, case.num_heads, d, generator=g).to(dtype)
+    if case.strided:
+        wide = torch.zeros(num_tokens, case.num_heads, d + 8, dtype=dtype)
+        wide[:, :, :d] = q
+        q = wide.to(device)[:, :, :d]
+    else:
+        q = q.to(device)
+    return AttentionInputs(
+        meta=AttentionMeta.build(tables, case.seq_lens, case.query_lens, bs, device=device),
+        query=q,
+        k_cache=k_cache.to(dtype).to(device),
+        v_cache=v_cache.to(dtype).to(device),
+        keys=keys,
+        values=values,
+    )
+
+
+def dense_attention(case: AttentionCase, inp: AttentionInputs, scale: float) -> torch.Tensor:
+    """float64 causal attention from the logical K/V, bottom-right aligned."""
+    group = case.num_heads // case.num_kv_heads
+    q_all = inp.query.double().cpu()
+    out = torch.empty(q_all.shape, dtype=torch.float64)
+    row = 0
+    for b, (seq_len, q_len) in enumerate(zip(case.seq_lens, case.query_lens, strict=True)):
+        k = inp.keys[b].double().repeat_interleave(group, 1)  # [seq_len, heads, dim]
+        v = inp.values[b].double().repeat_interleave(group, 1)
+        for i in range(q_len):
+            visible = seq_len - q_len + i + 1
+            s = torch.einsum("hd,khd->hk", q_all[row], k[:visible]) * scale
+            out[row] = torch.einsum("hk,khd->hd", s.softmax(-1), v[:visible])
+            row += 1
+    return out
+
+
+def _new_out(case: AttentionCase, query: torch.Tensor) -> torch.Tensor:
+    if not case.strided:
+        return torch.full_like(query, float("nan"))
+    wide = torch.full((*query.shape[:2], query.shape[2] + 8), float("nan"),
+                      dtype=query.dtype, device=query.device)
+    return wide[:, :, :query.shape[2]]
+
+
+def check_attention(case: AttentionCase, dtype: torch.dtype, device: str,
+                    backend: ops.Backend) -> None:
+    scale = case.head_dim ** -0.5
+    # The reference gathers whole blocks and masks, so it needs finite garbage; the Triton
+    # kernels must never load an unowned row, so NaN garbage proves it.
+    inp = make_attention_inputs(case, dtype, device,
+                                garbage=30.0 if backend == "torch" else float("nan"))
+    out = _new_out(case, inp.query)
+    if backend == "triton" and case.num_splits is not None:
+        from loraplex_kernels.attention_triton import paged_attention_triton
+        paged_attention_triton(inp.query, inp.k_cache, inp.v_cache, inp.meta, scale, out,
+                               num_splits=case.num_splits)
+    else:
+        ops.paged_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta, scale, out,
+                            backend=backend)
+    _close(out, dense_attention(case, inp, scale), f"attention {case} vs float64")
+    if backend != "torch":
+        ref_inp = make_attention_inputs(case, dtype, device, garbage=30.0)
+        ref = _new_out(case, ref_inp.query)
+        ops.paged_attention(ref_inp.query, ref_inp.k_cache, ref_inp.v_cache, ref_inp.meta,
+                            scale, ref, backend="torch")
+        _close(out, ref, f"attention {case} vs reference")
+
+
+def check_store_kv(dtype: torch.dtype, device: str, backend: ops.Backend) -> None:
+    """Writes at shuffled slots, some -1; key/value are strided views; nothing else changes."""
+    g = torch.Generator().manual_seed(3)
+    num_blocks, bs, kvh, d = 5, 8, 2, 24
+    slots = torch.randperm(num_blocks * bs, generator=g)[:13].tolist()
+    slots[2] = slots[7] = slots[12] = -1
+    num_tokens = len(slots)
+    # key and value are column views of one fused buffer, as after a qkv projection
+    kv = torch.randn(num_tokens, 2 * kvh * d + 5, generator=g).to(dtype).to(device)
+    key = kv[:, :kvh * d].view(num_tokens, kvh, d)
+    value = kv[:, kvh * d:2 * kvh * d].view(num_tokens, kvh, d)
+    k_cache = torch.full((num_blocks, bs, kvh, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    ops.store_kv(key, value, k_cache, v_cache, slot_mapping, backend=backend)
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool)
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        written[s] = True
+        assert torch.equal(k_cache[s // bs, s % bs], key[t]), f"key of token {t} not stored"
+        assert torch.equal(v_cache[s // bs, s % bs], value[t]), f"value of token {t} not stored"
+    rest = ~written.to(device)
+    assert bool(k_cache.view(-1, kvh, d)[rest].isnan().all()), "a skipped K slot was written"
+    assert bool(v_cache.view(-1, kvh, d)[rest].isnan().all()), "a skipped V slot was written"
