@@ -149,12 +149,12 @@ def _merge_splits_kernel(
     d_mask = offs_d < head_dim
     part = (b.to(tl.int64) * num_heads + h) * num_splits + offs_s  # [BLOCK_S]
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    l_part = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)  # finite: the first split always holds key 0
     w = tl.exp2(m - m_max)
     acc = tl.load(part_acc_ptr + part[:, None] * head_dim + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
     tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=d_mask)
 

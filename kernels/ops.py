@@ -12,7 +12,7 @@ import torch
 
 from loraplex_kernels.attention_ref import paged_attention_ref, store_kv_ref
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
-from loraplex_kernels.sgmv_ref import sgmv_expand_ref, sgmv_shrink_ref
+from loraplex_kernels.sgmv_ref import add_lora_ref, sgmv_expand_ref, sgmv_shrink_ref
 
 Backend = Literal["torch", "triton"]
 
@@ -47,6 +47,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
              slice_offsets: list[int], backend: Backend | None = None) -> None:
     """``out += LoRA delta`` of every token's slot (shrink then expand)."""
     if not meta.has_lora:
+        return
+    if resolve_backend(x.device, backend) == "torch":
+        # The fused path writes the slices side by side from column 0.
+        assert slice_offsets[0] == 0 and slice_offsets[-1] == out.shape[1], slice_offsets
+        add_lora_ref(out, x, lora_a, lora_b, scales, meta)
         return
     y = torch.zeros(len(lora_a), x.shape[0], lora_a[0].shape[1], dtype=torch.float32
                     if x.dtype == torch.float32 else x.dtype, device=x.device)

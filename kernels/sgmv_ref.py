@@ -46,3 +46,34 @@ def sgmv_expand_ref(
             lo, hi = slice_offsets[k], slice_offsets[k + 1]
             delta = y[k].index_select(0, idx)[:, :rank] @ b[slot, :, :rank].T  # [length, n_k]
             out[:, lo:hi].index_add_(0, idx, delta.to(out.dtype))
+
+
+def add_lora_ref(
+    out: torch.Tensor,  # [num_tokens, sum(slice widths)], accumulated into
+    x: torch.Tensor,  # [num_tokens, hidden]
+    lora_a: list[torch.Tensor],  # per slice: [num_slots, max_rank, hidden]
+    lora_b: list[torch.Tensor],  # per slice: [num_slots, slice_width, max_rank]
+    scales: torch.Tensor,  # [num_slots]
+    meta: SGMVMeta,
+) -> None:
+    """Shrink and expand fused per slot, one scatter per slot: the CPU fast path.
+
+    Same arithmetic as ``sgmv_shrink_ref`` followed by ``sgmv_expand_ref``.
+    """
+    whole = len(meta.active_slots_list) == 1 and meta.seg_lens_list[0] == meta.num_tokens
+    for slot, start, length in zip(meta.active_slots_list, meta.seg_starts_list,
+                                   meta.seg_lens_list, strict=True):
+        rank = meta.slot_ranks_list[slot]
+        if whole:  # every token uses this slot: no gather or scatter needed
+            xs = x
+        else:
+            idx = meta.sorted_token_ids[start:start + length]
+            xs = x.index_select(0, idx)  # [length, hidden]
+        scale = scales[slot]
+        parts = [((xs @ a[slot, :rank].T) * scale) @ b[slot, :, :rank].T
+                 for a, b in zip(lora_a, lora_b, strict=True)]
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [length, out]
+        if whole:
+            out += delta.to(out.dtype)
+        else:
+            out.index_add_(0, idx, delta.to(out.dtype))

@@ -14,11 +14,21 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
 from loraplex.config import LoRAConfig, RegistryConfig
+from loraplex.errors import AdapterError, LoraplexError, ModelLoadError
+from loraplex.registry import db, service
+from loraplex.registry.db import transaction
+from loraplex.registry.names import check_adapter_name
+from loraplex.registry.store import AdapterStore
 
 ENV_DATABASE_URL = "LORAPLEX_DATABASE_URL"
 ENV_ADAPTER_DIR = "LORAPLEX_ADAPTER_DIR"
@@ -128,15 +138,11 @@ def _guarded(handler: Handler) -> Handler:
     """Turns expected failures into one line on stderr and exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
-        import sqlalchemy.exc
-
-        from loraplex.errors import LoraplexError
-
         try:
             return handler(args)
         except LoraplexError as exc:
             print(f"error: {exc}", file=sys.stderr)
-        except sqlalchemy.exc.SQLAlchemyError as exc:
+        except sa_exc.SQLAlchemyError as exc:
             print(f"error: database: {_one_line(exc)}", file=sys.stderr)
         except OSError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -145,29 +151,28 @@ def _guarded(handler: Handler) -> Handler:
     return run
 
 
-def _session_factory(args: argparse.Namespace, *, check: bool = True) -> Any:
-    from loraplex.registry.db import check_schema, make_engine, make_session_factory
-
-    engine = make_engine(registry_config_from_args(args).database_url)
-    if check:
-        check_schema(engine)
-    return make_session_factory(engine)
+@contextmanager
+def _sessions(args: argparse.Namespace) -> Iterator[sessionmaker[Session]]:
+    """A session factory on the configured database (migrated to head), disposed of when the
+    command ends."""
+    engine = db.make_engine(registry_config_from_args(args).database_url)
+    try:
+        db.check_schema(engine)
+        yield db.make_session_factory(engine)
+    finally:
+        engine.dispose()
 
 
 # --- db ----------------------------------------------------------------------------------
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    from loraplex.registry import db
-
     url = registry_config_from_args(args).database_url
     db.upgrade(url, args.revision)
     return _db_report(args, url, "upgraded")
 
 
 def _db_downgrade(args: argparse.Namespace) -> int:
-    from loraplex.registry import db
-
     url = registry_config_from_args(args).database_url
     db.downgrade(url, args.revision)
     return _db_report(args, url, "downgraded")
@@ -178,10 +183,6 @@ def _db_current(args: argparse.Namespace) -> int:
 
 
 def _db_report(args: argparse.Namespace, url: str, action: str | None) -> int:
-    from sqlalchemy.engine import make_url
-
-    from loraplex.registry import db
-
     engine = db.make_engine(url)
     try:
         current = db.current_revision(engine)
@@ -200,10 +201,7 @@ def _db_report(args: argparse.Namespace, url: str, action: str | None) -> int:
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
-    with transaction(_session_factory(args)) as session:
+    with _sessions(args) as factory, transaction(factory) as session:
         tenant = service.create_tenant(
             session, args.name, max_requests_per_minute=args.rpm,
             max_tokens_per_minute=args.tpm, max_concurrent_requests=args.max_concurrency)
@@ -213,10 +211,7 @@ def _tenants_create(args: argparse.Namespace) -> int:
 
 
 def _tenants_list(args: argparse.Namespace) -> int:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
-    with transaction(_session_factory(args)) as session:
+    with _sessions(args) as factory, transaction(factory) as session:
         data = [_tenant_json(t) for t in service.list_tenants(session)]
     _emit(args, data, lambda: _print_table(data, (
         "id", "name", "status", "max_requests_per_minute", "max_tokens_per_minute",
@@ -228,10 +223,7 @@ def _tenants_list(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
-    with transaction(_session_factory(args)) as session:
+    with _sessions(args) as factory, transaction(factory) as session:
         tenant = service.get_tenant_by_name(session, args.tenant)
         row, plaintext = service.create_key(session, tenant.id,
                                             role="admin" if args.admin else "tenant",
@@ -239,7 +231,7 @@ def _keys_create(args: argparse.Namespace) -> int:
         data = _key_json(row, tenant.name) | {"key": plaintext}
 
     def text() -> None:
-        print(f"created {data['role']} key {data['id']} for tenant {data['tenant']}; "
+        print(f"created key {data['id']} (role {data['role']}) for tenant {data['tenant']}; "
               "it is shown only this once:", file=sys.stderr)
         print(plaintext)
 
@@ -248,10 +240,7 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
-    with transaction(_session_factory(args)) as session:
+    with _sessions(args) as factory, transaction(factory) as session:
         row = service.revoke_key(session, args.id)
         data = _key_json(row, row.tenant.name)
     _emit(args, data, lambda: print(f"revoked key {data['id']} ({data['prefix']}…)"))
@@ -259,10 +248,7 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 
 
 def _keys_list(args: argparse.Namespace) -> int:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
-    with transaction(_session_factory(args)) as session:
+    with _sessions(args) as factory, transaction(factory) as session:
         tenant_id = (service.get_tenant_by_name(session, args.tenant).id
                      if args.tenant else None)
         data = [_key_json(k, k.tenant.name) for k in service.list_keys(session, tenant_id)]
@@ -275,52 +261,50 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 
 def _adapters_add(args: argparse.Namespace) -> int:
-    from loraplex.errors import AdapterError, LoraplexError
+    # Lazy: the loader pulls in torch, which no other registry command needs.
     from loraplex.model.adapter_loader import TargetShapes, validate_adapter_dir
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-    from loraplex.registry.names import check_adapter_name
-    from loraplex.registry.store import AdapterStore
 
     config = registry_config_from_args(args)
     model_dir = str(Path(model_dir_from_args(args)).expanduser().resolve())
-    factory = _session_factory(args)
     check_adapter_name(args.name)
-    with transaction(factory) as session:  # fail fast, before copying any file
-        service.get_tenant_by_name(session, args.tenant)
-    target = TargetShapes.from_model_dir(model_dir)
-    store = AdapterStore(config.adapter_dir)
-    # Copy first, then validate the stored copy: what was checked is exactly what is served.
-    stored = store.put_dir(args.dir)
-    try:
-        adapter = validate_adapter_dir(stored.path, target, args.max_lora_rank)
-        if adapter.digest != stored.digest:
-            raise AdapterError(f"digest mismatch after copy ({adapter.digest[:12]} != "
-                               f"{stored.digest[:12]}); the source changed, retry")
-        # The files are in place: only now is the row written and committed.
-        with transaction(factory) as session:
-            tenant = service.get_tenant_by_name(session, args.tenant)
-            row = service.register_adapter(
-                session, tenant_id=tenant.id, name=args.name, digest=stored.digest,
-                size_bytes=stored.size, storage_path=stored.relative_path,
-                base_model=model_dir, rank=adapter.rank, alpha=adapter.alpha,
-                use_rslora=adapter.use_rslora, target_modules=list(adapter.target_modules),
-                visibility="public" if args.public else "private")
-            data = _adapter_json(row, tenant.name)
-    except (LoraplexError, Exception):
-        if stored.created:
-            _discard_unreferenced(factory, store, stored.digest)
-        raise
+    with _sessions(args) as factory:
+        with transaction(factory) as session:  # fail fast, before copying any file
+            service.get_tenant_by_name(session, args.tenant)
+        try:
+            target = TargetShapes.from_model_dir(model_dir)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{exc} (the base model adapters are checked against: "
+                                 f"pass --model DIR or set {ENV_MODEL})") from exc
+        store = AdapterStore(config.adapter_dir)
+        # Copy first, then validate the stored copy: what was checked is what is served.
+        stored = store.put_dir(args.dir)
+        try:
+            adapter = validate_adapter_dir(stored.path, target, args.max_lora_rank)
+            if adapter.digest != stored.digest:
+                # Both hash the same immutable file: a mismatch is a bug, never served.
+                raise AdapterError(f"the loader's digest {adapter.digest[:12]} differs from "
+                                   f"the store's {stored.digest[:12]}")
+            # The files are in place: only now is the row written and committed.
+            with transaction(factory) as session:
+                tenant = service.get_tenant_by_name(session, args.tenant)
+                row = service.register_adapter(
+                    session, tenant_id=tenant.id, name=args.name, digest=stored.digest,
+                    size_bytes=stored.size, storage_path=stored.relative_path,
+                    base_model=model_dir, rank=adapter.rank, alpha=adapter.alpha,
+                    use_rslora=adapter.use_rslora, target_modules=list(adapter.target_modules),
+                    visibility="public" if args.public else "private")
+                data = _adapter_json(row, tenant.name)
+        except BaseException:
+            if stored.created:
+                _discard_unreferenced(factory, store, stored.digest)
+            raise
     _emit(args, data, lambda: print(
         f"added {data['model']} version {data['version']} ({data['visibility']}), "
         f"identity {data['identity']}"))
     return 0
 
 
-def _discard_unreferenced(factory: Any, store: Any, digest: str) -> None:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
+def _discard_unreferenced(factory: sessionmaker[Session], store: AdapterStore, digest: str) -> None:
     try:
         with transaction(factory) as session:
             if service.is_digest_referenced(session, digest):
@@ -331,10 +315,7 @@ def _discard_unreferenced(factory: Any, store: Any, digest: str) -> None:
 
 
 def _adapters_list(args: argparse.Namespace) -> int:
-    from loraplex.registry import service
-    from loraplex.registry.db import transaction
-
-    with transaction(_session_factory(args)) as session:
+    with _sessions(args) as factory, transaction(factory) as session:
         if args.tenant:
             tenant = service.get_tenant_by_name(session, args.tenant)
             rows = (service.list_adapters(session, tenant.id, include_deleted=True)

@@ -148,3 +148,40 @@ def build_adapter(
     data["base_model_name_or_path"] = str(base_dir)
     cfg_path.write_text(json.dumps(data, indent=2))
     return out
+
+
+def load_reference(base_dir: str | Path, adapter_dir: str | Path | None = None) -> Any:
+    """The oracle: HF transformers (+ PEFT when an adapter is given), float32, eval mode."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir),
+                                                              dtype=torch.float32)
+    if adapter_dir is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter_dir))
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
+                     adapter_names: Sequence[str] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy token ids (EOS ignored) and the first step's logits [vocab], by the oracle.
+
+    Recomputes the whole sequence each step: slow but free of any cache subtleties.
+    """
+    ids = list(prompt_ids)
+    first_logits = None
+    out: list[int] = []
+    kwargs: dict[str, Any] = {}
+    if adapter_names is not None:
+        kwargs["adapter_names"] = list(adapter_names)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids]), **kwargs).logits[0, -1]
+        if first_logits is None:
+            first_logits = logits.clone()
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+    assert first_logits is not None
+    return out, first_logits

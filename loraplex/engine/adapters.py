@@ -36,13 +36,11 @@ class AdapterStats:
 class AdapterManager:
     def __init__(self, max_loras: int, max_cpu_loras: int,
                  load_from_disk: Callable[[AdapterRef], Any],
-                 install: Callable[[int, Any], None],
-                 rank_of: Callable[[Any], int] = lambda a: int(a.rank)) -> None:
+                 install: Callable[[int, Any], None]) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self._load_from_disk = load_from_disk
         self._install = install
-        self._rank_of = rank_of
         self._slots: list[AdapterKey | None] = [None] * max_loras
         self._pins = [0] * max_loras
         self._slot_of: dict[AdapterKey, int] = {}
@@ -91,11 +89,15 @@ class AdapterManager:
         start = time.perf_counter()
         try:
             adapter = self._load_from_disk(ref)
-        except AdapterError as exc:
+        except Exception as exc:
+            # Any failure (a bad file, or one deleted mid-read) is remembered for the
+            # scheduler to report; a waiting request must never hang on it.
+            error = exc if isinstance(exc, AdapterError) else AdapterError(
+                f"cannot load adapter {ref.adapter_id!r}: {exc}")
             with self._lock:
-                self._failed[ref.key] = exc
+                self._failed[ref.key] = error
                 self._loading.pop(ref.key, None)
-            raise
+            raise error from exc
         with self._lock:
             self.num_disk_loads += 1
             self.total_load_seconds += time.perf_counter() - start

@@ -24,9 +24,7 @@ _HASH_DOMAIN = b"loraplex.kv.block.v1"
 _TOKEN_FORMAT = "<q"
 
 
-def extra_keys_for(
-    adapter: tuple[str, str] | None, cache_salt: str | None
-) -> tuple[ExtraKey, ...]:
+def extra_keys_for(adapter: tuple[str, str] | None, cache_salt: str | None) -> tuple[ExtraKey, ...]:
     """The extra keys of a request's blocks: its adapter identity and its cache salt.
 
     ``adapter`` is ``(adapter_id, content_digest)``; ``None`` means the base model. Every
@@ -294,11 +292,15 @@ class KVCacheManager:
             current_ids: list[int] = list(claimed_ids)
         else:
             if cached is not None and cached.block_ids:
-                raise ValueError(f"request {request_id!r} already has blocks; cached is "
-                                 "only accepted on the first call")
+                raise ValueError(
+                    f"request {request_id!r} already has blocks; cached is "
+                    "only accepted on the first call"
+                )
             if keys and keys != request.extra_keys:
-                raise ValueError(f"extra keys of request {request_id!r} changed: "
-                                 f"{request.extra_keys!r} -> {keys!r}")
+                raise ValueError(
+                    f"extra keys of request {request_id!r} changed: "
+                    f"{request.extra_keys!r} -> {keys!r}"
+                )
             current_ids = request.block_ids
 
         end = num_computed_tokens + num_new_tokens
@@ -312,7 +314,7 @@ class KVCacheManager:
         if num_new_tokens > 0:
             first = num_computed_tokens // self.block_size
             last = min(len(current_ids), self._num_blocks_for(end))
-            cow_indices = [i for i in range(first, last) if False]
+            cow_indices = [i for i in range(first, last) if self._ref_counts[current_ids[i]] > 1]
         # claimed ref-0 blocks leave the allocatable pool too
         num_claimed_idle = sum(1 for b in claimed_ids if self._ref_counts[b] == 0)
         if num_new_blocks + len(cow_indices) + num_claimed_idle > self.num_free_blocks():
@@ -323,7 +325,9 @@ class KVCacheManager:
             for block_id in claimed_ids:
                 self._incref(block_id)
             request = _RequestBlocks(
-                block_ids=current_ids, num_tokens=0, extra_keys=keys,
+                block_ids=current_ids,
+                num_tokens=0,
+                extra_keys=keys,
                 block_hashes=claimed_hashes,
             )
             self._requests[request_id] = request
@@ -362,8 +366,10 @@ class KVCacheManager:
         for block_id in parent.block_ids:
             self._incref(block_id)
         self._requests[child_id] = _RequestBlocks(
-            block_ids=list(parent.block_ids), num_tokens=parent.num_tokens,
-            extra_keys=parent.extra_keys, block_hashes=list(parent.block_hashes),
+            block_ids=list(parent.block_ids),
+            num_tokens=parent.num_tokens,
+            extra_keys=parent.extra_keys,
+            block_hashes=list(parent.block_hashes),
         )
         self._num_live_blocks += len(parent.block_ids)
         self._num_live_tokens += parent.num_tokens
@@ -411,8 +417,10 @@ class KVCacheManager:
         del self._requests[request_id]
         self._release_device_blocks(request)
         self._swapped[request_id] = _SwappedRequest(
-            host_block_ids=[host_id for _, host_id in pairs], num_tokens=request.num_tokens,
-            extra_keys=request.extra_keys, block_hashes=request.block_hashes,
+            host_block_ids=[host_id for _, host_id in pairs],
+            num_tokens=request.num_tokens,
+            extra_keys=request.extra_keys,
+            block_hashes=request.block_hashes,
         )
         return pairs
 
@@ -432,8 +440,10 @@ class KVCacheManager:
         # the fresh blocks are not registered: their hashes most likely still point at the
         # device blocks swap_out released into the cached queue
         self._requests[request_id] = _RequestBlocks(
-            block_ids=[device_id for _, device_id in pairs], num_tokens=swapped.num_tokens,
-            extra_keys=swapped.extra_keys, block_hashes=swapped.block_hashes,
+            block_ids=[device_id for _, device_id in pairs],
+            num_tokens=swapped.num_tokens,
+            extra_keys=swapped.extra_keys,
+            block_hashes=swapped.block_hashes,
         )
         self._num_live_blocks += len(pairs)
         self._num_live_tokens += swapped.num_tokens
@@ -501,63 +511,78 @@ class KVCacheManager:
         expected_refs = [0] * self.num_blocks
         for request_id, request in self._requests.items():
             assert len(set(request.block_ids)) == len(request.block_ids), (
-                f"request {request_id!r} holds a block twice: {request.block_ids}")
+                f"request {request_id!r} holds a block twice: {request.block_ids}"
+            )
             for block_id in request.block_ids:
                 expected_refs[block_id] += 1
             assert request.num_tokens <= len(request.block_ids) * self.block_size, (
                 f"request {request_id!r}: {request.num_tokens} tokens in "
-                f"{len(request.block_ids)} blocks")
+                f"{len(request.block_ids)} blocks"
+            )
             assert len(request.block_hashes) <= len(request.block_ids), (
-                f"request {request_id!r}: more hashes than blocks")
+                f"request {request_id!r}: more hashes than blocks"
+            )
             for index, request_hash in enumerate(request.block_hashes):
                 registered = self._block_hashes[request.block_ids[index]]
                 assert registered is None or registered == request_hash, (
-                    f"request {request_id!r} block {index}: registered hash differs")
+                    f"request {request_id!r} block {index}: registered hash differs"
+                )
         assert self._requests.keys().isdisjoint(self._swapped.keys()), (
-            "a request is both live and swapped")
+            "a request is both live and swapped"
+        )
 
         free_ids = set(self._free_ids)
         assert len(free_ids) == len(self._free_ids), "a block is twice in the free queue"
         cached_ids = set(self._cached_free_ids)
         assert free_ids.isdisjoint(cached_ids), (
-            f"blocks both free and cached: {sorted(free_ids & cached_ids)}")
+            f"blocks both free and cached: {sorted(free_ids & cached_ids)}"
+        )
         for block_id in range(self.num_blocks):
             ref = self._ref_counts[block_id]
             assert ref == expected_refs[block_id], (
-                f"block {block_id}: ref count {ref}, held by {expected_refs[block_id]} tables")
+                f"block {block_id}: ref count {ref}, held by {expected_refs[block_id]} tables"
+            )
             places = (ref > 0) + (block_id in free_ids) + (block_id in cached_ids)
             assert places == 1, (
                 f"block {block_id} is in {places} places (ref={ref}, "
-                f"free={block_id in free_ids}, cached={block_id in cached_ids})")
+                f"free={block_id in free_ids}, cached={block_id in cached_ids})"
+            )
             block_hash = self._block_hashes[block_id]
             assert (block_hash is None) == (self._block_keys[block_id] is None), (
-                f"block {block_id}: hash and key disagree")
+                f"block {block_id}: hash and key disagree"
+            )
             if block_hash is not None:
                 assert self._hash_to_block.get(block_hash) == block_id, (
-                    f"block {block_id}: its hash maps elsewhere")
+                    f"block {block_id}: its hash maps elsewhere"
+                )
             if block_id in free_ids:
                 assert block_hash is None, f"free block {block_id} still has a hash"
             if block_id in cached_ids:
                 assert block_hash is not None, f"cached block {block_id} has no hash"
         for block_hash, block_id in self._hash_to_block.items():
             assert self._block_hashes[block_id] == block_hash, (
-                f"hash map points at block {block_id}, which has another hash")
+                f"hash map points at block {block_id}, which has another hash"
+            )
         assert not self._hash_to_block or self.enable_prefix_caching, (
-            "blocks registered while prefix caching is off")
+            "blocks registered while prefix caching is off"
+        )
 
         num_live_blocks = sum(len(r.block_ids) for r in self._requests.values())
         num_live_tokens = sum(r.num_tokens for r in self._requests.values())
         assert self._num_live_blocks == num_live_blocks, (
-            f"live block sum {self._num_live_blocks} != {num_live_blocks}")
+            f"live block sum {self._num_live_blocks} != {num_live_blocks}"
+        )
         assert self._num_live_tokens == num_live_tokens, (
-            f"live token sum {self._num_live_tokens} != {num_live_tokens}")
+            f"live token sum {self._num_live_tokens} != {num_live_tokens}"
+        )
 
         host_ids = list(self._free_host_ids)
         for swapped in self._swapped.values():
             host_ids.extend(swapped.host_block_ids)
             assert swapped.num_tokens <= len(swapped.host_block_ids) * self.block_size
         assert sorted(host_ids) == list(range(self.num_host_blocks)), (
-            "host blocks leaked or held twice")
+            "host blocks leaked or held twice"
+        )
 
     # ---- internals -----------------------------------------------------------------------
 

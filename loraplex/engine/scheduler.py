@@ -234,13 +234,20 @@ class Scheduler:
             if self.kv.allocate_slots(request.request_id, request.all_token_ids, num_computed,
                                       num_new, request.extra_keys, cached) is None:
                 break  # out of blocks: admit nothing more this step (keeps FCFS order)
+            try:
+                slot = self._pin(request)
+            except AdapterError as exc:  # the host copy went and the reload failed
+                self.kv.free(request.request_id)
+                self.waiting.remove(request)
+                out.failed.append((request, exc))
+                continue
             request.num_computed_tokens = num_computed
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
-            out.scheduled.append(ScheduledSeq(request, num_new, self._pin(request)))
+            out.scheduled.append(ScheduledSeq(request, num_new, slot))
             budget -= num_new
 
     def _allocate(self, request: Request, num_new: int) -> list[int] | None:

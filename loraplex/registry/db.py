@@ -115,22 +115,26 @@ def alembic_config(engine: Engine) -> Any:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Migrates the database at ``url`` up to ``revision``."""
-    from alembic import command
-
-    engine = make_engine(url)
-    try:
-        command.upgrade(alembic_config(engine), revision)
-    finally:
-        engine.dispose()
+    _migrate(url, revision, up=True)
 
 
 def downgrade(url: str, revision: str) -> None:
     """Migrates the database at ``url`` down to ``revision`` (``base`` drops everything)."""
+    _migrate(url, revision, up=False)
+
+
+def _migrate(url: str, revision: str, *, up: bool) -> None:
     from alembic import command
+    from alembic.util.exc import CommandError
 
     engine = make_engine(url)
     try:
-        command.downgrade(alembic_config(engine), revision)
+        if up:
+            command.upgrade(alembic_config(engine), revision)
+        else:
+            command.downgrade(alembic_config(engine), revision)
+    except CommandError as exc:  # e.g. an unknown revision: the user's input, not a bug
+        raise ConfigError(f"migration failed: {exc}") from exc
     finally:
         engine.dispose()
 

@@ -8,7 +8,7 @@ production; a test compares the two so they cannot drift apart.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Final
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
@@ -213,11 +213,3 @@ class Usage(Base):
         return (f"Usage(tenant_id={self.tenant_id!r}, adapter_id={self.adapter_id!r}, "
                 f"hour={self.hour.isoformat()!r}, requests={self.requests!r})")
 
-
-def model_to_dict(obj: Base) -> dict[str, Any]:
-    """Column values of a row, for JSON output (timestamps as ISO 8601 strings)."""
-    out: dict[str, Any] = {}
-    for column in obj.__table__.columns:
-        value = getattr(obj, column.key)
-        out[column.key] = value.isoformat() if isinstance(value, datetime) else value
-    return out

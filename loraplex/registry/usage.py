@@ -16,7 +16,8 @@ from loraplex.registry.models import Usage
 _usage = cast(sa.Table, Usage.__table__)
 # Must match the expression of the unique index uq_usage_tenant_adapter_hour exactly, or
 # PostgreSQL cannot infer the conflict target; written as text for that reason.
-_CONFLICT_TARGET: list[Any] = [_usage.c.tenant_id, sa.text("coalesce(adapter_id, 0)"), _usage.c.hour]
+_CONFLICT_TARGET: list[Any] = [_usage.c.tenant_id, sa.text("coalesce(adapter_id, 0)"),
+                               _usage.c.hour]
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,6 @@ def usage_totals(
         stmt = stmt.where(Usage.hour >= hour_start(since))
     if until is not None:
         stmt = stmt.where(Usage.hour < _aware(until))
-    requests, prompt, completion = session.execute(stmt).one().tuple()
+    requests, prompt, completion = session.execute(stmt).one()
     return UsageTotals(requests=int(requests), prompt_tokens=int(prompt),
                        completion_tokens=int(completion))

@@ -57,7 +57,7 @@ def test_expand_add_lora(dtype: torch.dtype) -> None:
     hidden=st.integers(1, 80),
     widths=st.lists(st.integers(1, 70), min_size=1, max_size=3),
 )
-def test_expand_shrink_random_batches(slots: list[int], ranks: list[int], hidden: int,
+def test_sgmv_random_batches(slots: list[int], ranks: list[int], hidden: int,
                                       widths: list[int]) -> None:
     case = SGMVCase("random", tuple(slots), tuple(ranks), hidden, tuple(widths))
     check_shrink(case, torch.float32, "cpu", "triton")

@@ -181,11 +181,13 @@ def check_expand(case: SGMVCase, dtype: torch.dtype, device: str,
 
 
 def check_add_lora(case: SGMVCase, dtype: torch.dtype, device: str,
-                   backend: ops.Backend) -> None:
+                   backend: ops.Backend | None) -> None:
     """Shrink then expand through the public entry point, against float64."""
     inp = make_sgmv_inputs(case, dtype, device)
     g = torch.Generator().manual_seed(2)
-    out0 = torch.randn(len(case.token_slots), inp.out_width, generator=g).to(dtype).to(device)
+    # As in the model: the slices tile the whole output (the CPU fast path relies on it).
+    width = inp.slice_offsets[-1]
+    out0 = torch.randn(len(case.token_slots), width, generator=g).to(dtype).to(device)
     out = out0.clone()
     ops.add_lora(out, inp.x, inp.lora_a, inp.lora_b, inp.scales, inp.meta, inp.slice_offsets,
                  backend=backend)

@@ -11,6 +11,7 @@ from kernel_cases import (
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
+    SGMVInputs,
     check_add_lora,
     check_attention,
     check_expand,
@@ -79,7 +80,7 @@ def test_dispatch_picks_triton_on_cuda_only() -> None:
 # in-process without the interpreter.
 
 
-def _sgmv() -> tuple[SGMVCase, object]:
+def _sgmv() -> tuple[SGMVCase, SGMVInputs]:
     case = SGMV_CASES[2]
     return case, make_sgmv_inputs(case, torch.float32, "cpu")
 
@@ -135,9 +136,12 @@ def test_attention_launchers_reject_bad_inputs() -> None:
     inp = make_attention_inputs(case, torch.float32, "cpu", garbage=0.0)
     out = torch.empty_like(inp.query)
     scale = case.head_dim ** -0.5
+    with pytest.raises(AssertionError, match="out dtype"):
+        paged_attention_triton(inp.query, inp.k_cache, inp.v_cache, inp.meta, scale,
+                               out.half())
     with pytest.raises(AssertionError, match="cache dtype"):
-        paged_attention_triton(inp.query.half(), inp.k_cache.half(), inp.v_cache.half(),
-                               inp.meta, scale, out.half().to(torch.int32))
+        paged_attention_triton(inp.query, inp.k_cache.int(), inp.v_cache.int(), inp.meta,
+                               scale, out)
     with pytest.raises(AssertionError, match="not a multiple of num_kv_heads"):
         paged_attention_triton(inp.query[:, :3], inp.k_cache, inp.v_cache, inp.meta, scale,
                                out[:, :3])

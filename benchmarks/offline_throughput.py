@@ -1,0 +1,524 @@
+"""Offline throughput: one multi-adapter workload through three systems, in one run.
+
+(a) HF transformers + PEFT, one request at a time (``generate`` with KV cache, the
+    request's adapter made active with ``set_adapter``);
+(b) HF + PEFT static batches, left-padded, one adapter per row through PEFT's mixed-batch
+    ``adapter_names``; each batch generates to its longest requested output;
+(c) loraplex's offline ``LLM.generate`` (continuous batching, paged KV, per-token LoRA).
+
+Only requested output tokens count (padding and the extra tokens of a static batch do
+not). Every system decodes greedily and ignores EOS, so it produces exactly the requested
+lengths. Loading the model and reading adapters from disk happen before the clock starts,
+for every system; installing adapters into loraplex's device slots is timed.
+
+(a) and (b) are slow, so all three run the first ``--peer-requests`` requests of the
+workload (the headline ratios); (c) also runs the whole workload, with 1, 20 and 100
+adapters (same prompts and lengths), and with the base model only.
+
+    python benchmarks/offline_throughput.py            # the full run (~25 min, 2 cores)
+    python benchmarks/offline_throughput.py --quick    # a smoke run (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from _workload import (  # noqa: E402
+    WorkItem,
+    WorkloadSpec,
+    ensure_adapters,
+    make_workload,
+    num_output_tokens,
+    num_prompt_tokens,
+    with_adapters,
+)
+
+SYSTEM_LABELS = {
+    "a": "HF+PEFT, one at a time",
+    "b": "HF+PEFT, static mixed batches",
+    "c": "loraplex",
+}
+
+
+@dataclass
+class RunResult:
+    name: str
+    system: str  # "a", "b" or "c"
+    workload: str  # "peer subset" or "full"
+    num_requests: int
+    num_adapters: int  # distinct adapters the workload draws from (0: base model only)
+    num_output_tokens: int
+    num_prompt_tokens: int
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def quiet_hf() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore")
+
+
+# --- (a) and (b): HF transformers + PEFT ------------------------------------------------
+
+
+class HFPeer:
+    """One PeftModel with every adapter loaded, shared by (a) and (b)."""
+
+    def __init__(self, model_dir: str, adapter_paths: Sequence[Path], pad_id: int) -> None:
+        import peft
+        import transformers
+
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.names = [f"lora-{i}" for i in range(len(adapter_paths))]
+        model = peft.PeftModel.from_pretrained(base, str(adapter_paths[0]),
+                                               adapter_name=self.names[0])
+        for name, path in zip(self.names[1:], adapter_paths[1:], strict=True):
+            model.load_adapter(str(path), adapter_name=name)
+        self.model = model.eval()
+        self.pad_id = pad_id
+
+    def _config(self, num_new: int) -> Any:
+        import transformers
+
+        # No EOS: generation runs to max_new_tokens, exactly like loraplex's ignore_eos.
+        return transformers.GenerationConfig(
+            do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
+            eos_token_id=None, pad_token_id=self.pad_id, bos_token_id=None)
+
+    @torch.inference_mode()
+    def one(self, item: WorkItem) -> list[int]:
+        ids = torch.tensor([item.prompt_ids])
+        kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      generation_config=self._config(item.max_tokens))
+        if item.adapter is None:
+            with self.model.disable_adapter():
+                out = self.model.generate(**kwargs)
+        else:
+            self.model.set_adapter(self.names[item.adapter])
+            out = self.model.generate(**kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    @torch.inference_mode()
+    def batch(self, items: Sequence[WorkItem]) -> list[list[int]]:
+        width = max(len(w.prompt_ids) for w in items)
+        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, w in enumerate(items):  # left padding
+            ids[row, width - len(w.prompt_ids):] = torch.tensor(w.prompt_ids)
+            mask[row, width - len(w.prompt_ids):] = 1
+        names = [self.names[w.adapter] if w.adapter is not None else "__base__" for w in items]
+        num_new = max(w.max_tokens for w in items)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, adapter_names=names,
+                                  generation_config=self._config(num_new))
+        return [out[row, width:width + w.max_tokens].tolist() for row, w in enumerate(items)]
+
+
+def run_hf_single(peer: HFPeer, items: Sequence[WorkItem], label: str) -> tuple[float, Any]:
+    from tqdm import tqdm
+
+    peer.one(WorkItem(-1, items[0].prompt_ids[:16], 4, items[0].adapter))  # warm-up
+    outputs = []
+    start = time.perf_counter()
+    for item in tqdm(items, desc=label, unit="req", file=sys.stderr, leave=False):
+        outputs.append(peer.one(item))
+    return time.perf_counter() - start, outputs
+
+
+def run_hf_batched(peer: HFPeer, items: Sequence[WorkItem], batch_size: int,
+                   label: str) -> tuple[float, Any]:
+    from tqdm import tqdm
+
+    peer.batch([WorkItem(-1, w.prompt_ids[:16], 4, w.adapter) for w in items[:2]])  # warm-up
+    batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for b in tqdm(batches, desc=label, unit="batch", file=sys.stderr, leave=False):
+        outputs.extend(peer.batch(b))
+    return time.perf_counter() - start, outputs
+
+
+# --- (c): loraplex ----------------------------------------------------------------------
+
+
+class LoraplexSystem:
+    def __init__(self, model_dir: str, adapter_paths: Sequence[Path], args: argparse.Namespace,
+                 max_len: int) -> None:
+        from loraplex import LLM, LoRARequest
+
+        block_size = 16
+        blocks_per_seq = -(-max_len // block_size)
+        self.config = dict(dtype="float32", max_loras=args.max_loras, max_lora_rank=32,
+                           max_cpu_loras=max(128, len(adapter_paths)),
+                           num_kv_blocks=args.max_num_seqs * blocks_per_seq + 64,
+                           max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_prefix_caching=True)
+        self.llm = LLM(model=model_dir, progress=False, **self.config)  # type: ignore[arg-type]
+        self.loras = [LoRARequest(f"lora-{i}", str(p)) for i, p in enumerate(adapter_paths)]
+        self.num_runs = 0
+
+    def warm_host_cache(self, num_adapters: int) -> None:
+        """Reads adapters from disk into the host cache (the HF peers load theirs up front)."""
+        for lr in self.loras[:num_adapters]:
+            self.llm.engine.adapters.load_now(lr.to_ref())
+
+    def generate(self, items: Sequence[WorkItem], profile: Path | None = None,
+                 ) -> tuple[float, list[list[int]], dict[str, Any]]:
+        from loraplex import SamplingParams
+
+        self.num_runs += 1
+        # A salt per run: the same prompts in another run must not hit the prefix cache.
+        salt = f"run-{self.num_runs}"
+        warm = [w.prompt_ids[:16] for w in items[:2]]
+        self.llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                          [self._lora(w) for w in items[:2]], cache_salt=f"warm-{salt}")
+        before = self.llm.stats()
+        params = [SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
+                  for w in items]
+        prompts = [w.prompt_ids for w in items]
+        loras = [self._lora(w) for w in items]
+        profiler = cProfile.Profile() if profile is not None else None
+        start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        outs = self.llm.generate(prompts, params, loras, cache_salt=salt)
+        if profiler is not None:
+            profiler.disable()
+        seconds = time.perf_counter() - start
+        if profiler is not None and profile is not None:
+            profiler.dump_stats(str(profile))
+        after = self.llm.stats()
+        keys = ("num_steps", "num_preemptions", "adapter_slot_loads", "adapter_slot_evictions",
+                "adapter_disk_loads")
+        delta = {k: after[k] - before[k] for k in keys}
+        delta["adapter_load_seconds"] = round(after["adapter_load_seconds"]
+                                              - before["adapter_load_seconds"], 3)
+        delta["output_tokens_per_step"] = round(
+            num_output_tokens(items) / max(1, delta["num_steps"]), 1)
+        return seconds, [o.outputs[0].token_ids for o in outs], delta
+
+    def _lora(self, item: WorkItem) -> Any:
+        return None if item.adapter is None else self.loras[item.adapter]
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def check_lengths(name: str, items: Sequence[WorkItem], outputs: Sequence[Sequence[int]]) -> None:
+    bad = [w.index for w, o in zip(items, outputs, strict=True) if len(o) != w.max_tokens]
+    if bad:
+        raise SystemExit(f"{name}: wrong output lengths for requests {bad[:10]}")
+
+
+def agreement(ref: Sequence[Sequence[int]], other: Sequence[Sequence[int]],
+              prefix: int = 16) -> float:
+    """Share of requests whose first ``prefix`` greedy tokens are identical."""
+    same = sum(1 for r, o in zip(ref, other, strict=True) if list(r[:prefix]) == list(o[:prefix]))
+    return same / max(1, len(ref))
+
+
+def machine_info() -> dict[str, Any]:
+    import peft
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "os_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF model folder (default: the demo model, prepared if needed)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--num-adapters", type=int, default=20)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="a,b,c", help="comma-separated subset of a,b,c")
+    p.add_argument("--peer-requests", type=int, default=32,
+                   help="first K requests: the workload all three systems run")
+    p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of (b)")
+    p.add_argument("--adapter-sweep", default="1,20,100",
+                   help="adapter counts for (c) on the full workload ('' to skip)")
+    p.add_argument("--no-base-only", action="store_true",
+                   help="skip (c) on the full workload with the base model only")
+    p.add_argument("--max-loras", type=int, default=16, help="loraplex device adapter slots")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-dir", help="where benchmark adapters are cached")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile loraplex's full-workload run; stats written next to --out")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 48 requests, prompts <= 256, outputs <= 64, 8 peer requests")
+    p.add_argument("--out", default="docs/benchmarks/offline_throughput",
+                   help="output path without extension: writes .json and .png")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests = min(args.num_requests, 48)
+        args.max_prompt = min(args.max_prompt, 256)
+        args.max_output = min(args.max_output, 64)
+        args.peer_requests = min(args.peer_requests, 8)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not set(args.systems) <= set(SYSTEM_LABELS):
+        p.error(f"--systems must be drawn from a,b,c; got {args.systems}")
+    args.adapter_sweep = [int(x) for x in args.adapter_sweep.split(",") if x.strip()]
+    return args
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    from loraplex.model.demo import prepare_demo_model
+
+    return str(prepare_demo_model(progress=True))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    quiet_hf()
+    started = time.perf_counter()
+    model_dir = resolve_model(args.model)
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    spec = WorkloadSpec(args.num_requests, args.num_adapters, args.min_prompt, args.max_prompt,
+                        args.min_output, args.max_output, args.zipf, args.seed)
+    workload = make_workload(spec, vocab, tokenizer.all_special_ids)
+    subset = workload[:args.peer_requests]
+    sweep = sorted(set(args.adapter_sweep) | {args.num_adapters}) if "c" in args.systems \
+        else [args.num_adapters]
+    adapter_paths = ensure_adapters(model_dir, max(sweep), args.cache_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    log(f"model {model_dir}; workload: {len(workload)} requests, "
+        f"{num_prompt_tokens(workload)} prompt / {num_output_tokens(workload)} output tokens, "
+        f"{args.num_adapters} adapters; peer subset: {len(subset)} requests, "
+        f"{num_output_tokens(subset)} output tokens")
+
+    results: list[RunResult] = []
+    outputs: dict[str, list[list[int]]] = {}
+
+    def record(name: str, system: str, items: Sequence[WorkItem], num_adapters: int,
+               seconds: float, outs: list[list[int]], extra: dict[str, Any] | None = None,
+               ) -> RunResult:
+        check_lengths(name, items, outs)
+        r = RunResult(name, system, "peer subset" if items is subset else "full", len(items),
+                      num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
+                      extra or {})
+        results.append(r)
+        outputs[name] = outs
+        log(f"{name}: {r.num_output_tokens} tokens in {seconds:.1f}s = "
+            f"{r.tokens_per_s:.1f} tok/s {extra or ''}")
+        return r
+
+    if "a" in args.systems or "b" in args.systems:
+        log("loading HF + PEFT with all adapters")
+        peer = HFPeer(model_dir, adapter_paths[:args.num_adapters], pad_id)
+        if "a" in args.systems:
+            secs, outs = run_hf_single(peer, subset, "(a)")
+            record("(a) " + SYSTEM_LABELS["a"], "a", subset, args.num_adapters, secs, outs)
+        if "b" in args.systems:
+            secs, outs = run_hf_batched(peer, subset, args.hf_batch_size, "(b)")
+            record(f"(b) {SYSTEM_LABELS['b']} (batch {args.hf_batch_size})", "b", subset,
+                   args.num_adapters, secs, outs)
+        del peer
+
+    if "c" in args.systems:
+        log("loading loraplex")
+        max_len = args.max_prompt + args.max_output
+        system = LoraplexSystem(model_dir, adapter_paths, args, max_len)
+        system.warm_host_cache(len(adapter_paths))
+        secs, outs, extra = system.generate(subset)
+        record("(c) loraplex", "c", subset, args.num_adapters, secs, outs, extra)
+        out_base = Path(args.out)
+        for n in sweep:
+            items = with_adapters(workload, n, args.zipf, args.seed)
+            log(f"(c) full workload, {n} adapters: {len(items)} requests")
+            prof = out_base.with_name(out_base.name + f"_c{n}.prof") \
+                if args.profile and n == args.num_adapters else None
+            secs, outs, extra = system.generate(items, prof)
+            record(f"(c) loraplex, full, {n} adapters", "c", items, n, secs, outs, extra)
+        if not args.no_base_only:
+            items = with_adapters(workload, 0, args.zipf, args.seed)
+            log(f"(c) full workload, base model only: {len(items)} requests")
+            secs, outs, extra = system.generate(items)
+            record("(c) loraplex, full, base only", "c", items, 0, secs, outs, extra)
+        system.llm.close()
+
+    report = summarise(results, outputs, args, model_dir, spec, time.perf_counter() - started)
+    write_outputs(report, results, Path(args.out))
+    print_table(report)
+    return 0
+
+
+def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
+              args: argparse.Namespace, model_dir: str, spec: WorkloadSpec,
+              total_seconds: float) -> dict[str, Any]:
+    by_system = {r.system: r for r in results if r.workload == "peer subset"}
+    ratios: dict[str, float] = {}
+    if "a" in by_system and "c" in by_system:
+        ratios["c_over_a"] = by_system["c"].tokens_per_s / by_system["a"].tokens_per_s
+    if "b" in by_system and "c" in by_system:
+        ratios["c_over_b"] = by_system["c"].tokens_per_s / by_system["b"].tokens_per_s
+    if "a" in by_system and "b" in by_system:
+        ratios["b_over_a"] = by_system["b"].tokens_per_s / by_system["a"].tokens_per_s
+    full = {r.num_adapters: r for r in results if r.system == "c" and r.workload == "full"}
+    if 0 in full and args.num_adapters in full:
+        ratios["mixed_over_base_only"] = (full[args.num_adapters].tokens_per_s
+                                          / full[0].tokens_per_s)
+    for n, r in full.items():
+        if n and args.num_adapters in full:
+            ratios[f"adapters_{n}_over_{args.num_adapters}"] = (
+                r.tokens_per_s / full[args.num_adapters].tokens_per_s)
+    if "c" in by_system and args.num_adapters in full:
+        ratios["full_over_subset_c"] = (full[args.num_adapters].tokens_per_s
+                                        / by_system["c"].tokens_per_s)
+    agree = {}
+    names = {r.system: r.name for r in results if r.workload == "peer subset"}
+    for other in ("b", "c"):
+        if "a" in names and other in names:
+            agree[f"{other}_vs_a"] = agreement(outputs[names["a"]], outputs[names[other]])
+    return {
+        "benchmark": "offline_throughput",
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "model": model_dir,
+        "machine": machine_info(),
+        "workload": {**asdict(spec), "peer_requests": args.peer_requests,
+                     "length_distribution": "log-uniform", "greedy": True, "ignore_eos": True},
+        "hf_batch_size": args.hf_batch_size,
+        "loraplex": {"max_loras": args.max_loras, "max_lora_rank": 32,
+                     "max_num_seqs": args.max_num_seqs,
+                     "max_num_batched_tokens": args.max_num_batched_tokens},
+        "runs": [r.as_dict() for r in results],
+        "ratios": ratios,
+        "greedy_prefix16_agreement": agree,
+        "total_seconds": total_seconds,
+    }
+
+
+def write_outputs(report: dict[str, Any], results: list[RunResult], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, report, out.with_suffix(".png"))
+    log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subset = [r for r in results if r.workload == "peer subset"]
+    full = sorted((r for r in results if r.workload == "full"),
+                  key=lambda r: (r.num_adapters != 0, r.num_adapters))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[max(1, len(subset)),
+                                                                    max(1, len(full))])
+    colors = {"a": "#9e9e9e", "b": "#5b8bd0", "c": "#e0702a"}
+    if subset:
+        ax = axes[0]
+        base = next((r.tokens_per_s for r in subset if r.system == "a"), None)
+        labels = [f"({r.system})\n{SYSTEM_LABELS[r.system].replace(', ', chr(10))}"
+                  for r in subset]
+        bars = ax.bar(labels, [r.tokens_per_s for r in subset],
+                      color=[colors[r.system] for r in subset])
+        for bar, r in zip(bars, subset, strict=True):
+            note = f"{r.tokens_per_s:.0f}" + (f"\n{r.tokens_per_s / base:.1f}x (a)" if base else "")
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"same {subset[0].num_requests} requests, "
+                     f"{subset[0].num_adapters} adapters", fontsize=10)
+        ax.margins(y=0.25)
+        ax.tick_params(axis="x", labelsize=8)
+    else:
+        axes[0].axis("off")
+    if full:
+        ax = axes[1]
+        labels = ["base only" if r.num_adapters == 0 else f"{r.num_adapters} adapter"
+                  + ("s" if r.num_adapters > 1 else "") for r in full]
+        bars = ax.bar(labels, [r.tokens_per_s for r in full], color=colors["c"])
+        for bar, r in zip(bars, full, strict=True):
+            ax.annotate(f"{r.tokens_per_s:.0f}", (bar.get_x() + bar.get_width() / 2,
+                                                  bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"loraplex, full workload ({full[0].num_requests} requests)", fontsize=10)
+        ax.margins(y=0.15)
+        ax.tick_params(axis="x", labelsize=8)
+    else:
+        axes[1].axis("off")
+    m = report["machine"]
+    fig.suptitle(f"Offline throughput, {Path(report['model']).name}, float32, "
+                 f"{m['torch_threads']} CPU threads ({report['date'][:10]})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    runs = report["runs"]
+    base = next((r["tokens_per_s"] for r in runs if r["system"] == "a"), None)
+    head = f"{'system':<46} {'workload':<12} {'reqs':>5} {'adapt':>5} {'out tok':>8} " \
+           f"{'secs':>8} {'tok/s':>8} {'vs (a)':>7}"
+    print()
+    print(head)
+    print("-" * len(head))
+    for r in runs:
+        vs = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
+        print(f"{r['name']:<46} {r['workload']:<12} {r['num_requests']:>5} "
+              f"{r['num_adapters']:>5} {r['num_output_tokens']:>8} {r['seconds']:>8.1f} "
+              f"{r['tokens_per_s']:>8.1f} {vs:>7}")
+    print()
+    for k, v in report["ratios"].items():
+        print(f"{k:<28} {v:6.2f}")
+    for k, v in report["greedy_prefix16_agreement"].items():
+        print(f"greedy agreement {k:<11} {v:6.0%} (first 16 tokens)")
+    print(f"total wall time {report['total_seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

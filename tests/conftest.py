@@ -1,0 +1,51 @@
+"""Fixtures shared by every test directory: tiny models and adapters, built once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.testing import build_adapter, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama (hidden 64, 4 heads, 2 KV heads, intermediate 128) with tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Qwen2 (same sizes as tiny_llama_dir, plus q/k/v biases) with tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=1)
+
+
+ADAPTER_SPECS: dict[str, dict[str, object]] = {
+    # rank 4, every module
+    "r4": {"rank": 4, "alpha": 8.0, "seed": 11},
+    # rank 8, only q and v
+    "r8qv": {"rank": 8, "alpha": 16.0, "seed": 12, "target_modules": ("q_proj", "v_proj")},
+    # rank 16 with rsLoRA scaling
+    "r16rs": {"rank": 16, "alpha": 8.0, "seed": 13, "use_rslora": True},
+    # rank 8, MLP only, gate and down (not up)
+    "r8mlp": {"rank": 8, "alpha": 4.0, "seed": 14, "target_modules": ("gate_proj", "down_proj")},
+}
+
+
+def _adapters(base: Path, root: Path) -> dict[str, Path]:
+    return {name: build_adapter(root / name, base, **spec)  # type: ignore[arg-type]
+            for name, spec in ADAPTER_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_adapters(tiny_llama_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """PEFT adapters for tiny_llama_dir: r4, r8qv, r16rs, r8mlp (see ADAPTER_SPECS)."""
+    return _adapters(tiny_llama_dir, tmp_path_factory.mktemp("llama_adapters"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_adapters(tiny_qwen2_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return _adapters(tiny_qwen2_dir, tmp_path_factory.mktemp("qwen2_adapters"))

@@ -1,0 +1,123 @@
+"""The offline API: sampling controls, stops, logprobs, n, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.errors import AdapterError, InvalidRequestError, PromptTooLongError
+from loraplex.testing import load_reference
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(str(tiny_llama_dir), max_loras=2, max_lora_rank=16, num_kv_blocks=128,
+               progress=False)
+
+
+PROMPT = [11, 42, 7, 99, 100, 3, 58]
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch(
+        llm: LLM, llama_adapters: dict[str, Path]) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12,
+                            ignore_eos=True)
+    lora = LoRARequest("r4", str(llama_adapters["r4"]))
+    alone = llm.generate([PROMPT], params, lora)[0].outputs[0].token_ids
+    others = [list(range(5, 5 + i)) for i in range(2, 7)]
+    mixed = llm.generate(
+        [*others[:3], PROMPT, *others[3:]],
+        [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)] * 3 + [params]
+        + [SamplingParams(temperature=0.5, seed=i, max_tokens=5) for i in range(2)],
+        [None, LoRARequest("r8qv", str(llama_adapters["r8qv"])), lora, lora, None, None],
+        arrival_steps=[0, 0, 2, 1, 0, 3])
+    assert mixed[3].outputs[0].token_ids == alone
+    again = llm.generate([PROMPT], params, lora)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_stop_strings_and_token_ids(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate([PROMPT], greedy)[0].outputs[0]
+    text, ids = full.text, full.token_ids
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16,
+                                                ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[:text.index(stop)]
+    kept = llm.generate([PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop],
+        include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[:text.index(stop) + len(stop)]
+    by_id = llm.generate([PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[ids[4]]))[0].outputs[0]
+    assert by_id.token_ids == ids[:ids.index(ids[4]) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == ids[4]
+
+
+def test_logprobs_match_the_reference(llm: LLM, tiny_llama_dir: Path,
+                                      llama_adapters: dict[str, Path]) -> None:
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=4,
+                                                ignore_eos=True),
+                       LoRARequest("r16rs", str(llama_adapters["r16rs"])))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    ref = load_reference(tiny_llama_dir, llama_adapters["r16rs"])
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([PROMPT + out.token_ids])).logits[0]
+    for i, (lp, top) in enumerate(out.logprobs):
+        ref_lp = torch.log_softmax(logits[len(PROMPT) - 1 + i], -1)
+        assert lp == pytest.approx(float(ref_lp[out.token_ids[i]]), abs=1e-4)
+        assert [t for t, _ in top] == torch.topk(ref_lp, 4).indices.tolist()
+        assert top[0][0] == out.token_ids[i]  # greedy picks the most likely
+
+
+def test_parallel_samples(llm: LLM) -> None:
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    first = llm.generate([PROMPT], params)[0]
+    assert len(first.outputs) == 4
+    assert all(len(o.token_ids) == 10 for o in first.outputs)
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    second = llm.generate([PROMPT], params)[0]
+    assert [o.token_ids for o in second.outputs] == [o.token_ids for o in first.outputs]
+    assert llm.engine.kv.all_free_or_cached()
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    eos = llm.engine.eos_token_ids[0]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16,
+                                                stop_token_ids=[]))[0].outputs[0]
+    assert out.finish_reason in ("stop", "length")
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == eos
+
+
+def test_bad_requests_are_refused(llm: LLM, tmp_path: Path,
+                                  llama_adapters: dict[str, Path]) -> None:
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        llm.generate([[10**6]], SamplingParams())
+    with pytest.raises(PromptTooLongError, match="context length of 512"):
+        llm.generate([[5] * 500], SamplingParams(max_tokens=50))
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_adapters["r4"], bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="use_dora"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2), LoRARequest("bad", str(bad)))
+    (bad / "adapter_model.bin").write_bytes(b"not really")
+    with pytest.raises(AdapterError, match="adapter_model.bin"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2), LoRARequest("bad", str(bad)))
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.all_free_or_cached()

@@ -1,0 +1,74 @@
+"""The sampler against direct computations on known distributions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loraplex.model.sampler import SamplingRow, sample
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+
+
+def _counts(row: SamplingRow, draws: int = 4000) -> list[int]:
+    counts = [0] * LOGITS.shape[1]
+    gen = row.generator
+    for _ in range(draws):
+        counts[sample(LOGITS, [row], gen)[0].token_id] += 1
+    return counts
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, 50)
+    out = sample(logits, [SamplingRow()] * 6)
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    counts = _counts(SamplingRow(temperature=1.0, generator=_gen(0)))
+    expected = [0.5, 0.25, 0.15, 0.07, 0.03]
+    for c, p in zip(counts, expected, strict=True):
+        # 5 standard deviations of a binomial: fails only on a real bias
+        assert abs(c / 4000 - p) < 5 * math.sqrt(p * (1 - p) / 4000)
+
+
+def test_top_k_top_p_min_p_cut_the_tail() -> None:
+    assert _counts(SamplingRow(temperature=1.0, top_k=2, generator=_gen(1)))[2:] == [0, 0, 0]
+    # top_p 0.7: 0.5 + 0.25 reaches it, so only the two most likely tokens survive
+    assert _counts(SamplingRow(temperature=1.0, top_p=0.7, generator=_gen(2)))[2:] == [0, 0, 0]
+    # min_p 0.2: threshold 0.1, so 0.07 and 0.03 are dropped
+    counts = _counts(SamplingRow(temperature=1.0, min_p=0.2, generator=_gen(3)))
+    assert counts[3:] == [0, 0] and counts[2] > 0
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(1, 100)
+    alone = [sample(logits, [SamplingRow(1.0, generator=_gen(9))])[0].token_id]
+    row = SamplingRow(1.0, generator=_gen(9))
+    others = [SamplingRow(0.7, generator=_gen(i)) for i in range(5)]
+    batch = torch.cat([torch.randn(2, 100), logits, torch.randn(3, 100)])
+    mixed = sample(batch, others[:2] + [row] + others[2:])
+    assert mixed[2].token_id == alone[0]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_are_the_models_log_softmax(k: int) -> None:
+    logits = torch.randn(2, 30)
+    out = sample(logits, [SamplingRow(num_logprobs=k), SamplingRow()])
+    ref = torch.log_softmax(logits[0].double(), -1)
+    assert out[0].logprob == pytest.approx(float(ref[out[0].token_id]), abs=1e-5)
+    assert out[1].logprob is None
+    top = out[0].top_logprobs
+    assert top is not None and len(top) == k
+    expected = torch.topk(ref, k) if k else None
+    if expected is not None:
+        assert [t for t, _ in top] == expected.indices.tolist()

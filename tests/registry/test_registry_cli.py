@@ -1,0 +1,286 @@
+"""The registry's CLI commands end to end on SQLite, through ``--json`` output."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.cli_registry import run_registry_cli
+from loraplex.registry import db, service
+from loraplex.registry import store as store_module
+from loraplex.registry.store import WEIGHTS_FILE
+
+
+class Cli:
+    """Runs a command with explicit options and ``--json``; returns the parsed output (or,
+    when a failure is expected, the one line on stderr)."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path,
+                 capsys: pytest.CaptureFixture[str]) -> None:
+        self.url = f"sqlite:///{tmp_path / 'db' / 'registry.db'}"
+        self.adapter_dir = tmp_path / "adapters"
+        self.options = ["--database-url", self.url, "--adapter-dir", str(self.adapter_dir),
+                        "--model", str(model_dir), "--json"]
+        self.capsys = capsys
+
+    def __call__(self, *argv: str, expect: int = 0) -> Any:
+        self.capsys.readouterr()
+        rc = run_registry_cli([*argv, *self.options])
+        out, err = self.capsys.readouterr()
+        assert rc == expect, err
+        if expect:
+            assert err.startswith("error: ") and err.count("\n") == 1, err
+            assert "Traceback" not in err
+            return err
+        return json.loads(out)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty LORAPLEX_HOME, and none of the registry's variables set."""
+    for var in ("LORAPLEX_DATABASE_URL", "LORAPLEX_ADAPTER_DIR", "LORAPLEX_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def cli(tmp_path: Path, home: Path, model_dir: Path,
+        capsys: pytest.CaptureFixture[str]) -> Cli:
+    return Cli(tmp_path, model_dir, capsys)
+
+
+@pytest.fixture
+def server_view() -> Iterator[Callable[[str], sessionmaker[Session]]]:
+    """Sessions on a separate engine, as a running server would hold."""
+    engines: list[sa.Engine] = []
+
+    def view(url: str) -> sessionmaker[Session]:
+        engines.append(db.make_engine(url))
+        return db.make_session_factory(engines[-1])
+
+    yield view
+    for engine in engines:
+        engine.dispose()
+
+
+def _stored_digests(adapter_dir: Path) -> list[str]:
+    return sorted(p.name for p in adapter_dir.glob("??/*") if p.is_dir())
+
+
+def test_end_to_end(cli: Cli, make_adapter: Callable[..., Path],
+                    server_view: Callable[[str], sessionmaker[Session]]) -> None:
+    assert cli("db", "upgrade")["revision"] == "0001"
+    assert cli("db", "current")["head"] == "0001"
+
+    acme = cli("tenants", "create", "acme", "--rpm", "60", "--tpm", "1000",
+               "--max-concurrency", "2")
+    assert (acme["name"], acme["status"], acme["max_requests_per_minute"],
+            acme["max_tokens_per_minute"], acme["max_concurrent_requests"]) == (
+        "acme", "active", 60, 1000, 2)
+    cli("tenants", "create", "bob")
+    assert [t["name"] for t in cli("tenants", "list")] == ["acme", "bob"]
+
+    key = cli("keys", "create", "--tenant", "acme", "--name", "ci")
+    assert key["key"].startswith("lpx-") and key["role"] == "tenant"
+    admin = cli("keys", "create", "--tenant", "bob", "--admin")
+    assert admin["role"] == "admin"
+    listed = cli("keys", "list")
+    assert [k["id"] for k in listed] == [key["id"], admin["id"]]
+    assert all("key" not in k and "key_hash" not in k for k in listed)
+    assert [k["id"] for k in cli("keys", "list", "--tenant", "bob")] == [admin["id"]]
+
+    # What the CLI committed, a running server sees at once.
+    server = server_view(cli.url)
+    with server() as session:
+        principal = service.authenticate(session, key["key"])
+        assert principal is not None and principal.tenant_name == "acme"
+        assert principal.max_requests_per_minute == 60
+        session.commit()
+    revoked = cli("keys", "revoke", str(key["id"]))
+    assert revoked["revoked_at"] is not None
+    with server() as session:
+        assert service.authenticate(session, key["key"]) is None
+
+    src = make_adapter("helper", seed=1, rank=4, alpha=8.0)
+    v1 = cli("adapters", "add", "--tenant", "acme", "--name", "helper", str(src))
+    digest = hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest()
+    assert (v1["version"], v1["digest"], v1["visibility"], v1["rank"], v1["alpha"]) == (
+        1, digest, "private", 4, 8.0)
+    assert v1["target_modules"] == ["q_proj", "v_proj"]
+    assert v1["identity"] == f"{v1['id']}@{digest}"
+    assert (cli.adapter_dir / v1["storage_path"] / WEIGHTS_FILE).is_file()
+    v2 = cli("adapters", "add", "--tenant", "acme", "--name", "helper", "--public",
+             str(make_adapter("helper2", seed=2, rank=4)))
+    assert (v2["version"], v2["visibility"]) == (2, "public")
+    # Identical content under another name and owner: stored once, two rows.
+    copy = cli("adapters", "add", "--tenant", "bob", "--name", "mine", str(src))
+    assert copy["digest"] == digest
+    assert len(_stored_digests(cli.adapter_dir)) == 2
+
+    every = cli("adapters", "list")
+    assert [(a["model"], a["version"]) for a in every] == [
+        ("acme/helper", 1), ("acme/helper", 2), ("bob/mine", 1)]
+    bob_sees = cli("adapters", "list", "--tenant", "bob")
+    assert [(a["model"], a["version"]) for a in bob_sees] == [
+        ("acme/helper", 2), ("bob/mine", 1)]
+    with server() as session:
+        bob = service.get_tenant_by_name(session, "bob")
+        assert service.resolve_adapter(session, bob.id, "acme/helper").id == v2["id"]
+
+
+def test_env_vars_and_defaults(home: Path, tmp_path: Path, model_dir: Path,
+                               make_adapter: Callable[..., Path],
+                               monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    # No options at all: everything lands under LORAPLEX_HOME.
+    assert run_registry_cli(["db", "upgrade"]) == 0
+    assert run_registry_cli(["tenants", "create", "acme"]) == 0
+    assert (home / "loraplex.db").is_file()
+
+    # The environment variables win over the defaults.
+    url = f"sqlite:///{tmp_path / 'env.db'}"
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", url)
+    monkeypatch.setenv("LORAPLEX_ADAPTER_DIR", str(tmp_path / "env-adapters"))
+    monkeypatch.setenv("LORAPLEX_MODEL", str(model_dir))
+    assert run_registry_cli(["db", "upgrade"]) == 0
+    assert run_registry_cli(["tenants", "create", "other"]) == 0
+    assert run_registry_cli(["adapters", "add", "--tenant", "other", "--name", "x",
+                             str(make_adapter())]) == 0
+    assert _stored_digests(tmp_path / "env-adapters")
+    capsys.readouterr()
+    assert run_registry_cli(["tenants", "list", "--json"]) == 0
+    assert [t["name"] for t in json.loads(capsys.readouterr().out)] == ["other"]
+    # A flag wins over the environment.
+    assert run_registry_cli(["tenants", "list", "--json",
+                             "--database-url", f"sqlite:///{home / 'loraplex.db'}"]) == 0
+    assert [t["name"] for t in json.loads(capsys.readouterr().out)] == ["acme"]
+
+
+def test_text_output_prints_key_alone(cli: Cli, capsys: pytest.CaptureFixture[str]) -> None:
+    cli("db", "upgrade")
+    cli("tenants", "create", "acme")
+    capsys.readouterr()
+    rc = run_registry_cli(["keys", "create", "--tenant", "acme", "--database-url", cli.url])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.count("\n") == 1 and out.startswith("lpx-")
+    assert "only this once" in err
+    assert run_registry_cli(["tenants", "list", "--database-url", cli.url]) == 0
+    assert "acme" in capsys.readouterr().out
+
+
+def test_errors_are_one_line(cli: Cli) -> None:
+    assert "loraplex db upgrade" in cli("tenants", "list", expect=2)
+    cli("db", "upgrade")
+    cli("tenants", "create", "acme")
+    assert "already exists" in cli("tenants", "create", "acme", expect=2)
+    assert "invalid tenant name" in cli("tenants", "create", "Bad/Name", expect=2)
+    assert "no tenant named 'ghost'" in cli("keys", "create", "--tenant", "ghost", expect=2)
+    assert "no API key" in cli("keys", "revoke", "999", expect=2)
+    assert "migration failed" in cli("db", "upgrade", "--revision", "zzz", expect=2)
+    cli("db", "downgrade", "base")
+    assert "not initialised" in cli("tenants", "list", expect=2)
+
+
+def _adapter_rows(url: str) -> int:
+    engine = db.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_adapters_add_refusals_leave_nothing(cli: Cli, tmp_path: Path,
+                                             make_adapter: Callable[..., Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    cli("db", "upgrade")
+    cli("tenants", "create", "acme")
+    add = ("adapters", "add", "--tenant", "acme", "--name", "x")
+
+    pickled = make_adapter("pickled")
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04.")
+    assert "pickle" in cli(*add, str(pickled), expect=2)
+
+    # Stored, then refused by the engine's loader (config says rank 8, tensors have 4):
+    # the copy is removed again.
+    wrong = make_adapter("wrong", rank=4, extra_config={"r": 8})
+    assert "rank" in cli(*add, str(wrong), expect=2)
+
+    wide = make_adapter("wide", rank=16)
+    assert "max_lora_rank" in cli(*add, "--max-lora-rank", "8", str(wide), expect=2)
+
+    assert "no tenant" in cli("adapters", "add", "--tenant", "ghost", "--name", "x",
+                              str(make_adapter()), expect=2)
+    assert "invalid adapter name" in cli("adapters", "add", "--tenant", "acme", "--name",
+                                         "a/b", str(make_adapter()), expect=2)
+
+    # A failure in the middle of the copy (disk full).
+    def half_then_fail(fin: BinaryIO, fout: BinaryIO, hasher: object) -> int:
+        fout.write(fin.read(64))
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "_copy_stream", half_then_fail)
+        assert "No space" in cli(*add, str(make_adapter("full", seed=5)), expect=2)
+
+    # The database refuses the row after the files are in place: they go again.
+    with monkeypatch.context() as m:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise sa.exc.OperationalError("INSERT", {}, Exception("database is locked"))
+
+        m.setattr(service, "register_adapter", refuse)
+        assert "database is locked" in cli(*add, str(make_adapter("late", seed=6)),
+                                           expect=2)
+
+    assert _stored_digests(cli.adapter_dir) == []
+    assert not any((cli.adapter_dir / ".tmp").iterdir())
+    assert _adapter_rows(cli.url) == 0
+    assert cli("adapters", "list") == []
+
+
+def test_python_m_entry_point(tmp_path: Path, home: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    env = {**os.environ, "LORAPLEX_HOME": str(home)}
+    # Set up in-process; each interpreter start costs seconds on a loaded machine.
+    assert run_registry_cli(["db", "upgrade", "--database-url", url]) == 0
+    assert run_registry_cli(["tenants", "create", "acme", "--rpm", "5",
+                             "--database-url", url]) == 0
+    done = subprocess.run([sys.executable, "-m", "loraplex.cli_registry", "tenants", "list",
+                           "--json", "--database-url", url], check=True, env=env,
+                          capture_output=True, text=True)
+    assert json.loads(done.stdout)[0]["max_requests_per_minute"] == 5
+    failed = subprocess.run([sys.executable, "-m", "loraplex.cli_registry", "tenants",
+                             "create", "acme", "--database-url", url], env=env,
+                            capture_output=True, text=True)
+    assert failed.returncode == 2
+    assert failed.stderr.strip() == "error: tenant 'acme' already exists"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("loraplex.cli") is None,
+                    reason="loraplex/cli.py (the console script's module) is not written yet")
+def test_console_script(tmp_path: Path, home: Path) -> None:
+    exe = shutil.which("loraplex")
+    assert exe is not None
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    env = {**os.environ, "LORAPLEX_HOME": str(home), "LORAPLEX_DATABASE_URL": url}
+    subprocess.run([exe, "db", "upgrade"], check=True, env=env, capture_output=True)
+    subprocess.run([exe, "tenants", "create", "acme"], check=True, env=env,
+                   capture_output=True)
+    done = subprocess.run([exe, "tenants", "list", "--json"], check=True, env=env,
+                          capture_output=True, text=True)
+    assert [t["name"] for t in json.loads(done.stdout)] == ["acme"]
