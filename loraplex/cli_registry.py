@@ -14,10 +14,11 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
@@ -25,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.config import LoRAConfig, RegistryConfig
 from loraplex.errors import AdapterError, LoraplexError, ModelLoadError
-from loraplex.registry import db, service
+from loraplex.registry import db, service, upload
 from loraplex.registry.db import transaction
 from loraplex.registry.names import check_adapter_name
 from loraplex.registry.store import AdapterStore
@@ -34,6 +35,7 @@ ENV_DATABASE_URL = "LORAPLEX_DATABASE_URL"
 ENV_ADAPTER_DIR = "LORAPLEX_ADAPTER_DIR"
 ENV_MODEL = "LORAPLEX_MODEL"
 EXIT_ERROR = 2
+PROGRESS_MIN_BYTES = 16 << 20  # smaller uploads finish before a counter is read
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -260,58 +262,92 @@ def _keys_list(args: argparse.Namespace) -> int:
 # --- adapters ----------------------------------------------------------------------------
 
 
-def _adapters_add(args: argparse.Namespace) -> int:
+def _progress_printer(total: int) -> Callable[[int], None] | None:
+    """A byte counter on stderr for big uploads, only on a terminal (a log is not a
+    terminal, and error output stays one line)."""
+    if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        return None
+    return _ByteCounter(total, sys.stderr)
+
+
+class _ByteCounter:
+    def __init__(self, total: int, out: TextIO, every_s: float = 0.2) -> None:
+        self.total = total
+        self.out = out
+        self.every_s = every_s
+        self._last = 0.0
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if done < self.total and now - self._last < self.every_s:
+            return
+        self._last = now
+        mib = 1 << 20
+        end = "\n" if done >= self.total else ""
+        self.out.write(f"\ruploading {done / mib:.1f} / {self.total / mib:.1f} MiB{end}")
+        self.out.flush()
+
+
+def _source_bytes(path: Path) -> int:
+    if path.is_dir():
+        return sum((path / n).stat().st_size for n in (
+            upload.CONFIG_FILE, upload.WEIGHTS_FILE, upload.README_FILE) if (path / n).is_file())
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _adapters_upload(args: argparse.Namespace) -> int:
     # Lazy: the loader pulls in torch, which no other registry command needs.
     from loraplex.model.adapter_loader import TargetShapes, validate_adapter_dir
 
     config = registry_config_from_args(args)
     model_dir = str(Path(model_dir_from_args(args)).expanduser().resolve())
     check_adapter_name(args.name)
+    source = Path(args.path).expanduser()
+    if not source.exists():
+        raise AdapterError(f"{source}: no such file or folder")
     with _sessions(args) as factory:
-        with transaction(factory) as session:  # fail fast, before copying any file
-            service.get_tenant_by_name(session, args.tenant)
+        with transaction(factory) as session:  # fail fast, before reading any file
+            tenant = service.get_tenant_by_name(session, args.tenant)
+            tenant_id, tenant_name = tenant.id, tenant.name
         try:
             target = TargetShapes.from_model_dir(model_dir)
         except ModelLoadError as exc:
             raise ModelLoadError(f"{exc} (the base model adapters are checked against: "
                                  f"pass --model DIR or set {ENV_MODEL})") from exc
-        store = AdapterStore(config.adapter_dir)
-        # Copy first, then validate the stored copy: what was checked is what is served.
-        stored = store.put_dir(args.dir)
-        try:
-            adapter = validate_adapter_dir(stored.path, target, args.max_lora_rank)
-            if adapter.digest != stored.digest:
-                # Both hash the same immutable file: a mismatch is a bug, never served.
-                raise AdapterError(f"the loader's digest {adapter.digest[:12]} differs from "
-                                   f"the store's {stored.digest[:12]}")
-            # The files are in place: only now is the row written and committed.
-            with transaction(factory) as session:
-                tenant = service.get_tenant_by_name(session, args.tenant)
-                row = service.register_adapter(
-                    session, tenant_id=tenant.id, name=args.name, digest=stored.digest,
-                    size_bytes=stored.size, storage_path=stored.relative_path,
-                    base_model=model_dir, rank=adapter.rank, alpha=adapter.alpha,
-                    use_rslora=adapter.use_rslora, target_modules=list(adapter.target_modules),
-                    visibility="public" if args.public else "private")
-                data = _adapter_json(row, tenant.name)
-        except BaseException:
-            if stored.created:
-                _discard_unreferenced(factory, store, stored.digest)
-            raise
+        max_rank = args.max_lora_rank
+        uploader = upload.AdapterUploader(
+            AdapterStore(config.adapter_dir),
+            lambda path: validate_adapter_dir(path, target, max_rank),
+            base_model=model_dir, base_model_names=args.served_model_name or ())
+        result = uploader.upload_path(
+            factory, tenant_id=tenant_id, name=args.name, path=source,
+            visibility="public" if args.public else "private",
+            progress=_progress_printer(_source_bytes(source)))
+        data = _adapter_json(result.adapter, tenant_name) | {"created": result.created}
+    stored = "stored" if data["created"] else "identical content already stored"
     _emit(args, data, lambda: print(
         f"added {data['model']} version {data['version']} ({data['visibility']}), "
-        f"identity {data['identity']}"))
+        f"identity {data['identity']} ({stored})"))
     return 0
 
 
-def _discard_unreferenced(factory: sessionmaker[Session], store: AdapterStore, digest: str) -> None:
-    try:
+def _adapters_delete(args: argparse.Namespace) -> int:
+    config = registry_config_from_args(args)
+    with _sessions(args) as factory:
         with transaction(factory) as session:
-            if service.is_digest_referenced(session, digest):
-                return
-    except Exception:  # the database is the problem: keep the files, they are harmless
-        return
-    store.remove(digest)
+            tenant = service.get_tenant_by_name(session, args.tenant)
+            tenant_id, tenant_name = tenant.id, tenant.name
+        # A running server learns of it through the database: resolve_adapter stops
+        # finding the name at once; its in-memory copies finish the running requests.
+        deleted = upload.delete_adapter(factory, AdapterStore(config.adapter_dir),
+                                        tenant_id=tenant_id, name=args.name,
+                                        version=args.version)
+    data = [{"id": d.id, "tenant": tenant_name, "name": d.name, "version": d.version,
+             "identity": d.identity, "digest": d.digest, "status": "deleted"} for d in deleted]
+    _emit(args, data, lambda: print(
+        f"deleted {tenant_name}/{args.name} version(s) "
+        f"{', '.join(str(d['version']) for d in data)}"))
+    return 0
 
 
 def _adapters_list(args: argparse.Namespace) -> int:
@@ -384,14 +420,27 @@ def add_registry_commands(subparsers: Any) -> None:
     p.add_argument("--tenant", metavar="NAME")
 
     adapters = group("adapters", "manage LoRA adapters")
-    p = leaf(adapters, "add", _adapters_add,
-             "validate a PEFT adapter folder, store it, and record a new version")
+    for command, metavar, help_ in (
+            ("upload", "PATH", "validate a PEFT adapter (a folder, .zip or .tar.gz), store it, "
+                               "and record a new version"),
+            ("add", "DIR", "the same as upload")):
+        p = leaf(adapters, command, _adapters_upload, help_)
+        p.add_argument("--tenant", required=True, metavar="NAME")
+        p.add_argument("--name", required=True, metavar="NAME")
+        p.add_argument("path", metavar=metavar, help="adapter folder or archive")
+        p.add_argument("--public", action="store_true", help="callable by other tenants")
+        p.add_argument("--max-lora-rank", type=_positive_int,
+                       default=LoRAConfig().max_lora_rank,
+                       help="largest rank accepted (default: %(default)s)")
+        p.add_argument("--served-model-name", action="append", metavar="NAME",
+                       help="a name the base model is known by (repeatable); when given, an "
+                            "adapter whose base_model_name_or_path names another model is "
+                            "refused")
+    p = leaf(adapters, "delete", _adapters_delete,
+             "delete an adapter: new requests stop at once, running ones finish")
     p.add_argument("--tenant", required=True, metavar="NAME")
     p.add_argument("--name", required=True, metavar="NAME")
-    p.add_argument("dir", metavar="DIR")
-    p.add_argument("--public", action="store_true", help="callable by other tenants")
-    p.add_argument("--max-lora-rank", type=_positive_int, default=LoRAConfig().max_lora_rank,
-                   help="largest rank accepted (default: %(default)s)")
+    p.add_argument("--version", type=_positive_int, help="only this version (default: all)")
     p = leaf(adapters, "list", _adapters_list, "list adapters")
     p.add_argument("--tenant", metavar="NAME",
                    help="what this tenant can call (own and public, latest versions)")

@@ -135,7 +135,19 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
     max_n: int = 8
+    # Key of the per-tenant prefix-cache salt (HMAC-SHA256 of the tenant id). None: a random
+    # secret per process, enough because the prefix cache lives in this process's memory.
+    cache_salt_secret: str | None = None
+    # Off: every tenant gets its own salt, so no KV block is ever shared between tenants.
+    allow_cross_tenant_cache_sharing: bool = False
+    rate_limit_window_s: float = 60.0
+    rate_limit_key_prefix: str = "loraplex:rl:"
+    usage_flush_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
         _require(self.max_body_bytes > 0, "max_body_bytes must be positive")
+        _require(self.max_tokens_limit >= 1, "max_tokens_limit must be >= 1")
+        _require(self.max_n >= 1, "max_n must be >= 1")
+        _require(self.rate_limit_window_s > 0, "rate_limit_window_s must be positive")
+        _require(self.usage_flush_interval_s > 0, "usage_flush_interval_s must be positive")

@@ -49,3 +49,11 @@ class NotFoundError(LoraplexError, LookupError):
 
 class ConflictError(LoraplexError):
     """The change clashes with existing state: a duplicate name, or a concurrent writer."""
+
+
+class UploadTooLargeError(AdapterError):
+    """An upload's body went past the server's byte cap (the gateway answers 413)."""
+
+    def __init__(self, message: str, max_bytes: int) -> None:
+        super().__init__(message)
+        self.max_bytes = max_bytes

@@ -134,8 +134,9 @@ def build_adapter(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir),
                                                               dtype=torch.float32)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules),
-                          use_rslora=use_rslora, init_lora_weights=False, lora_dropout=0.0)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                          target_modules=list(target_modules), use_rslora=use_rslora,
+                          init_lora_weights=False, lora_dropout=0.0)
     pm = peft.get_peft_model(model, cfg)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -159,7 +160,7 @@ def load_reference(base_dir: str | Path, adapter_dir: str | Path | None = None) 
     if adapter_dir is not None:
         import peft
 
-        model = peft.PeftModel.from_pretrained(model, str(adapter_dir))
+        model = peft.PeftModel.from_pretrained(model, str(adapter_dir))  # type: ignore[assignment]
     return model.eval()
 
 

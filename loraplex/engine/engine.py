@@ -279,6 +279,7 @@ class LLMEngine:
         ad = self.adapters.stats()
         return {
             "num_preemptions": kv.num_preemptions,
+            "num_swap_outs": self.scheduler.num_swap_outs,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,

@@ -91,6 +91,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self._slot_of_request: dict[str, int] = {}
+        self.num_swap_outs = 0
 
     # --- queue management --------------------------------------------------------------
 
@@ -264,6 +265,7 @@ class Scheduler:
             pairs = self.kv.swap_out(request.request_id)
             assert pairs is not None
             out.swap_out.extend(pairs)
+            self.num_swap_outs += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return

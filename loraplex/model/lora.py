@@ -51,15 +51,14 @@ class LoRALinear(nn.Module):
         for w in slice_widths:
             self.slice_offsets.append(self.slice_offsets[-1] + w)
         out = self.slice_offsets[-1]
-        kw = dict(dtype=dtype, device=device)
-        self.weight = nn.Parameter(torch.empty(out, in_features, **kw),  # type: ignore[arg-type]
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out, **kw), requires_grad=False)  # type: ignore[arg-type]
-                     if bias else None)
+        self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
         # [num_slots, max_rank, in] and [num_slots, out_k, max_rank], one per slice
-        self.lora_a = [torch.zeros(num_slots, max_rank, in_features, **kw)  # type: ignore[arg-type]
+        self.lora_a = [torch.zeros(num_slots, max_rank, in_features, dtype=dtype, device=device)
                        for _ in slice_widths]
-        self.lora_b = [torch.zeros(num_slots, w, max_rank, **kw)  # type: ignore[arg-type]
+        self.lora_b = [torch.zeros(num_slots, w, max_rank, dtype=dtype, device=device)
                        for w in slice_widths]
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:

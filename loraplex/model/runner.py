@@ -15,6 +15,7 @@ import torch
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.errors import ConfigError
 from loraplex.model.args import ModelArgs
+from loraplex.model.llama import DecoderLayer
 from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
 from loraplex.model.sampler import SampledToken, SamplingRow, sample
@@ -107,7 +108,7 @@ class ModelRunner:
     # --- LoRA slots -------------------------------------------------------------------
 
     def _lora_modules(self, layer: int) -> dict[str, LoRALinear]:
-        blk = self.model.layers[layer]
+        blk: DecoderLayer = self.model.layers[layer]  # type: ignore[assignment]
         return {"qkv_proj": blk.self_attn.qkv_proj, "o_proj": blk.self_attn.o_proj,
                 "gate_up_proj": blk.mlp.gate_up_proj, "down_proj": blk.mlp.down_proj}
 
@@ -138,21 +139,24 @@ class ModelRunner:
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies (device block, host block) pairs to the host pool."""
-        if not pairs:
-            return
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches, strict=True):
-            for d, h in pairs:
-                hk[h].copy_(k[d])
-                hv[h].copy_(v[d])
+        self._transfer(pairs, to_host=True)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies (host block, device block) pairs back to the device."""
+        self._transfer(pairs, to_host=False)
+
+    def _transfer(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
             return
+        src = torch.tensor([a for a, _ in pairs])
+        dst = torch.tensor([b for _, b in pairs])
         for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches, strict=True):
-            for h, d in pairs:
-                k[d].copy_(hk[h])
-                v[d].copy_(hv[h])
+            if to_host:
+                hk[dst] = k[src.to(k.device)].cpu()
+                hv[dst] = v[src.to(v.device)].cpu()
+            else:
+                k[dst.to(k.device)] = hk[src].to(k.device)
+                v[dst.to(v.device)] = hv[src].to(v.device)
 
     # --- one step ---------------------------------------------------------------------
 

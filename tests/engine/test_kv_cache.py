@@ -790,7 +790,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=100,
     stateful_step_count=40,
     deadline=None,
     database=None,

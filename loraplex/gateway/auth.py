@@ -1,0 +1,129 @@
+"""Who is calling: bearer keys checked against the registry on every request.
+
+Keys are looked up by their sha256 in the registry, which compares in constant time and
+refuses revoked keys and suspended tenants; nothing is cached, so a revocation takes effect
+on the next request. The lookup runs in a worker thread: SQLAlchemy sessions are blocking.
+
+Also here: the admin key bootstrap of ``loraplex serve`` and the per-tenant cache salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import Final
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
+
+from loraplex.errors import ConfigError
+from loraplex.gateway.errors import AuthenticationError, PermissionDeniedError
+from loraplex.gateway.ratelimit import TenantLimits
+from loraplex.registry import service
+from loraplex.registry.api_keys import DISPLAY_PREFIX_LEN, KEY_PREFIX, Principal
+from loraplex.registry.db import transaction
+from loraplex.registry.models import ApiKey, Tenant
+
+ADMIN_TENANT: Final = "admin"
+ENV_ADMIN_KEY: Final = "LORAPLEX_ADMIN_KEY"
+# A key given by the operator must be as strong as a generated one: 32 random bytes are
+# 43 URL-safe base64 characters.
+MIN_KEY_RANDOM_CHARS: Final = 43
+
+
+def bearer_key(conn: HTTPConnection) -> str:
+    """The key of ``Authorization: Bearer <key>``; AuthenticationError if there is none."""
+    header = conn.headers.get("authorization")
+    if not header:
+        raise AuthenticationError("You didn't provide an API key: pass it as "
+                                  "'Authorization: Bearer <key>'")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise AuthenticationError("The Authorization header must be 'Bearer <key>'")
+    return key.strip()
+
+
+def _lookup(factory: sessionmaker[Session], key: str) -> Principal | None:
+    with transaction(factory) as session:
+        return service.authenticate(session, key)
+
+
+async def authenticate(conn: HTTPConnection, factory: sessionmaker[Session]) -> Principal:
+    """The principal behind the request's key; AuthenticationError (401) otherwise."""
+    key = bearer_key(conn)
+    principal = await run_in_threadpool(_lookup, factory, key)
+    if principal is None:
+        raise AuthenticationError("Incorrect API key provided")
+    return principal
+
+
+def require_admin(principal: Principal) -> Principal:
+    """PermissionDeniedError (403) unless the key has the admin role."""
+    if not principal.is_admin:
+        raise PermissionDeniedError("This route needs an admin key")
+    return principal
+
+
+def tenant_limits(principal: Principal) -> TenantLimits:
+    """The principal's tenant limits as the rate limiter takes them."""
+    return TenantLimits(requests_per_minute=principal.max_requests_per_minute,
+                        tokens_per_minute=principal.max_tokens_per_minute,
+                        max_concurrent=principal.max_concurrent_requests)
+
+
+def cache_salt(secret: bytes, tenant_id: int) -> str:
+    """The tenant's prefix-cache salt: HMAC-SHA256 of its id under the server's secret.
+
+    A tenant cannot compute or choose another tenant's salt, so two tenants never hit each
+    other's cached blocks (which would leak whether a prompt was seen, by timing).
+    """
+    return hmac.new(secret, f"tenant:{tenant_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def salt_secret(configured: str | None) -> bytes:
+    """The configured secret, or a random one for this process (the prefix cache lives in
+    this process's memory, so salts need not survive a restart)."""
+    return configured.encode() if configured else secrets.token_bytes(32)
+
+
+def _check_admin_key_format(key: str) -> None:
+    if not key.startswith(KEY_PREFIX) or len(key) - len(KEY_PREFIX) < MIN_KEY_RANDOM_CHARS:
+        raise ConfigError(
+            f"{ENV_ADMIN_KEY} must be '{KEY_PREFIX}' followed by at least "
+            f"{MIN_KEY_RANDOM_CHARS} random characters, e.g. the output of: python -c "
+            f"\"import secrets; print('{KEY_PREFIX}' + secrets.token_urlsafe(32))\"")
+
+
+def ensure_admin_key(session: Session, admin_key: str | None) -> str | None:
+    """Makes sure an admin can log in; returns a newly created key (to print once) or None.
+
+    With ``admin_key`` (from LORAPLEX_ADMIN_KEY), that key is registered for the ``admin``
+    tenant if it is not yet. Without it, a key is created only when no active admin key
+    exists, i.e. on the first start.
+    """
+    tenant = session.scalar(sa.select(Tenant).where(Tenant.name == ADMIN_TENANT))
+    if tenant is None:
+        tenant = service.create_tenant(session, ADMIN_TENANT)
+    if admin_key is not None:
+        _check_admin_key_format(admin_key)
+        digest = service.hash_key(admin_key)
+        row = session.scalar(sa.select(ApiKey).where(ApiKey.key_hash == digest))
+        if row is None:
+            session.add(ApiKey(tenant_id=tenant.id, role="admin", name=ENV_ADMIN_KEY,
+                               prefix=admin_key[:DISPLAY_PREFIX_LEN], key_hash=digest))
+            session.flush()
+        elif row.revoked_at is not None or row.role != "admin":
+            raise ConfigError(f"{ENV_ADMIN_KEY} names a key that is revoked or not an "
+                              "admin key")
+        return None
+    active = session.scalar(
+        sa.select(sa.func.count()).select_from(ApiKey).join(Tenant)
+        .where(ApiKey.role == "admin", ApiKey.revoked_at.is_(None),
+               Tenant.status == "active"))
+    if active:
+        return None
+    _, plaintext = service.create_key(session, tenant.id, role="admin", name="bootstrap")
+    return plaintext

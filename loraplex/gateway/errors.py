@@ -1,0 +1,140 @@
+"""The one place where errors become HTTP responses, in OpenAI's JSON shape.
+
+Every handler raises domain errors (``loraplex.errors``) or the few gateway errors below;
+``error_response`` maps each to its status and ``{"error": {"message", "type", "param",
+"code"}}``. Streaming responses, whose status is already sent, use ``error_payload`` to
+write the same object as a last server-sent event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loraplex.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    ConfigError,
+    ConflictError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    LoraplexError,
+    NotFoundError,
+    PromptTooLongError,
+)
+from loraplex.gateway.ratelimit import RateLimitExceeded
+
+logger = logging.getLogger("loraplex.gateway")
+
+# How long a client should wait before retrying when the engine queue is full.
+OVERLOADED_RETRY_AFTER_S = 1
+
+
+class AuthenticationError(LoraplexError):
+    """No key, a malformed header, or a key that is unknown, revoked or suspended (401)."""
+
+
+class PermissionDeniedError(LoraplexError):
+    """A valid key without the role the route needs (403)."""
+
+
+class PayloadTooLargeError(LoraplexError):
+    """The request body is over the server's limit (413)."""
+
+
+class ClientDisconnected(LoraplexError):
+    """The client went away before the response was sent (no response is written)."""
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """Everything needed to answer one error."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    retry_after: int | None = None
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="loraplex"'
+        return headers
+
+
+def describe(exc: BaseException) -> ErrorInfo:
+    """The status and OpenAI error object for an exception (500 for anything unexpected)."""
+    if isinstance(exc, PromptTooLongError):
+        # A prompt that can never fit is 413; prompt + max_tokens over the context is the
+        # caller's max_tokens, 400, as OpenAI answers it.
+        status = 413 if exc.param == "prompt" else 400
+        return ErrorInfo(status, str(exc), "invalid_request_error", exc.param,
+                         "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return ErrorInfo(400, str(exc), "invalid_request_error", exc.param, None)
+    if isinstance(exc, AuthenticationError):
+        return ErrorInfo(401, str(exc), "invalid_request_error", None, "invalid_api_key")
+    if isinstance(exc, PermissionDeniedError):
+        return ErrorInfo(403, str(exc), "permission_error", None, "insufficient_permissions")
+    if isinstance(exc, AdapterNotFoundError):
+        return ErrorInfo(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, NotFoundError):
+        return ErrorInfo(404, str(exc), "invalid_request_error", None, "not_found")
+    if isinstance(exc, ConflictError):
+        return ErrorInfo(409, str(exc), "invalid_request_error", None, "conflict")
+    if isinstance(exc, PayloadTooLargeError):
+        return ErrorInfo(413, str(exc), "invalid_request_error", None, "payload_too_large")
+    if isinstance(exc, AdapterError):
+        # The adapter exists and is visible but cannot run on this base model.
+        return ErrorInfo(422, f"the adapter cannot be served: {exc}", "invalid_request_error",
+                         "model", "adapter_unusable")
+    if isinstance(exc, RateLimitExceeded):
+        return ErrorInfo(429, f"Rate limit reached for {exc.limit}: retry after "
+                              f"{exc.retry_after:.1f}s", exc.limit, None,
+                         "rate_limit_exceeded", retry_after=max(1, math.ceil(exc.retry_after)))
+    if isinstance(exc, EngineOverloadedError):
+        return ErrorInfo(503, f"The server is overloaded: {exc}", "server_error", None,
+                         "engine_overloaded", retry_after=OVERLOADED_RETRY_AFTER_S)
+    if isinstance(exc, EngineDeadError):
+        return ErrorInfo(503, "The engine is not running", "server_error", None,
+                         "engine_unavailable")
+    if isinstance(exc, HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return ErrorInfo(exc.status_code, str(exc.detail), kind)
+    if isinstance(exc, ConfigError):
+        return ErrorInfo(500, "The server is misconfigured", "server_error")
+    return ErrorInfo(500, "The server had an error while processing your request",
+                     "server_error")
+
+
+def error_response(info: ErrorInfo) -> Response:
+    return JSONResponse(info.payload(), status_code=info.status, headers=info.headers())
+
+
+async def handle_exception(request: Request, exc: Exception) -> Response:
+    """Starlette exception handler for every exception a route lets escape."""
+    info = describe(exc)
+    if info.status >= 500 and not isinstance(exc, (EngineOverloadedError, EngineDeadError)):
+        logger.error("error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(info)
+
+
+def exception_handlers() -> dict[Any, Any]:
+    """The mapping to pass as ``Starlette(exception_handlers=...)``."""
+    return {LoraplexError: handle_exception, HTTPException: handle_exception,
+            Exception: handle_exception}

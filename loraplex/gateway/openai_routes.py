@@ -1,0 +1,315 @@
+"""The tenant-facing, OpenAI-compatible routes: models, completions, chat, usage.
+
+Each handler parses, resolves the caller and the model, and hands a ``Job`` to the engine;
+errors propagate to the one exception handler (``gateway/errors.py``). Every request to
+these routes is counted in the metrics exactly once, with its final status.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from loraplex.gateway.auth import authenticate
+from loraplex.gateway.errors import describe
+from loraplex.gateway.generation import (
+    EventStreamResponse,
+    Job,
+    Observation,
+    Target,
+    read_body,
+    resolve_target,
+    run_until_disconnect,
+    shielded,
+    sse,
+)
+from loraplex.gateway.responses import Accumulator, ChunkWriter, dumps, usage
+from loraplex.gateway.schemas import (
+    GenerationOptions,
+    parse_chat_completion,
+    parse_completion,
+    parse_json_body,
+)
+from loraplex.gateway.state import Gateway, gateway
+from loraplex.registry import service
+from loraplex.registry.api_keys import Principal
+from loraplex.registry.db import transaction
+
+Handler = Callable[[Request, Gateway, Observation], Awaitable[Response]]
+
+
+def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Records the request in the metrics with the status it ends with (a Job that was
+    admitted records itself, with its latencies)."""
+
+    async def endpoint(request: Request) -> Response:
+        gw = gateway(request)
+        obs = Observation(gw)
+        try:
+            response = await handler(request, gw, obs)
+        except Exception as exc:
+            obs.record_http(describe(exc).status)
+            raise
+        obs.record_http(response.status_code)  # no-op when a Job already recorded
+        return response
+
+    return endpoint
+
+
+# --- models ------------------------------------------------------------------------------
+
+
+def _model_entries(gw: Gateway, principal: Principal) -> list[dict[str, Any]]:
+    with transaction(gw.sessions) as session:
+        rows = service.list_visible_adapters(session, principal.tenant_id)
+        entries = [{"id": gw.served_model_name, "object": "model", "created": 0,
+                    "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}]
+        for row in rows:
+            own = row.tenant_id == principal.tenant_id
+            entries.append({
+                "id": row.name if own else f"{row.tenant.name}/{row.name}",
+                "object": "model", "created": int(row.created_at.timestamp()),
+                "owned_by": row.tenant.name, "root": row.identity,
+                "parent": gw.served_model_name})
+    return entries
+
+
+async def list_models(request: Request, gw: Gateway, obs: Observation) -> Response:
+    principal = await authenticate(request, gw.sessions)
+    obs.tenant = principal.tenant_name
+    data = await run_in_threadpool(_model_entries, gw, principal)
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request, gw: Gateway, obs: Observation) -> Response:
+    principal = await authenticate(request, gw.sessions)
+    obs.tenant = principal.tenant_name
+    model = request.path_params["model"]
+    target = await resolve_target(gw, principal, model)
+    return JSONResponse({"id": target.model, "object": "model", "created": 0,
+                         "owned_by": target.label.partition("/")[0]
+                         if target.ref else "loraplex",
+                         "parent": gw.served_model_name if target.ref else None})
+
+
+# --- generation --------------------------------------------------------------------------
+
+
+def _check_prompt(gw: Gateway, token_ids: list[int]) -> None:
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty once tokenized", param="prompt")
+    bad = [t for t in token_ids if not 0 <= t < gw.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids out of range [0, {gw.vocab_size}): "
+                                  f"{bad[:5]}", param="prompt")
+    if len(token_ids) >= gw.max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {gw.max_model_len} tokens, and your "
+            f"prompt has {len(token_ids)} tokens, leaving no room for a completion",
+            param="prompt")
+
+
+def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
+                     default_max_tokens: int) -> SamplingParams:
+    room = gw.max_model_len - num_prompt
+    max_tokens = options.max_tokens
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, gw.config.max_tokens_limit, room)
+    elif max_tokens > room:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {gw.max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} for the completion)", param="max_tokens")
+    return SamplingParams(
+        n=options.n, temperature=options.temperature, top_p=options.top_p,
+        top_k=options.top_k, min_p=options.min_p, seed=options.seed, max_tokens=max_tokens,
+        stop=options.stop, stop_token_ids=options.stop_token_ids,
+        ignore_eos=options.ignore_eos, logprobs=options.logprobs)
+
+
+async def _prepare(request: Request, gw: Gateway, obs: Observation,
+                   ) -> tuple[Principal, dict[str, Any]]:
+    principal = await authenticate(request, gw.sessions)
+    obs.tenant = principal.tenant_name
+    body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
+    return principal, body
+
+
+async def completions(request: Request, gw: Gateway, obs: Observation) -> Response:
+    principal, body = await _prepare(request, gw, obs)
+    req = parse_completion(body, max_tokens_limit=gw.config.max_tokens_limit,
+                           max_n=gw.config.max_n)
+    target = await resolve_target(gw, principal, req.options.model)
+    obs.adapter = target.label
+    token_ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
+                 else await gw.tokenizers.encode(req.prompt or ""))
+    _check_prompt(gw, token_ids)
+    # OpenAI's default of 16 applies only when max_tokens is left out.
+    params = _sampling_params(gw, req.options, len(token_ids), default_max_tokens=16)
+    return await _generate(request, gw, obs, principal, target, token_ids, params,
+                           req.options, chat=False)
+
+
+async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
+    principal, body = await _prepare(request, gw, obs)
+    req = parse_chat_completion(body, max_tokens_limit=gw.config.max_tokens_limit,
+                                max_n=gw.config.max_n)
+    target = await resolve_target(gw, principal, req.options.model)
+    obs.adapter = target.label
+    token_ids = await gw.tokenizers.encode_chat(
+        [{"role": m.role, "content": m.content} for m in req.messages])
+    _check_prompt(gw, token_ids)
+    params = _sampling_params(gw, req.options, len(token_ids),
+                              default_max_tokens=gw.config.max_tokens_limit)
+    return await _generate(request, gw, obs, principal, target, token_ids, params,
+                           req.options, chat=True)
+
+
+async def _generate(request: Request, gw: Gateway, obs: Observation, principal: Principal,
+                    target: Target, token_ids: list[int], params: SamplingParams,
+                    options: GenerationOptions, *, chat: bool) -> Response:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    job = Job(gw, principal, target, token_ids, params, rid, obs)
+    try:
+        await job.start()
+    except BaseException as exc:
+        status = describe(exc).status if isinstance(exc, Exception) else 499
+        await shielded(job.finish(obs_status(status)))
+        raise
+    if options.stream:
+        return EventStreamResponse(_events(gw, job, options, chat),
+                                   on_close=lambda gone: job.finish(
+                                       "aborted" if gone else job_status(job)))
+    try:
+        body = await run_until_disconnect(request, lambda: _collect(gw, job, options, chat))
+    except BaseException as exc:
+        await shielded(job.finish(_failure_status(exc)))
+        raise
+    await shielded(job.finish("ok"))
+    return JSONResponse(body)
+
+
+def obs_status(code: int) -> str:
+    from loraplex.gateway.metrics import status_for_http
+
+    return status_for_http(code)
+
+
+def _failure_status(exc: BaseException) -> str:
+    from loraplex.gateway.errors import ClientDisconnected
+
+    if isinstance(exc, ClientDisconnected) or not isinstance(exc, Exception):
+        return "aborted"
+    return obs_status(describe(exc).status)
+
+
+def job_status(job: Job) -> str:
+    return getattr(job, "stream_status", "ok")
+
+
+async def _collect(gw: Gateway, job: Job, options: GenerationOptions,
+                   chat: bool) -> dict[str, Any]:
+    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text)
+    async for delta in job.deltas():
+        acc.add(delta)
+    if acc.aborted:
+        raise EngineDeadError("the request was aborted: the server is shutting down")
+    usage_ = usage(job.num_prompt_tokens, job.num_completion_tokens)
+    build = acc.chat if chat else acc.completion
+    return build(job.request_id, job.created, job.target.model, usage_)
+
+
+async def _events(gw: Gateway, job: Job, options: GenerationOptions,
+                  chat: bool) -> AsyncGenerator[bytes, None]:
+    writer = ChunkWriter(chat, job.request_id, job.created, job.target.model, job.params.n,
+                         options.logprobs, options.include_usage, gw.tokenizers.token_text)
+    try:
+        for chunk in writer.role_chunks():
+            yield sse(chunk)
+        async for delta in job.deltas():
+            if delta.finish_reason == "abort":
+                raise EngineDeadError("the request was aborted: the server is shutting down")
+            chunk_ = writer.delta_chunk(delta)
+            if chunk_ is not None:
+                yield sse(chunk_)
+        final = writer.usage_chunk(usage(job.num_prompt_tokens, job.num_completion_tokens))
+        if final is not None:
+            yield sse(final)
+    except Exception as exc:  # the status is sent: report the error as the last event
+        info = describe(exc)
+        job.stream_status = obs_status(info.status)  # type: ignore[attr-defined]
+        yield sse(dumps(info.payload()))
+    yield sse("[DONE]")
+
+
+# --- usage -------------------------------------------------------------------------------
+
+
+def _parse_time(request: Request, name: str) -> datetime | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
+                                  param=name) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _usage_report(gw: Gateway, principal: Principal, since: datetime | None,
+                  until: datetime | None) -> dict[str, Any]:
+    with transaction(gw.sessions) as session:
+        rows = service.list_usage(session, principal.tenant_id, since=since, until=until)
+        totals = service.usage_totals(session, principal.tenant_id, since=since, until=until)
+        data = [{"hour": row.hour.isoformat(),
+                 "model": _usage_model(session, gw, principal, row.adapter_id),
+                 "requests": row.requests, "prompt_tokens": row.prompt_tokens,
+                 "completion_tokens": row.completion_tokens,
+                 "total_tokens": row.prompt_tokens + row.completion_tokens}
+                for row in rows]
+    return {"object": "usage", "tenant": principal.tenant_name,
+            "totals": {"requests": totals.requests, "prompt_tokens": totals.prompt_tokens,
+                       "completion_tokens": totals.completion_tokens,
+                       "total_tokens": totals.total_tokens},
+            "data": data}
+
+
+def _usage_model(session: Session, gw: Gateway, principal: Principal,
+                 adapter_id: int | None) -> str:
+    if adapter_id is None:
+        return gw.served_model_name
+    row = service.get_adapter(session, adapter_id)
+    name = f"{row.name}@v{row.version}"
+    return name if row.tenant_id == principal.tenant_id else f"{row.tenant.name}/{name}"
+
+
+async def get_usage(request: Request, gw: Gateway, obs: Observation) -> Response:
+    principal = await authenticate(request, gw.sessions)
+    obs.tenant = principal.tenant_name
+    since, until = _parse_time(request, "since"), _parse_time(request, "until")
+    # Read-your-writes: what this process metered so far is written before reading.
+    await gw.meter.flush()
+    report = await run_in_threadpool(_usage_report, gw, principal, since, until)
+    return JSONResponse(report)
+
+
+def routes() -> list[Route]:
+    """The routes of this module, for ``create_app``."""
+    return [
+        Route("/v1/models", _observed(list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _observed(get_model), methods=["GET"]),
+        Route("/v1/completions", _observed(completions), methods=["POST"]),
+        Route("/v1/chat/completions", _observed(chat_completions), methods=["POST"]),
+        Route("/v1/usage", _observed(get_usage), methods=["GET"]),
+    ]

@@ -1,0 +1,201 @@
+"""OpenAI response objects built from engine outputs: completions, chat, chunks, logprobs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from loraplex.engine.outputs import SequenceDelta, TokenLogprob
+
+# JSON has no -Infinity; a token the sampler could never pick is reported this low instead.
+MIN_LOGPROB: Final = -9999.0
+
+TokenText = Callable[[int], str]
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(delta: SequenceDelta) -> str | None:
+    """OpenAI's finish_reason; the engine's "abort" (server shutting down) is not one and
+    is handled by the caller as an error."""
+    return delta.finish_reason if delta.finish_reason in ("stop", "length") else None
+
+
+def _lp(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+@dataclass
+class CompletionLogprobs:
+    """The legacy completions ``logprobs`` object, accumulated token by token."""
+
+    top_k: int
+    text_offset_start: int = 0
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def extend(self, entries: list[TokenLogprob], token_ids: list[int],
+               token_text: TokenText) -> None:
+        offset = self.text_offset_start + sum(len(t) for t in self.tokens)
+        for token_id, (logprob, alternatives) in zip(token_ids, entries, strict=False):
+            text = token_text(token_id)
+            self.tokens.append(text)
+            self.token_logprobs.append(_lp(logprob))
+            self.text_offset.append(offset)
+            offset += len(text)
+            top: dict[str, float] = {}
+            for alt_id, alt_lp in alternatives[: self.top_k]:
+                top.setdefault(token_text(alt_id), _lp(alt_lp))
+            self.top_logprobs.append(top)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs if self.top_k > 0 else None,
+                "text_offset": self.text_offset}
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_ids: list[int], top_k: int,
+                  token_text: TokenText) -> list[dict[str, Any]]:
+    """Entries of the chat ``logprobs.content`` array."""
+    out = []
+    for token_id, (logprob, alternatives) in zip(token_ids, entries, strict=False):
+        text = token_text(token_id)
+        out.append({
+            "token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (alt := token_text(alt_id)), "logprob": _lp(alt_lp),
+                 "bytes": list(alt.encode("utf-8"))}
+                for alt_id, alt_lp in alternatives[:top_k]],
+        })
+    return out
+
+
+@dataclass
+class Choice:
+    """One of the ``n`` outputs, accumulated for a non-streaming response."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    completion_logprobs: CompletionLogprobs | None = None
+    chat_logprobs: list[dict[str, Any]] | None = None
+
+
+class Accumulator:
+    """Collects deltas into the choices of a whole (non-streaming) response."""
+
+    def __init__(self, n: int, logprobs: int | None, token_text: TokenText) -> None:
+        self.choices = [Choice(i) for i in range(n)]
+        self._top_k = logprobs
+        self._token_text = token_text
+        self.aborted = False
+
+    def add(self, delta: SequenceDelta) -> None:
+        choice = self.choices[delta.index]
+        choice.text += delta.text_delta
+        if delta.finish_reason == "abort":
+            self.aborted = True
+        choice.finish_reason = finish_reason(delta) or choice.finish_reason
+        if self._top_k is not None and delta.new_logprobs:
+            if choice.completion_logprobs is None:
+                choice.completion_logprobs = CompletionLogprobs(self._top_k)
+            choice.completion_logprobs.extend(delta.new_logprobs, delta.new_token_ids,
+                                              self._token_text)
+            if choice.chat_logprobs is None:
+                choice.chat_logprobs = []
+            choice.chat_logprobs += chat_logprobs(delta.new_logprobs, delta.new_token_ids,
+                                                  self._top_k, self._token_text)
+
+    def completion(self, rid: str, created: int, model: str,
+                   usage_: dict[str, int]) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [
+                    {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                     "logprobs": (c.completion_logprobs.to_json() if c.completion_logprobs
+                                  else None if self._top_k is None
+                                  else CompletionLogprobs(self._top_k).to_json())}
+                    for c in self.choices],
+                "usage": usage_}
+
+    def chat(self, rid: str, created: int, model: str,
+             usage_: dict[str, int]) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "system_fingerprint": None,
+                "choices": [
+                    {"index": c.index,
+                     "message": {"role": "assistant", "content": c.text},
+                     "finish_reason": c.finish_reason,
+                     "logprobs": (None if self._top_k is None
+                                  else {"content": c.chat_logprobs or []})}
+                    for c in self.choices],
+                "usage": usage_}
+
+
+class ChunkWriter:
+    """Turns deltas into streaming chunks (completions or chat)."""
+
+    def __init__(self, chat: bool, rid: str, created: int, model: str, n: int,
+                 logprobs: int | None, include_usage: bool, token_text: TokenText) -> None:
+        self.chat = chat
+        self._head = {"id": rid, "object": "chat.completion.chunk" if chat
+                      else "text_completion", "created": created, "model": model}
+        self._top_k = logprobs
+        self._include_usage = include_usage
+        self._token_text = token_text
+        self._sent_role = [False] * n
+        self._offsets = [0] * n
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        obj = dict(self._head, choices=choices)
+        if self._include_usage:
+            obj["usage"] = None
+        return dumps(obj)
+
+    def role_chunks(self) -> list[str]:
+        """Chat only: the opening chunk of every choice, announcing the assistant."""
+        if not self.chat:
+            return []
+        self._sent_role = [True] * len(self._sent_role)
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for i in range(len(self._sent_role))]
+
+    def delta_chunk(self, delta: SequenceDelta) -> str | None:
+        reason = finish_reason(delta)
+        has_logprobs = self._top_k is not None and bool(delta.new_logprobs)
+        if not delta.text_delta and reason is None and not has_logprobs:
+            return None  # text held back (stop string or partial character): nothing new
+        logprobs: Any = None
+        if has_logprobs and delta.new_logprobs is not None and self._top_k is not None:
+            if self.chat:
+                logprobs = {"content": chat_logprobs(delta.new_logprobs, delta.new_token_ids,
+                                                     self._top_k, self._token_text)}
+            else:
+                lp = CompletionLogprobs(self._top_k, self._offsets[delta.index])
+                lp.extend(delta.new_logprobs, delta.new_token_ids, self._token_text)
+                self._offsets[delta.index] += sum(len(t) for t in lp.tokens)
+                logprobs = lp.to_json()
+        if self.chat:
+            body: dict[str, Any] = {"content": delta.text_delta} if delta.text_delta else {}
+            choice = {"index": delta.index, "delta": body, "logprobs": logprobs,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": delta.index, "text": delta.text_delta, "logprobs": logprobs,
+                      "finish_reason": reason}
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage_: dict[str, int]) -> str | None:
+        if not self._include_usage:
+            return None
+        return dumps(dict(self._head, choices=[], usage=usage_))

@@ -1,0 +1,318 @@
+"""Request bodies of the OpenAI-compatible routes, parsed and validated into dataclasses.
+
+Parsing is strict about what it reads: a field of the wrong JSON type, or out of range, is a
+400 that names the field. Fields it does not know are ignored, as vLLM does and as most
+OpenAI-compatible clients expect (they send vendor extras through ``extra_body``). Known
+OpenAI fields that loraplex cannot honour (``echo``, ``suffix``, a non-zero penalty,
+``logit_bias``, tools...) are refused when set to anything but their neutral value, never
+silently dropped. ``cache_salt``/``salt`` in a body is ignored on purpose: the salt is
+derived by the server from the tenant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Final
+
+from loraplex.engine.sampling_params import MAX_LOGPROBS
+from loraplex.errors import InvalidRequestError
+
+MAX_STOP_SEQUENCES: Final = 4
+MAX_STOP_LENGTH: Final = 256
+MAX_SEED: Final = (1 << 63) - 1  # the engine seeds a 64-bit generator
+CHAT_ROLES: Final = ("system", "developer", "user", "assistant")
+
+# OpenAI fields with no effect here when left at their neutral value; anything else is
+# refused so a caller never believes a setting was applied when it was not.
+_NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "parallel_tool_calls": (False, True),
+}
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; InvalidRequestError (400) otherwise.
+
+    NaN and Infinity are refused: they are not JSON, though Python's parser accepts them.
+    """
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        data = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
+        raise InvalidRequestError(
+            f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return data
+
+
+# --- field readers -----------------------------------------------------------------------
+
+
+def _bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean",
+            int: "integer", float: "number", type(None): "null"}.get(type(value), "value")
+
+
+def _check_text(param: str, value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(param, "contains a lone surrogate, which is not valid Unicode") from None
+    return value
+
+
+def _str(body: dict[str, Any], key: str, default: str | None = None) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise _bad(key, f"expected a string, got {_type_name(value)}")
+    return _check_text(key, value)
+
+
+def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 16.0 is an integer in JSON's eyes
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(key, f"expected an integer, got {_type_name(value)}")
+    if not lo <= value <= hi:
+        raise _bad(key, f"must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
+           lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _bad(key, f"expected a number, got {_type_name(value)}")
+    value = float(value)
+    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise _bad(key, f"must be in {bracket}{lo:g}, {hi:g}], got {value:g}")
+    return value
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(key, f"expected a boolean, got {_type_name(value)}")
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad("stop", "expected a string or an array of strings")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise _bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}")
+    for s in items:
+        _check_text("stop", s)
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise _bad("stop", f"each sequence must have 1 to {MAX_STOP_LENGTH} characters")
+    return tuple(items)
+
+
+def _check_neutral(body: dict[str, Any]) -> None:
+    for key, neutral in _NEUTRAL.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if not any(type(value) is type(n) and value == n for n in neutral):
+            raise _bad(key, "is not supported by this server (leave it unset)")
+    n, best_of = body.get("n", 1), body.get("best_of")
+    if best_of is not None and best_of != n and best_of != 1:
+        raise _bad("best_of", "is not supported by this server (leave it unset)")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+
+
+# --- the requests ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What both routes share: the model, sampling and streaming options."""
+
+    model: str
+    n: int
+    max_tokens: int | None  # None: as many as fit (chat) or OpenAI's 16 (completions)
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None  # top alternatives per token; 0: only the sampled token's
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    options: GenerationOptions
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    """``POST /v1/chat/completions``."""
+
+    options: GenerationOptions
+    messages: tuple[ChatMessage, ...]
+
+
+def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
+             logprobs: int | None, max_tokens_keys: tuple[str, ...]) -> GenerationOptions:
+    model = _str(body, "model")
+    if not model:
+        raise _bad("model", "is required (the base model's name or an adapter's)")
+    _check_neutral(body)
+    max_tokens = None
+    for key in max_tokens_keys:
+        value = _int(body, key, 1, max_tokens_limit)
+        if value is not None:
+            max_tokens = value
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise _bad("stream_options", f"expected an object, got {_type_name(stream_options)}")
+        include_usage = _bool(stream_options, "include_usage", False)
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and (
+            not isinstance(stop_token_ids, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+        raise _bad("stop_token_ids", "expected an array of integers")
+    return GenerationOptions(
+        model=model,
+        n=_int(body, "n", 1, max_n) or 1,
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=_int(body, "top_k", -1, 1 << 31) or 0,
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        seed=_int(body, "seed", 0, MAX_SEED),
+        stop=_stop(body),
+        stop_token_ids=tuple(stop_token_ids or ()),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=include_usage,
+        user=_str(body, "user"),
+    )
+
+
+def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
+                     max_n: int) -> CompletionRequest:
+    """Validates a completions body; InvalidRequestError names the first bad field."""
+    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
+                       logprobs=logprobs, max_tokens_keys=("max_tokens",))
+    if options.max_tokens is None:
+        options = _replace_max_tokens(options, min(16, max_tokens_limit))  # OpenAI's default
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("prompt", "is required")
+    # One prompt per request: a string, token ids, or an array holding exactly one of those.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", "must not be empty")
+        return CompletionRequest(options, _check_text("prompt", prompt), None)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return CompletionRequest(options, None, tuple(prompt))
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
+        raise _bad("prompt", "batches of prompts are not supported: send one prompt per "
+                             "request")
+    raise _bad("prompt", "expected a non-empty string or a non-empty array of token ids")
+
+
+def _replace_max_tokens(options: GenerationOptions, max_tokens: int) -> GenerationOptions:
+    from dataclasses import replace
+
+    return replace(options, max_tokens=max_tokens)
+
+
+def _message(i: int, raw: Any) -> ChatMessage:
+    param = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise _bad(param, f"expected an object, got {_type_name(raw)}")
+    role = raw.get("role")
+    if role not in CHAT_ROLES:
+        raise _bad(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}")
+    content = raw.get("content")
+    if isinstance(content, list):  # content parts: only text is understood
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise _bad(f"{param}.content[{j}]", "only text parts are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise _bad(f"{param}.content", "expected a string or an array of text parts")
+    _check_text(f"{param}.content", content)
+    # The template's "system" is what OpenAI now calls "developer".
+    return ChatMessage("system" if role == "developer" else role, content)
+
+
+def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
+                          max_n: int) -> ChatCompletionRequest:
+    """Validates a chat completions body; InvalidRequestError names the first bad field."""
+    logprobs = None
+    if _bool(body, "logprobs", False):
+        logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+    elif body.get("top_logprobs") is not None:
+        _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        raise _bad("top_logprobs", "requires logprobs to be true")
+    options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
+                       logprobs=logprobs,
+                       max_tokens_keys=("max_tokens", "max_completion_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "expected a non-empty array of messages")
+    return ChatCompletionRequest(options, tuple(_message(i, m) for i, m in enumerate(messages)))

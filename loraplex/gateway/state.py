@@ -1,0 +1,101 @@
+"""What every route needs, held in one object on ``app.state.gateway``."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
+
+from loraplex.config import RegistryConfig, ServerConfig
+from loraplex.engine.client import EngineClient
+from loraplex.errors import InvalidRequestError
+from loraplex.gateway.metrics import GatewayMetrics
+from loraplex.gateway.ratelimit import RateLimiter
+from loraplex.gateway.usage import UsageMeter
+from loraplex.registry.store import AdapterStore
+
+
+class Tokenizers:
+    """The gateway's own copies of the engine's tokenizer.
+
+    The engine thread decodes with its tokenizer while the gateway encodes: a fast
+    tokenizer shared across threads can fail with "Already borrowed", so the gateway never
+    touches the engine's. Encoding (maybe a long prompt) runs in worker threads under a
+    lock; per-token decoding for logprobs runs on the event loop with a second copy.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._encoder = copy.deepcopy(tokenizer)
+        self._decoder = copy.deepcopy(tokenizer)
+        self._lock = threading.Lock()
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        with self._lock:
+            return list(self._encoder.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, tokenized as the offline ``LLM`` does."""
+        return await run_in_threadpool(self._encode, text, True)
+
+    def _render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        with self._lock:
+            if not getattr(self._encoder, "chat_template", None):
+                raise InvalidRequestError("this model has no chat template: use "
+                                          "/v1/completions", param="messages")
+            try:
+                text = self._encoder.apply_chat_template(list(messages), tokenize=False,
+                                                         add_generation_prompt=True)
+            except Exception as exc:  # jinja's TemplateError, or raise_exception() in it
+                raise InvalidRequestError(f"the chat template refused the messages: {exc}",
+                                          param="messages") from None
+            return list(self._encoder.encode(text, add_special_tokens=False))
+
+    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of the messages rendered by the model's chat template, ready for the
+        assistant's reply."""
+        return await run_in_threadpool(self._render_chat, messages)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (event loop only)."""
+        return str(self._decoder.decode([token_id]))
+
+
+@dataclass
+class Gateway:
+    """The app's shared state; built by ``create_app``, started by its lifespan."""
+
+    config: ServerConfig
+    registry: RegistryConfig
+    db_engine: Engine
+    sessions: sessionmaker[Session]
+    engine: EngineClient
+    store: AdapterStore
+    metrics: GatewayMetrics
+    meter: UsageMeter
+    tokenizers: Tokenizers
+    served_model_name: str
+    salt_secret: bytes
+    max_model_len: int
+    vocab_size: int
+    limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
+    # Cumulative engine counters already exported, to turn totals into counter increments.
+    exported: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        if self.limiter is None:
+            raise RuntimeError("the gateway is not started (lifespan did not run)")
+        return self.limiter
+
+
+def gateway(conn: HTTPConnection) -> Gateway:
+    """The gateway state of the app serving ``conn``."""
+    state: Gateway = conn.app.state.gateway
+    return state

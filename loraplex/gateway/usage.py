@@ -1,0 +1,91 @@
+"""Usage metering: finished requests are buffered and written to the registry in batches.
+
+A request adds one ``UsageRecord`` to an in-memory buffer (no I/O); a background task
+writes the whole buffer in one transaction every ``interval_s`` and once more at shutdown,
+so the database sees one upsert per (tenant, adapter, hour) per interval, never one write
+per request or token. A failed write keeps its records for the next attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.registry import service
+from loraplex.registry.db import transaction
+from loraplex.registry.usage import UsageRecord
+
+logger = logging.getLogger("loraplex.gateway.usage")
+
+
+class UsageMeter:
+    """Buffers usage records and flushes them to the registry in batches."""
+
+    def __init__(self, factory: sessionmaker[Session], interval_s: float = 1.0) -> None:
+        self._factory = factory
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._pending: list[UsageRecord] = []
+        # One flush at a time: a periodic flush and a read-your-writes flush must not
+        # write the same records twice or interleave their retries.
+        self._flush_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, record: UsageRecord) -> None:
+        """Queues one record; never blocks on I/O."""
+        with self._lock:
+            self._pending.append(record)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _write(self, batch: list[UsageRecord]) -> None:
+        with transaction(self._factory) as session:
+            service.record_usage(session, batch)
+
+    async def flush(self) -> None:
+        """Writes every pending record now; on failure they stay pending and this raises."""
+        async with self._flush_lock:
+            with self._lock:
+                batch, self._pending = self._pending, []
+            if not batch:
+                return
+            try:
+                await run_in_threadpool(self._write, batch)
+            except BaseException:
+                with self._lock:
+                    self._pending[:0] = batch
+                raise
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.flush()
+            except Exception:
+                logger.exception("usage flush failed; %d records kept for the next try",
+                                 self.num_pending)
+
+    def start(self) -> None:
+        """Starts the periodic flusher on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(),
+                                                                name="loraplex-usage")
+
+    async def stop(self) -> None:
+        """Stops the flusher and writes what is left."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        try:
+            await self.flush()
+        except Exception:
+            logger.exception("final usage flush failed; %d records lost", self.num_pending)

@@ -1,0 +1,729 @@
+"""The adapter upload pipeline: the one code path behind the admin API, the tenant API, the
+admin UI and the CLI.
+
+receive → unpack → validate → store → commit:
+
+1. Received bytes stream into a private staging folder under the store's ``.tmp`` (same
+   filesystem, swept by ``AdapterStore.sweep_tmp`` after a crash), under a running byte
+   cap. Only ``adapter_config.json`` + ``adapter_model.safetensors`` (+ ``README.md``), or
+   one ``.zip`` / ``.tar.gz`` of them, are accepted; pickle files are refused by name.
+2. An archive is unpacked by hand, member by member, into a flat folder: absolute paths,
+   ``..``, links, devices, too many members and too many bytes are refused, sizes are
+   checked as declared and counted while extracting (a zip bomb's header lies).
+3. The staged folder is checked by the engine's own loader, injected as ``validate`` so the
+   registry never imports the engine.
+4. ``AdapterStore.put_dir`` hashes, fsyncs and renames the files into the content-addressed
+   store (identical weights are stored once).
+5. The row is registered and committed in a short transaction the pipeline owns: only then
+   can it promise that a failure at any step, the commit included, leaves neither a file
+   (that this upload created) nor a row. ``on_registered`` runs inside that transaction.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import re
+import shutil
+import stat
+import tarfile
+import time
+import uuid
+import zipfile
+import zlib
+from collections.abc import (
+    AsyncIterable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO, Final, Protocol
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.errors import AdapterError, ConfigError, InvalidRequestError, UploadTooLargeError
+from loraplex.registry import service
+from loraplex.registry.db import transaction
+from loraplex.registry.models import VISIBILITIES, Adapter
+from loraplex.registry.names import check_adapter_name
+from loraplex.registry.store import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    PICKLE_SUFFIXES,
+    WEIGHTS_FILE,
+    AdapterStore,
+)
+
+README_FILE: Final = "README.md"
+ALLOWED_FILES: Final = frozenset({CONFIG_FILE, WEIGHTS_FILE, README_FILE})
+ARCHIVE_SUFFIXES: Final = (".zip", ".tar.gz", ".tgz")
+_CHUNK: Final = 1 << 20
+_TMP_DIR: Final = ".tmp"  # the store's; sweep_tmp clears what a crashed upload left there
+_UPLOAD_PREFIX: Final = "upload-"
+# sweep_tmp removes folders whose mtime is older than an hour; a slow upload touches its
+# folder now and then so it is never taken for a crashed one.
+_TOUCH_EVERY_S: Final = 60.0
+# Bytes of tar headers (512 per member, pax records, end blocks) on top of the members'.
+_TAR_HEADER_SLACK: Final = 1 << 20
+_DRIVE_RE: Final = re.compile(r"^[A-Za-z]:")
+_HINT: Final = (f"upload {CONFIG_FILE} and {WEIGHTS_FILE}, or one .zip or .tar.gz "
+                "holding them")
+
+ProgressFn = Callable[[int], None]  # called with the bytes received so far
+
+
+class ValidatedAdapter(Protocol):
+    """What the pipeline reads from the engine's validation result (``LoRAAdapter``)."""
+
+    @property
+    def digest(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def use_rslora(self) -> bool: ...
+    @property
+    def target_modules(self) -> tuple[str, ...]: ...
+    @property
+    def base_model_name_or_path(self) -> str | None: ...
+
+
+# ``lambda p: validate_adapter_dir(p, target, max_lora_rank)``: raises AdapterError.
+Validator = Callable[[Path], ValidatedAdapter]
+# Runs inside the row's transaction, after the row is flushed and before the commit.
+OnRegistered = Callable[[Session, Adapter], None]
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    """Caps on one upload. ``max_files`` counts archive members, folders included."""
+
+    max_upload_bytes: int = 4 << 30
+    max_unpacked_bytes: int = 4 << 30
+    max_files: int = 8
+
+    def __post_init__(self) -> None:
+        for field in ("max_upload_bytes", "max_unpacked_bytes", "max_files"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"UploadLimits.{field} must be positive, got "
+                                  f"{getattr(self, field)}")
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """The committed row (readable: sessions do not expire on commit) and whether the
+    weights were new to the store (False: identical content was already stored)."""
+
+    adapter: Adapter
+    created: bool
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class DeletedAdapter:
+    """A snapshot of a deleted version, safe to hand to another thread (the engine's)."""
+
+    id: int
+    tenant_id: int
+    name: str
+    version: int
+    digest: str
+
+    @property
+    def identity(self) -> str:
+        """``adapter_id@digest``: what the engine's caches and slots are keyed on."""
+        return f"{self.id}@{self.digest}"
+
+    @classmethod
+    def of(cls, row: Adapter) -> DeletedAdapter:
+        return cls(id=row.id, tenant_id=row.tenant_id, name=row.name, version=row.version,
+                   digest=row.digest)
+
+
+# The gateway wires this to the engine: drop the versions' prefix-cache entries and free
+# their slots once the requests already running on them finish.
+OnDeleted = Callable[[Sequence[DeletedAdapter]], None]
+
+
+# --- receiving ---------------------------------------------------------------------------
+
+
+def _is_archive(name: str) -> bool:
+    return name.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def _refuse_pickle(name: str, where: str = "") -> None:
+    if name.lower().endswith(PICKLE_SUFFIXES):
+        raise AdapterError(f"{where}pickle files are refused (only safetensors are read): "
+                           f"{name}; save the adapter with safe_serialization=True")
+
+
+def _upload_basename(filename: str) -> str:
+    """The file name of a received part. Browsers send folder uploads as ``dir/name`` and
+    some send Windows paths: only the last component counts, so nothing can point outside
+    the staging folder."""
+    base = re.split(r"[\\/]", filename.strip())[-1]
+    if not base or base in (".", "..") or "\x00" in base:
+        raise AdapterError(f"invalid file name {filename!r}; {_HINT}")
+    return base
+
+
+class UploadStaging:
+    """One upload's private folder under the store's ``.tmp``; removed on ``close``.
+
+    ``write``/``write_async`` receive one file each under a running cap on the bytes of the
+    whole upload (UploadTooLargeError as soon as it is passed, before the rest is read).
+    """
+
+    def __init__(self, store: AdapterStore, limits: UploadLimits,
+                 progress: ProgressFn | None = None) -> None:
+        self.limits = limits
+        self.num_bytes = 0
+        self._progress = progress
+        tmp_root = store.root / _TMP_DIR
+        tmp_root.mkdir(parents=True, exist_ok=True)
+        self.path = tmp_root / f"{_UPLOAD_PREFIX}{uuid.uuid4().hex}"
+        self.path.mkdir()
+        self._inbox = self.path / "in"
+        self._inbox.mkdir()
+        self._received: list[str] = []
+        self._touched = time.monotonic()
+
+    def __enter__(self) -> UploadStaging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    @property
+    def received(self) -> list[str]:
+        """Names of the files received so far, in order."""
+        return list(self._received)
+
+    def write(self, filename: str, src: BinaryIO | IO[bytes] | Iterable[bytes]) -> int:
+        """Receives one file from a binary file object or an iterable of chunks."""
+        with self._open(filename) as out:
+            start = self.num_bytes
+            if hasattr(src, "read"):
+                while chunk := src.read(_CHUNK):
+                    self._put(out, chunk)
+            else:
+                for chunk in src:
+                    self._put(out, chunk)
+            return self.num_bytes - start
+
+    async def write_async(self, filename: str, chunks: AsyncIterable[bytes]) -> int:
+        """Receives one file from an async stream (a multipart part, a request body).
+
+        Chunks are written inline: buffered writes to the page cache cost microseconds, and
+        the cap must stop the stream as soon as it is passed.
+        """
+        with self._open(filename) as out:
+            start = self.num_bytes
+            async for chunk in chunks:
+                self._put(out, chunk)
+            return self.num_bytes - start
+
+    @contextmanager
+    def _open(self, filename: str) -> Iterator[BinaryIO]:
+        base = _upload_basename(filename)
+        _refuse_pickle(base)
+        if base not in ALLOWED_FILES and not _is_archive(base):
+            raise AdapterError(f"unexpected file {base!r}: {_HINT}")
+        if base in self._received:
+            raise AdapterError(f"{base} was sent twice")
+        self._received.append(base)
+        with open(self._inbox / base, "xb") as out:
+            yield out
+
+    def _put(self, out: BinaryIO, chunk: bytes) -> None:
+        self.num_bytes += len(chunk)
+        if self.num_bytes > self.limits.max_upload_bytes:
+            raise UploadTooLargeError(
+                f"upload too large: more than {self.limits.max_upload_bytes} bytes",
+                self.limits.max_upload_bytes)
+        out.write(chunk)
+        if self._progress is not None:
+            self._progress(self.num_bytes)
+        now = time.monotonic()
+        if now - self._touched > _TOUCH_EVERY_S:
+            os.utime(self.path)
+            self._touched = now
+
+    def adapter_dir(self) -> Path:
+        """The folder holding the received adapter: the files as sent, or an archive
+        unpacked. Raises AdapterError if the upload is not one of the accepted shapes."""
+        archives = [n for n in self._received if _is_archive(n)]
+        if archives:
+            if len(self._received) > 1:
+                raise AdapterError(f"send either one archive or the adapter's files, not "
+                                   f"both ({', '.join(self._received)})")
+            out = self.path / "adapter"
+            unpack_archive(self._inbox / archives[0], out, self.limits,
+                           display_name=archives[0])
+            return out
+        if not self._received:
+            raise AdapterError(f"empty upload: {_HINT}")
+        _require_adapter_files(self._inbox, "the upload")
+        return self._inbox
+
+
+def _require_adapter_files(folder: Path, what: str) -> None:
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise AdapterError(f"missing {name} in {what} (a PEFT adapter is {CONFIG_FILE} "
+                               f"+ {WEIGHTS_FILE})")
+
+
+# --- archives ----------------------------------------------------------------------------
+
+
+class _MemberCheck:
+    """Admits archive members one at a time: what is refused is refused by name."""
+
+    def __init__(self, archive: str, limits: UploadLimits) -> None:
+        self.archive = archive
+        self.limits = limits
+        self.num_members = 0
+        self.num_declared_bytes = 0
+        self._top_dirs: set[str] = set()
+        self._flat_files = False
+        self._seen: set[str] = set()
+
+    def _fail(self, message: str) -> AdapterError:
+        return AdapterError(f"{self.archive}: {message}")
+
+    def count(self, total: int) -> None:
+        if total > self.limits.max_files:
+            raise self._fail(f"too many files ({total} members, at most "
+                             f"{self.limits.max_files})")
+
+    def admit(self, name: str, kind: str, size: int) -> str | None:
+        """``kind`` is file, dir, link or special. Returns the base name to extract to, or
+        None for a member that is checked but not extracted (folders, README.md)."""
+        self.num_members += 1
+        self.count(self.num_members)
+        if "\x00" in name:
+            raise self._fail(f"member name with a NUL byte: {name!r}")
+        if name.startswith(("/", "\\")) or _DRIVE_RE.match(name):
+            raise self._fail(f"absolute path refused: {name!r}")
+        parts = [p for p in re.split(r"[\\/]+", name) if p not in ("", ".")]
+        if ".." in parts:
+            raise self._fail(f"path traversal refused: {name!r}")
+        if kind == "link":
+            raise self._fail(f"links are refused: {name!r}")
+        if kind == "special":
+            raise self._fail(f"special files (devices, fifos) are refused: {name!r}")
+        if not parts:  # "." or "./": the archive's own root
+            return None
+        if kind == "dir":
+            if len(parts) > 1:
+                raise self._fail(f"nested folders are refused: {name!r} ({_HINT})")
+            self._top_dirs.add(parts[0])
+            return None
+        base = parts[-1]
+        _refuse_pickle(base, f"{self.archive}: ")
+        if len(parts) > 2:
+            raise self._fail(f"nested folders are refused: {name!r} ({_HINT})")
+        if len(parts) == 2:
+            self._top_dirs.add(parts[0])
+        else:
+            self._flat_files = True
+        if len(self._top_dirs) > 1 or (self._top_dirs and self._flat_files):
+            raise self._fail("the files must sit at the top of the archive or in one top "
+                             "folder")
+        if base not in ALLOWED_FILES:
+            raise self._fail(f"unexpected file {name!r}: {_HINT}")
+        if base in self._seen:
+            raise self._fail(f"{base} appears twice")
+        self._seen.add(base)
+        self.num_declared_bytes += size
+        if self.num_declared_bytes > self.limits.max_unpacked_bytes:
+            raise self.too_big()
+        return None if base == README_FILE else base
+
+    def too_big(self) -> AdapterError:
+        return self._fail(f"unpacks to more than {self.limits.max_unpacked_bytes} bytes")
+
+
+def _copy_capped(src: IO[bytes], dst: BinaryIO, budget: int, check: _MemberCheck) -> int:
+    """Copies at most ``budget`` bytes; more means the archive lied about the size."""
+    size = 0
+    while chunk := src.read(min(_CHUNK, budget - size + 1)):
+        size += len(chunk)
+        if size > budget:
+            raise check.too_big()
+        dst.write(chunk)
+    return size
+
+
+def unpack_archive(archive: Path, dest: Path, limits: UploadLimits, *,
+                   display_name: str | None = None) -> Path:
+    """Extracts an adapter archive (.zip, .tar.gz, .tgz) into ``dest`` (created), flat.
+
+    Nothing is written from a member's own path: only the adapter's two files are written,
+    under their fixed names, so a hostile name can make the archive refused but never
+    write outside ``dest``. Returns ``dest``. Raises AdapterError naming the problem.
+    """
+    name = display_name or archive.name
+    check = _MemberCheck(name, limits)
+    dest.mkdir(parents=True)
+    lower = name.lower()
+    if lower.endswith(".zip"):
+        _unpack_zip(archive, dest, check)
+    elif lower.endswith((".tar.gz", ".tgz")):
+        _unpack_tar_gz(archive, dest, check)
+    else:
+        raise AdapterError(f"{name}: not a .zip or .tar.gz archive")
+    _require_adapter_files(dest, name)
+    return dest
+
+
+def _zip_declared_entries(path: Path) -> int | None:
+    """The entry count of the end-of-central-directory record, read before zipfile loads
+    the whole directory into memory (a 4 GB zip can declare ~90 million entries)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - (1 << 16) - 22))
+        tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) < at + 12:
+        return None
+    return int.from_bytes(tail[at + 10:at + 12], "little")
+
+
+def _zip_kind(info: zipfile.ZipInfo) -> str:
+    mode = info.external_attr >> 16
+    if stat.S_ISLNK(mode):
+        return "link"
+    if mode and stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):
+        return "special"
+    return "dir" if info.is_dir() else "file"
+
+
+def _unpack_zip(archive: Path, dest: Path, check: _MemberCheck) -> None:
+    declared = _zip_declared_entries(archive)
+    if declared is not None:
+        check.count(declared)  # 0xFFFF (zip64) is over any sane cap too
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            infos = zf.infolist()
+            check.count(len(infos))
+            wanted: list[tuple[zipfile.ZipInfo, str]] = []
+            for info in infos:
+                base = check.admit(info.filename, _zip_kind(info), info.file_size)
+                if info.flag_bits & 0x1:
+                    raise check._fail(f"encrypted members are refused: {info.filename!r}")
+                if base is not None:
+                    wanted.append((info, base))
+            for info, base in wanted:
+                budget = check.limits.max_unpacked_bytes - _dir_bytes(dest)
+                with zf.open(info) as src, open(dest / base, "xb") as dst:
+                    _copy_capped(src, dst, budget, check)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
+        # zipfile never returns more than a member's declared size and then checks the
+        # CRC, so a header that lies ends here.
+        raise AdapterError(f"{check.archive}: not a valid zip archive (corrupt: "
+                           f"{_one_line(exc)})") from exc
+
+
+def _dir_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+class _CappedReader(io.RawIOBase):
+    """Counts the decompressed tar stream: a gzip bomb is stopped at the cap, even where
+    its bytes are skipped (headers, README, members never written)."""
+
+    def __init__(self, raw: gzip.GzipFile, cap: int, check: _MemberCheck) -> None:
+        self._raw = raw
+        self._cap = cap
+        self._check = check
+        self.num_bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._raw.read(len(buffer))
+        self.num_bytes += len(data)
+        if self.num_bytes > self._cap:
+            raise self._check.too_big()
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _tar_kind(member: tarfile.TarInfo) -> str:
+    if member.issym() or member.islnk():
+        return "link"
+    if member.isdir():
+        return "dir"
+    if member.isreg() and not member.issparse():
+        return "file"
+    return "special"
+
+
+def _unpack_tar_gz(archive: Path, dest: Path, check: _MemberCheck) -> None:
+    cap = check.limits.max_unpacked_bytes + _TAR_HEADER_SLACK
+    try:
+        with open(archive, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+            stream = io.BufferedReader(_CappedReader(gz, cap, check), _CHUNK)
+            # Stream mode ("r|"): members are met in order and never seeked back to, so
+            # the archive is decompressed once, through the counting reader.
+            with tarfile.open(fileobj=stream, mode="r|") as tf:
+                for member in tf:
+                    base = check.admit(member.name, _tar_kind(member), member.size)
+                    if base is None:
+                        continue
+                    src = tf.extractfile(member)
+                    if src is None:  # only for non-regular members, refused above
+                        raise check._fail(f"cannot read member {member.name!r}")
+                    budget = check.limits.max_unpacked_bytes - _dir_bytes(dest)
+                    with src, open(dest / base, "xb") as dst:
+                        _copy_capped(src, dst, budget, check)
+    except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
+        raise AdapterError(f"{check.archive}: not a valid .tar.gz archive "
+                           f"({_one_line(exc)})") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# --- the pipeline ------------------------------------------------------------------------
+
+
+def _model_key(name: str) -> str:
+    # "meta-llama/Llama-3.1-8B", "/models/llama-3.1-8b/" and "Llama-3.1-8B" are one model.
+    return re.split(r"[\\/]", name.strip().rstrip("/\\"))[-1].lower()
+
+
+class AdapterUploader:
+    """Receives, validates, stores and registers adapters; see the module docstring.
+
+    ``validate`` is the engine's check (``validate_adapter_dir`` bound to the served
+    model's shapes and max rank). ``base_model`` is recorded on each row.
+
+    Base model names: an adapter's ``base_model_name_or_path`` is compared only when it is
+    set and the server was told its own names (``base_model_names``, e.g. the served model
+    name and hub id): it is accepted when its last path component matches one of them,
+    case-insensitively, so hub ids and local paths of the same model agree. Names are
+    unreliable (local paths, mirrors), so with no names given only the shapes are checked:
+    the shapes are the real guard, they decide whether the adapter can be served at all.
+    """
+
+    def __init__(self, store: AdapterStore, validate: Validator, *, base_model: str,
+                 base_model_names: Collection[str] = (),
+                 limits: UploadLimits | None = None) -> None:
+        self.store = store
+        self.validate = validate
+        self.base_model = base_model
+        self.base_model_names = tuple(n for n in base_model_names if n.strip())
+        self.limits = limits or UploadLimits()
+
+    def staging(self, progress: ProgressFn | None = None) -> UploadStaging:
+        """A fresh staging folder to receive one upload into (use as a context manager),
+        then pass to ``commit``."""
+        return UploadStaging(self.store, self.limits, progress)
+
+    def upload_path(self, factory: sessionmaker[Session], *, tenant_id: int, name: str,
+                    path: str | os.PathLike[str], visibility: str = "private",
+                    progress: ProgressFn | None = None,
+                    on_registered: OnRegistered | None = None) -> UploadResult:
+        """Uploads a local adapter folder or archive (the CLI). In a folder, pickle files
+        anywhere refuse the upload; other files (tokenizer, trainer state) are ignored."""
+        _check_request(name, visibility)
+        src = Path(path)
+        with self.staging(progress) as staging:
+            if src.is_dir():
+                pickles = sorted(str(p.relative_to(src)) for p in src.rglob("*")
+                                 if p.name.lower().endswith(PICKLE_SUFFIXES))
+                if pickles:
+                    raise AdapterError(f"{src}: pickle files are refused (only safetensors "
+                                       f"are read): {', '.join(pickles)}; save the adapter "
+                                       "with safe_serialization=True")
+                for base in (CONFIG_FILE, WEIGHTS_FILE, README_FILE):
+                    if (src / base).is_file():
+                        with open(src / base, "rb") as f:
+                            staging.write(base, f)
+            elif src.is_file():
+                with open(src, "rb") as f:
+                    staging.write(src.name, f)
+            else:
+                raise AdapterError(f"{src}: no such file or folder")
+            return self.commit(factory, staging, tenant_id=tenant_id, name=name,
+                               visibility=visibility, on_registered=on_registered)
+
+    def upload_files(self, factory: sessionmaker[Session], *, tenant_id: int, name: str,
+                     files: Mapping[str, BinaryIO | IO[bytes] | Iterable[bytes]],
+                     visibility: str = "private",
+                     on_registered: OnRegistered | None = None) -> UploadResult:
+        """Uploads received files, ``{filename: file object or chunks}`` (multipart)."""
+        _check_request(name, visibility)
+        with self.staging() as staging:
+            for filename, src in files.items():
+                staging.write(filename, src)
+            return self.commit(factory, staging, tenant_id=tenant_id, name=name,
+                               visibility=visibility, on_registered=on_registered)
+
+    def commit(self, factory: sessionmaker[Session], staging: UploadStaging, *,
+               tenant_id: int, name: str, visibility: str = "private",
+               on_registered: OnRegistered | None = None) -> UploadResult:
+        """Unpacks, validates, stores and registers what ``staging`` received; commits.
+
+        Blocking (disk, torch, database): call it from a worker thread in async code.
+        Raises AdapterError (UploadTooLargeError), InvalidRequestError, NotFoundError,
+        ConflictError, or whatever ``on_registered`` or the database raise; in every case
+        no row is left and no stored copy this upload created.
+        """
+        _check_request(name, visibility)
+        adapter_dir = staging.adapter_dir()
+        adapter = self._validate(adapter_dir)
+        stored = self.store.put_dir(adapter_dir)
+        try:
+            if adapter.digest != stored.digest:
+                # Both hash the same private staged file: a mismatch is a bug, never served.
+                raise AdapterError(f"the validated digest {adapter.digest[:12]} differs from "
+                                   f"the stored {stored.digest[:12]}")
+            # The files are in place: only now is the row written and committed.
+            with transaction(factory) as session:
+                row = service.register_adapter(
+                    session, tenant_id=tenant_id, name=name, digest=stored.digest,
+                    size_bytes=stored.size, storage_path=stored.relative_path,
+                    base_model=self.base_model, rank=adapter.rank, alpha=adapter.alpha,
+                    use_rslora=adapter.use_rslora,
+                    target_modules=list(adapter.target_modules), visibility=visibility)
+                if on_registered is not None:
+                    on_registered(session, row)
+        except BaseException:
+            if stored.created:
+                discard_unreferenced(factory, self.store, stored.digest)
+            raise
+        if not self.store.exists(stored.digest):
+            # The content was already stored, and a concurrent delete removed it between
+            # put_dir and our commit: our row needs it, and the staged copy is still here.
+            self.store.put_dir(adapter_dir)
+        return UploadResult(adapter=row, created=stored.created, size_bytes=stored.size)
+
+    def _validate(self, adapter_dir: Path) -> ValidatedAdapter:
+        mismatch = self._base_model_mismatch(adapter_dir)
+        try:
+            adapter = self.validate(adapter_dir)
+        except AdapterError as exc:
+            # The engine's messages name the folder; a tenant must not see server paths.
+            message = str(exc).replace(f" in {adapter_dir}", "").replace(str(adapter_dir),
+                                                                          "the upload")
+            if mismatch:
+                message = f"{message} ({mismatch})"
+            raise AdapterError(message) from exc
+        if mismatch:
+            raise AdapterError(f"base model mismatch: {mismatch}")
+        return adapter
+
+    def _base_model_mismatch(self, adapter_dir: Path) -> str | None:
+        """Why the adapter's declared base model is not this server's, or None. A config
+        that cannot be read is left to the validator, which names the problem."""
+        if not self.base_model_names:
+            return None
+        try:
+            raw = (adapter_dir / CONFIG_FILE).read_bytes()[:MAX_CONFIG_BYTES + 1]
+            declared = json.loads(raw).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(declared, str) or not declared.strip():
+            return None
+        if _model_key(declared) in {_model_key(n) for n in self.base_model_names}:
+            return None
+        return (f"the adapter was trained on {declared!r} (base_model_name_or_path) but this "
+                f"server serves {self.base_model_names[0]!r}")
+
+
+def _check_request(name: str, visibility: str) -> None:
+    # Before any byte is received or stored: a bad name must not cost a 4 GB upload.
+    check_adapter_name(name)
+    if visibility not in VISIBILITIES:
+        raise InvalidRequestError(f"visibility must be one of {', '.join(VISIBILITIES)}, "
+                                  f"got {visibility!r}", param="visibility")
+
+
+# --- deleting and collecting -------------------------------------------------------------
+
+
+def discard_unreferenced(factory: sessionmaker[Session], store: AdapterStore,
+                         digest: str) -> bool:
+    """Removes the stored copy of ``digest`` unless an active row needs it; True if removed.
+
+    A database failure keeps the files: an orphan copy is harmless, a missing one is not.
+    An upload that raced with this and committed a row for ``digest`` stores it again.
+    """
+    try:
+        with transaction(factory) as session:
+            if service.is_digest_referenced(session, digest):
+                return False
+    except Exception:
+        return False
+    return store.remove(digest)
+
+
+def delete_adapter(factory: sessionmaker[Session], store: AdapterStore, *, tenant_id: int,
+                   name: str, version: int | None = None,
+                   on_deleted: OnDeleted | None = None,
+                   remove_files: bool = True) -> list[DeletedAdapter]:
+    """Deletes the tenant's adapter (every version, or one) and commits.
+
+    Once this returns, ``resolve_adapter`` no longer finds it, so no new request starts on
+    it. ``on_deleted`` then tells the engine, which drops the versions' cache entries and
+    slots while the requests already running on them finish from memory. Finally the
+    files of digests no active row needs are removed (``remove_files``). Raises
+    AdapterNotFoundError when there is no such active adapter.
+    """
+    with transaction(factory) as session:
+        deleted = [DeletedAdapter.of(row) for row in
+                   service.delete_adapter(session, tenant_id, name, version=version)]
+    try:
+        if on_deleted is not None:
+            on_deleted(deleted)
+    finally:
+        if remove_files:
+            for digest in sorted({d.digest for d in deleted}):
+                discard_unreferenced(factory, store, digest)
+    return deleted
+
+
+def stored_digests(store: AdapterStore) -> list[str]:
+    """Digests with a folder in the store (complete or not), sorted."""
+    if not store.root.is_dir():
+        return []
+    return sorted(p.name for p in store.root.glob("??/*")
+                  if p.is_dir() and p.parent.name == p.name[:2])
+
+
+def remove_unreferenced(factory: sessionmaker[Session], store: AdapterStore, *,
+                        older_than_s: float = 3600.0) -> list[str]:
+    """Removes stored copies no active row needs (deleted adapters, or a crash between
+    store and commit); returns their digests. Copies younger than ``older_than_s`` stay:
+    an upload in flight has stored its files but not yet committed its row."""
+    cutoff = time.time() - older_than_s
+    removed = []
+    for digest in stored_digests(store):
+        try:
+            if store.path_for(digest).stat().st_mtime >= cutoff:
+                continue
+        except (FileNotFoundError, ValueError):
+            continue
+        if discard_unreferenced(factory, store, digest):
+            removed.append(digest)
+    return removed
