@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from loraplex.cli_registry import add_registry_commands
+from loraplex.cli_serve import add_serve_command
 from loraplex.errors import LoraplexError
 
 
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=_cmd_demo_prepare)
 
     add_registry_commands(sub)
+    add_serve_command(sub)
     return parser
 
 

@@ -48,16 +48,21 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int
     lora_slot: int
+    # Captured when scheduled: the request's own counter moves on after the step.
+    num_computed_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_computed_tokens", self.request.num_computed_tokens)
 
     @property
     def token_ids(self) -> list[int]:
-        start = self.request.num_computed_tokens
+        start = self.num_computed_tokens
         return self.request.all_token_ids[start:start + self.num_new_tokens]
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token (so a token is sampled)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ works and end the job as soon as the client goes away.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -138,6 +137,9 @@ class Job:
         self._first: SequenceDelta | None = None
         self._finished = False
         self._admitted = False
+        # The metrics status of a stream that ended with an error event (its HTTP status,
+        # 200, was already sent).
+        self.stream_status = "ok"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -300,7 +302,3 @@ async def shielded(coro: Awaitable[None]) -> None:
     with anyio.CancelScope(shield=True):
         await coro
 
-
-__all__ = ["BASE_LABEL", "EventStreamResponse", "Job", "Observation", "Target",
-           "read_body", "resolve_target", "run_until_disconnect", "shielded", "sse",
-           "asyncio"]

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from loraplex.gateway.auth import authenticate
-from loraplex.gateway.errors import describe
+from loraplex.gateway.errors import ClientDisconnected, describe
 from loraplex.gateway.generation import (
     EventStreamResponse,
     Job,
@@ -33,6 +33,7 @@ from loraplex.gateway.generation import (
     shielded,
     sse,
 )
+from loraplex.gateway.metrics import status_for_http
 from loraplex.gateway.responses import Accumulator, ChunkWriter, dumps, usage
 from loraplex.gateway.schemas import (
     GenerationOptions,
@@ -183,13 +184,12 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
     try:
         await job.start()
     except BaseException as exc:
-        status = describe(exc).status if isinstance(exc, Exception) else 499
-        await shielded(job.finish(obs_status(status)))
+        await shielded(job.finish(_failure_status(exc)))
         raise
     if options.stream:
         return EventStreamResponse(_events(gw, job, options, chat),
                                    on_close=lambda gone: job.finish(
-                                       "aborted" if gone else job_status(job)))
+                                       "aborted" if gone else job.stream_status))
     try:
         body = await run_until_disconnect(request, lambda: _collect(gw, job, options, chat))
     except BaseException as exc:
@@ -199,22 +199,10 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
     return JSONResponse(body)
 
 
-def obs_status(code: int) -> str:
-    from loraplex.gateway.metrics import status_for_http
-
-    return status_for_http(code)
-
-
 def _failure_status(exc: BaseException) -> str:
-    from loraplex.gateway.errors import ClientDisconnected
-
     if isinstance(exc, ClientDisconnected) or not isinstance(exc, Exception):
-        return "aborted"
-    return obs_status(describe(exc).status)
-
-
-def job_status(job: Job) -> str:
-    return getattr(job, "stream_status", "ok")
+        return "aborted"  # also a cancelled task: the connection or the server went away
+    return status_for_http(describe(exc).status)
 
 
 async def _collect(gw: Gateway, job: Job, options: GenerationOptions,
@@ -247,7 +235,7 @@ async def _events(gw: Gateway, job: Job, options: GenerationOptions,
             yield sse(final)
     except Exception as exc:  # the status is sent: report the error as the last event
         info = describe(exc)
-        job.stream_status = obs_status(info.status)  # type: ignore[attr-defined]
+        job.stream_status = status_for_http(info.status)
         yield sse(dumps(info.payload()))
     yield sse("[DONE]")
 

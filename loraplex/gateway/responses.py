@@ -157,7 +157,7 @@ class ChunkWriter:
         self._offsets = [0] * n
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
-        obj = dict(self._head, choices=choices)
+        obj: dict[str, Any] = dict(self._head, choices=choices)
         if self._include_usage:
             obj["usage"] = None
         return dumps(obj)
