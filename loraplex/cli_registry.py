@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -275,7 +276,7 @@ class _ByteCounter:
         self.total = total
         self.out = out
         self.every_s = every_s
-        self._last = 0.0
+        self._last = -math.inf  # the first call always shows
 
     def __call__(self, done: int) -> None:
         now = time.monotonic()

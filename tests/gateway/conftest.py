@@ -56,7 +56,6 @@ TENANT_LIMITS: dict[str, tuple[int | None, int | None, int | None]] = {
     "rl-rpm": (3, None, None),
     "rl-tpm": (None, 300, None),
     "rl-conc": (None, None, 3),
-    "rl-recover": (2, None, None),
 }
 
 

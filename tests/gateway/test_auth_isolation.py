@@ -6,7 +6,6 @@ from typing import Any
 
 import openai
 import pytest
-import sqlalchemy as sa
 
 from loraplex.gateway.auth import cache_salt
 from loraplex.registry import db, service
@@ -142,9 +141,8 @@ def test_suspended_tenant_is_401(live: LiveServer) -> None:
             _, key = service.create_key(session, tenant.id)
         with live.openai(key=key) as client:
             client.models.list()
-            with engine.begin() as conn:
-                conn.execute(sa.text("UPDATE tenants SET status = 'suspended' "
-                                     "WHERE name = 'dave'"))
+            with db.transaction(factory) as session:
+                service.set_tenant_status(session, tenant.id, "suspended")
             with pytest.raises(openai.AuthenticationError):
                 client.models.list()
     finally:

@@ -1,0 +1,65 @@
+"""Loading a model folder: dtypes, the KV memory budget, and what is refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
+from loraplex.errors import ConfigError, ModelLoadError
+from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
+from loraplex.model.sampler import SamplingRow
+
+LORA = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_is_close_to_float32(tiny_llama_dir: Path, dtype: str) -> None:
+    prompt = list(range(5, 30))
+    batch = BatchInputs([SeqInput(prompt, 0, [0, 1], -1, [SamplingRow()])])
+    full = ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=4), LORA,
+                       progress=False).forward_logits(batch)
+    half_runner = ModelRunner(ModelConfig(str(tiny_llama_dir), dtype=dtype),  # type: ignore[arg-type]
+                              CacheConfig(num_kv_blocks=4), LORA, progress=False)
+    assert half_runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    half = half_runner.forward_logits(batch)
+    assert (half - full).abs().max().item() < 0.1
+
+
+def test_kv_blocks_from_a_memory_budget(tiny_llama_dir: Path) -> None:
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir)),
+                         CacheConfig(kv_cache_memory=1 << 20), LORA, progress=False)
+    # 2 (K, V) x 2 layers x 16 slots x 2 kv heads x 16 dims x 4 bytes per block
+    assert runner.block_bytes == 2 * 2 * 16 * 2 * 16 * 4
+    assert runner.num_blocks == (1 << 20) // runner.block_bytes
+    assert runner.kv_caches[0][0].shape == (runner.num_blocks, 16, 2, 16)
+    with pytest.raises(ConfigError, match="holds no block"):
+        ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(kv_cache_memory=100), LORA,
+                    progress=False)
+
+
+def test_pickle_only_checkpoints_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "model.safetensors").unlink()
+    (model / "pytorch_model.bin").write_bytes(b"\x80\x04 not opened")
+    with pytest.raises(ModelLoadError, match="safetensors only"):
+        ModelRunner(ModelConfig(str(model)), CacheConfig(num_kv_blocks=4), LORA,
+                    progress=False)
+
+
+def test_unsupported_architectures_are_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 128}
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="yarn"):
+        ModelRunner(ModelConfig(str(model)), CacheConfig(num_kv_blocks=4), LORA,
+                    progress=False)
