@@ -100,6 +100,9 @@ class Observation:
         self._gw = gw
         self.tenant = "unauthenticated"
         self.adapter = "none"
+        # Set once a Job owns the request: it records the sample when the request really
+        # ends, which for a stream is long after the handler returned.
+        self.delegated = False
         self._done = False
 
     def record(self, status: str, metrics: RequestMetrics | None = None) -> None:
@@ -129,6 +132,7 @@ class Job:
         self.params = params
         self.request_id = request_id
         self.obs = observation
+        observation.delegated = True
         self.created = int(time.time())
         self.num_completion_tokens = 0
         self.metrics: RequestMetrics | None = None

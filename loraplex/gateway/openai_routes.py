@@ -59,9 +59,11 @@ def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         try:
             response = await handler(request, gw, obs)
         except Exception as exc:
-            obs.record_http(describe(exc).status)
+            if not obs.delegated:
+                obs.record_http(describe(exc).status)
             raise
-        obs.record_http(response.status_code)  # no-op when a Job already recorded
+        if not obs.delegated:
+            obs.record_http(response.status_code)
         return response
 
     return endpoint

@@ -7,9 +7,9 @@ receive → unpack → validate → store → commit:
    filesystem, swept by ``AdapterStore.sweep_tmp`` after a crash), under a running byte
    cap. Only ``adapter_config.json`` + ``adapter_model.safetensors`` (+ ``README.md``), or
    one ``.zip`` / ``.tar.gz`` of them, are accepted; pickle files are refused by name.
-2. An archive is unpacked by hand, member by member, into a flat folder: absolute paths,
-   ``..``, links, devices, too many members and too many bytes are refused, sizes are
-   checked as declared and counted while extracting (a zip bomb's header lies).
+2. An archive is unpacked by ``archive.unpack_archive``, member by member, into a flat
+   folder: absolute paths, ``..``, links, devices, too many members and too many bytes are
+   refused; sizes are checked as declared and counted while extracting (headers lie).
 3. The staged folder is checked by the engine's own loader, injected as ``validate`` so the
    registry never imports the engine.
 4. ``AdapterStore.put_dir`` hashes, fsyncs and renames the files into the content-addressed
@@ -21,18 +21,12 @@ receive → unpack → validate → store → commit:
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
 import re
 import shutil
-import stat
-import tarfile
 import time
 import uuid
-import zipfile
-import zlib
 from collections.abc import (
     AsyncIterable,
     Callable,
@@ -45,12 +39,27 @@ from collections.abc import (
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Final, Protocol
+from typing import IO, BinaryIO, Final, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.errors import AdapterError, ConfigError, InvalidRequestError, UploadTooLargeError
+from loraplex.errors import (
+    AdapterError,
+    ConflictError,
+    InvalidRequestError,
+    UploadTooLargeError,
+)
 from loraplex.registry import service
+from loraplex.registry.archive import (
+    ALLOWED_FILES,
+    HINT,
+    README_FILE,
+    UploadLimits,
+    is_archive,
+    refuse_pickle,
+    require_adapter_files,
+    unpack_archive,
+)
 from loraplex.registry.db import transaction
 from loraplex.registry.models import VISIBILITIES, Adapter
 from loraplex.registry.names import check_adapter_name
@@ -62,20 +71,20 @@ from loraplex.registry.store import (
     AdapterStore,
 )
 
-README_FILE: Final = "README.md"
-ALLOWED_FILES: Final = frozenset({CONFIG_FILE, WEIGHTS_FILE, README_FILE})
-ARCHIVE_SUFFIXES: Final = (".zip", ".tar.gz", ".tgz")
+__all__ = [
+    "AdapterUploader", "DeletedAdapter", "OnDeleted", "OnRegistered", "ProgressFn",
+    "UploadLimits", "UploadResult", "UploadStaging", "ValidatedAdapter", "Validator",
+    "delete_adapter", "discard_unreferenced", "remove_unreferenced", "stored_digests",
+    "unpack_archive",
+]
+
 _CHUNK: Final = 1 << 20
 _TMP_DIR: Final = ".tmp"  # the store's; sweep_tmp clears what a crashed upload left there
 _UPLOAD_PREFIX: Final = "upload-"
 # sweep_tmp removes folders whose mtime is older than an hour; a slow upload touches its
 # folder now and then so it is never taken for a crashed one.
 _TOUCH_EVERY_S: Final = 60.0
-# Bytes of tar headers (512 per member, pax records, end blocks) on top of the members'.
-_TAR_HEADER_SLACK: Final = 1 << 20
-_DRIVE_RE: Final = re.compile(r"^[A-Za-z]:")
-_HINT: Final = (f"upload {CONFIG_FILE} and {WEIGHTS_FILE}, or one .zip or .tar.gz "
-                "holding them")
+_MAX_VERSION_ATTEMPTS: Final = 3
 
 ProgressFn = Callable[[int], None]  # called with the bytes received so far
 
@@ -101,21 +110,6 @@ class ValidatedAdapter(Protocol):
 Validator = Callable[[Path], ValidatedAdapter]
 # Runs inside the row's transaction, after the row is flushed and before the commit.
 OnRegistered = Callable[[Session, Adapter], None]
-
-
-@dataclass(frozen=True)
-class UploadLimits:
-    """Caps on one upload. ``max_files`` counts archive members, folders included."""
-
-    max_upload_bytes: int = 4 << 30
-    max_unpacked_bytes: int = 4 << 30
-    max_files: int = 8
-
-    def __post_init__(self) -> None:
-        for field in ("max_upload_bytes", "max_unpacked_bytes", "max_files"):
-            if getattr(self, field) < 1:
-                raise ConfigError(f"UploadLimits.{field} must be positive, got "
-                                  f"{getattr(self, field)}")
 
 
 @dataclass(frozen=True)
@@ -157,23 +151,13 @@ OnDeleted = Callable[[Sequence[DeletedAdapter]], None]
 # --- receiving ---------------------------------------------------------------------------
 
 
-def _is_archive(name: str) -> bool:
-    return name.lower().endswith(ARCHIVE_SUFFIXES)
-
-
-def _refuse_pickle(name: str, where: str = "") -> None:
-    if name.lower().endswith(PICKLE_SUFFIXES):
-        raise AdapterError(f"{where}pickle files are refused (only safetensors are read): "
-                           f"{name}; save the adapter with safe_serialization=True")
-
-
 def _upload_basename(filename: str) -> str:
     """The file name of a received part. Browsers send folder uploads as ``dir/name`` and
     some send Windows paths: only the last component counts, so nothing can point outside
     the staging folder."""
     base = re.split(r"[\\/]", filename.strip())[-1]
     if not base or base in (".", "..") or "\x00" in base:
-        raise AdapterError(f"invalid file name {filename!r}; {_HINT}")
+        raise AdapterError(f"invalid file name {filename!r}; {HINT}")
     return base
 
 
@@ -239,9 +223,9 @@ class UploadStaging:
     @contextmanager
     def _open(self, filename: str) -> Iterator[BinaryIO]:
         base = _upload_basename(filename)
-        _refuse_pickle(base)
-        if base not in ALLOWED_FILES and not _is_archive(base):
-            raise AdapterError(f"unexpected file {base!r}: {_HINT}")
+        refuse_pickle(base)
+        if base not in ALLOWED_FILES and not is_archive(base):
+            raise AdapterError(f"unexpected file {base!r}: {HINT}")
         if base in self._received:
             raise AdapterError(f"{base} was sent twice")
         self._received.append(base)
@@ -265,242 +249,21 @@ class UploadStaging:
     def adapter_dir(self) -> Path:
         """The folder holding the received adapter: the files as sent, or an archive
         unpacked. Raises AdapterError if the upload is not one of the accepted shapes."""
-        archives = [n for n in self._received if _is_archive(n)]
+        archives = [n for n in self._received if is_archive(n)]
         if archives:
             if len(self._received) > 1:
                 raise AdapterError(f"send either one archive or the adapter's files, not "
                                    f"both ({', '.join(self._received)})")
             out = self.path / "adapter"
+            if out.exists():  # a second commit of the same staging (a retry) unpacks afresh
+                shutil.rmtree(out)
             unpack_archive(self._inbox / archives[0], out, self.limits,
                            display_name=archives[0])
             return out
         if not self._received:
-            raise AdapterError(f"empty upload: {_HINT}")
-        _require_adapter_files(self._inbox, "the upload")
+            raise AdapterError(f"empty upload: {HINT}")
+        require_adapter_files(self._inbox, "the upload")
         return self._inbox
-
-
-def _require_adapter_files(folder: Path, what: str) -> None:
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / name).is_file():
-            raise AdapterError(f"missing {name} in {what} (a PEFT adapter is {CONFIG_FILE} "
-                               f"+ {WEIGHTS_FILE})")
-
-
-# --- archives ----------------------------------------------------------------------------
-
-
-class _MemberCheck:
-    """Admits archive members one at a time: what is refused is refused by name."""
-
-    def __init__(self, archive: str, limits: UploadLimits) -> None:
-        self.archive = archive
-        self.limits = limits
-        self.num_members = 0
-        self.num_declared_bytes = 0
-        self._top_dirs: set[str] = set()
-        self._flat_files = False
-        self._seen: set[str] = set()
-
-    def _fail(self, message: str) -> AdapterError:
-        return AdapterError(f"{self.archive}: {message}")
-
-    def count(self, total: int) -> None:
-        if total > self.limits.max_files:
-            raise self._fail(f"too many files ({total} members, at most "
-                             f"{self.limits.max_files})")
-
-    def admit(self, name: str, kind: str, size: int) -> str | None:
-        """``kind`` is file, dir, link or special. Returns the base name to extract to, or
-        None for a member that is checked but not extracted (folders, README.md)."""
-        self.num_members += 1
-        self.count(self.num_members)
-        if "\x00" in name:
-            raise self._fail(f"member name with a NUL byte: {name!r}")
-        if name.startswith(("/", "\\")) or _DRIVE_RE.match(name):
-            raise self._fail(f"absolute path refused: {name!r}")
-        parts = [p for p in re.split(r"[\\/]+", name) if p not in ("", ".")]
-        if ".." in parts:
-            raise self._fail(f"path traversal refused: {name!r}")
-        if kind == "link":
-            raise self._fail(f"links are refused: {name!r}")
-        if kind == "special":
-            raise self._fail(f"special files (devices, fifos) are refused: {name!r}")
-        if not parts:  # "." or "./": the archive's own root
-            return None
-        if kind == "dir":
-            if len(parts) > 1:
-                raise self._fail(f"nested folders are refused: {name!r} ({_HINT})")
-            self._top_dirs.add(parts[0])
-            return None
-        base = parts[-1]
-        _refuse_pickle(base, f"{self.archive}: ")
-        if len(parts) > 2:
-            raise self._fail(f"nested folders are refused: {name!r} ({_HINT})")
-        if len(parts) == 2:
-            self._top_dirs.add(parts[0])
-        else:
-            self._flat_files = True
-        if len(self._top_dirs) > 1 or (self._top_dirs and self._flat_files):
-            raise self._fail("the files must sit at the top of the archive or in one top "
-                             "folder")
-        if base not in ALLOWED_FILES:
-            raise self._fail(f"unexpected file {name!r}: {_HINT}")
-        if base in self._seen:
-            raise self._fail(f"{base} appears twice")
-        self._seen.add(base)
-        self.num_declared_bytes += size
-        if self.num_declared_bytes > self.limits.max_unpacked_bytes:
-            raise self.too_big()
-        return None if base == README_FILE else base
-
-    def too_big(self) -> AdapterError:
-        return self._fail(f"unpacks to more than {self.limits.max_unpacked_bytes} bytes")
-
-
-def _copy_capped(src: IO[bytes], dst: BinaryIO, budget: int, check: _MemberCheck) -> int:
-    """Copies at most ``budget`` bytes; more means the archive lied about the size."""
-    size = 0
-    while chunk := src.read(min(_CHUNK, budget - size + 1)):
-        size += len(chunk)
-        if size > budget:
-            raise check.too_big()
-        dst.write(chunk)
-    return size
-
-
-def unpack_archive(archive: Path, dest: Path, limits: UploadLimits, *,
-                   display_name: str | None = None) -> Path:
-    """Extracts an adapter archive (.zip, .tar.gz, .tgz) into ``dest`` (created), flat.
-
-    Nothing is written from a member's own path: only the adapter's two files are written,
-    under their fixed names, so a hostile name can make the archive refused but never
-    write outside ``dest``. Returns ``dest``. Raises AdapterError naming the problem.
-    """
-    name = display_name or archive.name
-    check = _MemberCheck(name, limits)
-    dest.mkdir(parents=True)
-    lower = name.lower()
-    if lower.endswith(".zip"):
-        _unpack_zip(archive, dest, check)
-    elif lower.endswith((".tar.gz", ".tgz")):
-        _unpack_tar_gz(archive, dest, check)
-    else:
-        raise AdapterError(f"{name}: not a .zip or .tar.gz archive")
-    _require_adapter_files(dest, name)
-    return dest
-
-
-def _zip_declared_entries(path: Path) -> int | None:
-    """The entry count of the end-of-central-directory record, read before zipfile loads
-    the whole directory into memory (a 4 GB zip can declare ~90 million entries)."""
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - (1 << 16) - 22))
-        tail = f.read()
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) < at + 12:
-        return None
-    return int.from_bytes(tail[at + 10:at + 12], "little")
-
-
-def _zip_kind(info: zipfile.ZipInfo) -> str:
-    mode = info.external_attr >> 16
-    if stat.S_ISLNK(mode):
-        return "link"
-    if mode and stat.S_IFMT(mode) not in (0, stat.S_IFREG, stat.S_IFDIR):
-        return "special"
-    return "dir" if info.is_dir() else "file"
-
-
-def _unpack_zip(archive: Path, dest: Path, check: _MemberCheck) -> None:
-    declared = _zip_declared_entries(archive)
-    if declared is not None:
-        check.count(declared)  # 0xFFFF (zip64) is over any sane cap too
-    try:
-        with zipfile.ZipFile(archive) as zf:
-            infos = zf.infolist()
-            check.count(len(infos))
-            wanted: list[tuple[zipfile.ZipInfo, str]] = []
-            for info in infos:
-                base = check.admit(info.filename, _zip_kind(info), info.file_size)
-                if info.flag_bits & 0x1:
-                    raise check._fail(f"encrypted members are refused: {info.filename!r}")
-                if base is not None:
-                    wanted.append((info, base))
-            for info, base in wanted:
-                budget = check.limits.max_unpacked_bytes - _dir_bytes(dest)
-                with zf.open(info) as src, open(dest / base, "xb") as dst:
-                    _copy_capped(src, dst, budget, check)
-    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
-        # zipfile never returns more than a member's declared size and then checks the
-        # CRC, so a header that lies ends here.
-        raise AdapterError(f"{check.archive}: not a valid zip archive (corrupt: "
-                           f"{_one_line(exc)})") from exc
-
-
-def _dir_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir())
-
-
-class _CappedReader(io.RawIOBase):
-    """Counts the decompressed tar stream: a gzip bomb is stopped at the cap, even where
-    its bytes are skipped (headers, README, members never written)."""
-
-    def __init__(self, raw: gzip.GzipFile, cap: int, check: _MemberCheck) -> None:
-        self._raw = raw
-        self._cap = cap
-        self._check = check
-        self.num_bytes = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._raw.read(len(buffer))
-        self.num_bytes += len(data)
-        if self.num_bytes > self._cap:
-            raise self._check.too_big()
-        buffer[:len(data)] = data
-        return len(data)
-
-
-def _tar_kind(member: tarfile.TarInfo) -> str:
-    if member.issym() or member.islnk():
-        return "link"
-    if member.isdir():
-        return "dir"
-    if member.isreg() and not member.issparse():
-        return "file"
-    return "special"
-
-
-def _unpack_tar_gz(archive: Path, dest: Path, check: _MemberCheck) -> None:
-    cap = check.limits.max_unpacked_bytes + _TAR_HEADER_SLACK
-    try:
-        with open(archive, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-            stream = io.BufferedReader(_CappedReader(gz, cap, check), _CHUNK)
-            # Stream mode ("r|"): members are met in order and never seeked back to, so
-            # the archive is decompressed once, through the counting reader.
-            with tarfile.open(fileobj=stream, mode="r|") as tf:
-                for member in tf:
-                    base = check.admit(member.name, _tar_kind(member), member.size)
-                    if base is None:
-                        continue
-                    src = tf.extractfile(member)
-                    if src is None:  # only for non-regular members, refused above
-                        raise check._fail(f"cannot read member {member.name!r}")
-                    budget = check.limits.max_unpacked_bytes - _dir_bytes(dest)
-                    with src, open(dest / base, "xb") as dst:
-                        _copy_capped(src, dst, budget, check)
-    except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
-        raise AdapterError(f"{check.archive}: not a valid .tar.gz archive "
-                           f"({_one_line(exc)})") from exc
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # --- the pipeline ------------------------------------------------------------------------
@@ -599,15 +362,24 @@ class AdapterUploader:
                 raise AdapterError(f"the validated digest {adapter.digest[:12]} differs from "
                                    f"the stored {stored.digest[:12]}")
             # The files are in place: only now is the row written and committed.
-            with transaction(factory) as session:
-                row = service.register_adapter(
-                    session, tenant_id=tenant_id, name=name, digest=stored.digest,
-                    size_bytes=stored.size, storage_path=stored.relative_path,
-                    base_model=self.base_model, rank=adapter.rank, alpha=adapter.alpha,
-                    use_rslora=adapter.use_rslora,
-                    target_modules=list(adapter.target_modules), visibility=visibility)
-                if on_registered is not None:
-                    on_registered(session, row)
+            for attempt in range(1, _MAX_VERSION_ATTEMPTS + 1):
+                try:
+                    with transaction(factory) as session:
+                        row = service.register_adapter(
+                            session, tenant_id=tenant_id, name=name, digest=stored.digest,
+                            size_bytes=stored.size, storage_path=stored.relative_path,
+                            base_model=self.base_model, rank=adapter.rank,
+                            alpha=adapter.alpha, use_rslora=adapter.use_rslora,
+                            target_modules=list(adapter.target_modules),
+                            visibility=visibility)
+                        if on_registered is not None:
+                            on_registered(session, row)
+                    break
+                except ConflictError:
+                    # Two uploads of one name took the same version number: the loser
+                    # takes the next one; the files are already in place.
+                    if attempt == _MAX_VERSION_ATTEMPTS:
+                        raise
         except BaseException:
             if stored.created:
                 discard_unreferenced(factory, self.store, stored.digest)
@@ -639,8 +411,8 @@ class AdapterUploader:
         if not self.base_model_names:
             return None
         try:
-            raw = (adapter_dir / CONFIG_FILE).read_bytes()[:MAX_CONFIG_BYTES + 1]
-            declared = json.loads(raw).get("base_model_name_or_path")
+            with open(adapter_dir / CONFIG_FILE, "rb") as f:
+                declared = json.loads(f.read(MAX_CONFIG_BYTES + 1)).get("base_model_name_or_path")
         except (OSError, ValueError, AttributeError):
             return None
         if not isinstance(declared, str) or not declared.strip():

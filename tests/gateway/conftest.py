@@ -9,6 +9,7 @@ background thread, on a socket bound to a free port of 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -273,6 +274,21 @@ def fuzz_live(tiny_llama_dir: Path,
     finally:
         server.stop()
         client.close()
+
+
+@contextlib.contextmanager
+def _serving(app: Any) -> Iterator[str]:
+    server = _start(app)
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> Callable[[Any], contextlib.AbstractContextManager[str]]:
+    """``with serve_app(app) as url:`` runs another app on a live uvicorn."""
+    return _serving
 
 
 @pytest.fixture

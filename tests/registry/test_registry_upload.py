@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.errors import (
     AdapterError,
     AdapterNotFoundError,
+    ConflictError,
     InvalidRequestError,
     NotFoundError,
     UploadTooLargeError,
@@ -651,3 +652,27 @@ def test_config_check_is_size_capped(tmp_path: Path, uploader: AdapterUploader,
     with pytest.raises(AdapterError, match="larger than"):
         uploader.upload_path(session_factory, tenant_id=tenant_id, name="x", path=src)
     assert_nothing_left(store, session_factory)
+
+
+def test_version_race_takes_the_next_version(uploader: AdapterUploader,
+                                             make_adapter: MakeAdapter,
+                                             session_factory: sessionmaker[Session],
+                                             tenant_id: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    real = service.register_adapter
+    calls: list[int] = []
+
+    def racing(session: Session, **kwargs: Any) -> Adapter:
+        calls.append(1)
+        if len(calls) == 1:
+            # Another upload of the same name commits version 1 between our read of the
+            # latest version and our insert: what register_adapter then raises.
+            with session_factory.begin() as other:
+                real(other, **kwargs)
+            raise ConflictError("adapter 'x' was uploaded concurrently; retry")
+        return real(session, **kwargs)
+
+    monkeypatch.setattr(service, "register_adapter", racing)
+    result = uploader.upload_path(session_factory, tenant_id=tenant_id, name="x",
+                                  path=make_adapter())
+    assert len(calls) == 2 and result.adapter.version == 2

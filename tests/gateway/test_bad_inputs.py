@@ -1,0 +1,163 @@
+"""Malformed and out-of-range requests: each gets its status and a message naming the
+problem, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+LiveServer = Any  # tests/gateway/conftest.py's LiveServer
+
+
+def post(live: LiveServer, path: str, body: Any, *, tenant: str = "alice",
+         raw: bytes | None = None, headers: dict[str, str] | None = None) -> Any:
+    hdrs = {"Authorization": f"Bearer {live.keys[tenant]}",
+            "Content-Type": "application/json"} | (headers or {})
+    content = raw if raw is not None else json.dumps(body).encode()
+    with live.http() as http:
+        return http.post(path, content=content, headers=hdrs)
+
+
+def error_of(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"", b"[1, 2]", b'"text"',
+                                 b'{"model": NaN}', b"\xff\xfe"])
+def test_malformed_json_is_400(live: LiveServer, raw: bytes) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        error = error_of(post(live, path, None, raw=raw), 400)
+        assert error["type"] == "invalid_request_error"
+        assert "JSON" in error["message"]
+
+
+COMPLETION_CASES = [
+    # (body overrides, param named in the error, a word of the message)
+    ({"max_tokens": "10"}, "max_tokens", "integer"),
+    ({"max_tokens": -1}, "max_tokens", "between"),
+    ({"max_tokens": 0}, "max_tokens", "between"),
+    ({"max_tokens": 10**12}, "max_tokens", "between"),
+    ({"max_tokens": True}, "max_tokens", "integer"),
+    ({"n": 0}, "n", "between"),
+    ({"n": 100}, "n", "between"),
+    ({"n": 1.5}, "n", "integer"),
+    ({"temperature": "hot"}, "temperature", "number"),
+    ({"temperature": -0.5}, "temperature", "[0, 2]"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"seed": "x"}, "seed", "integer"),
+    ({"seed": 2**70}, "seed", "between"),
+    ({"stop": 3}, "stop", "string"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most"),
+    ({"stop": [""]}, "stop", "characters"),
+    ({"logprobs": 50}, "logprobs", "between"),
+    ({"stream": "yes"}, "stream", "boolean"),
+    ({"stream_options": []}, "stream_options", "object"),
+    ({"user": 5}, "user", "string"),
+    ({"model": 5}, "model", "string"),
+    ({"model": None}, "model", "required"),
+    ({"prompt": None}, "prompt", "required"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "non-empty"),
+    ({"prompt": [1, "a"]}, "prompt", "token ids"),
+    ({"prompt": [999999]}, "prompt", "out of range"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": "\ud800"}, "prompt", "surrogate"),
+    ({"echo": True}, "echo", "not supported"),
+    ({"presence_penalty": 1.0}, "presence_penalty", "not supported"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+]
+
+
+@pytest.mark.parametrize(("override", "param", "word"), COMPLETION_CASES)
+def test_bad_completion_parameters_are_400_naming_the_param(
+        live: LiveServer, override: dict[str, Any], param: str, word: str) -> None:
+    body = {"model": live.served_name, "prompt": "hello", "max_tokens": 2} | override
+    error = error_of(post(live, "/v1/completions", body), 400)
+    assert error["param"] == param
+    assert word in error["message"]
+
+
+CHAT_CASES = [
+    ({"messages": []}, "messages", "non-empty"),
+    ({"messages": "hi"}, "messages", "non-empty"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "one of"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]", "text"),
+    ({"messages": [5]}, "messages[0]", "object"),
+    ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", "between"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens", "between"),
+    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+]
+
+
+@pytest.mark.parametrize(("override", "param", "word"), CHAT_CASES)
+def test_bad_chat_parameters_are_400_naming_the_param(
+        live: LiveServer, override: dict[str, Any], param: str, word: str) -> None:
+    body = {"model": live.served_name, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]} | override
+    error = error_of(post(live, "/v1/chat/completions", body), 400)
+    assert error["param"] == param
+    assert word in error["message"]
+
+
+def test_unknown_fields_are_ignored_like_vendor_extras(live: LiveServer) -> None:
+    body = {"model": live.served_name, "prompt": "hello", "max_tokens": 2,
+            "some_future_option": {"x": 1}, "best_of": 1, "presence_penalty": 0}
+    response = post(live, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_unknown_model_is_404(live: LiveServer) -> None:
+    error = error_of(post(live, "/v1/completions", {"model": "nope", "prompt": "x"}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_prompt_over_the_context_length_is_413(live: LiveServer) -> None:
+    max_len = live.client.engine.max_model_len
+    body = {"model": live.served_name, "prompt": [5] * max_len, "max_tokens": 1}
+    error = error_of(post(live, "/v1/completions", body), 413)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    assert str(max_len) in error["message"]
+    # A prompt that fits but leaves no room for max_tokens names max_tokens (400).
+    body = {"model": live.served_name, "prompt": [5] * (max_len - 10), "max_tokens": 50}
+    error = error_of(post(live, "/v1/completions", body), 400)
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    with live.openai("alice") as client, pytest.raises(openai.APIStatusError) as chat:
+        client.chat.completions.create(
+            model=live.served_name, messages=[{"role": "user", "content": "word " * max_len}])
+    assert chat.value.status_code == 413
+
+
+def test_oversized_body_is_413(live: LiveServer) -> None:
+    prompt = "x" * (live.max_body_bytes + 10)
+    error = error_of(post(live, "/v1/completions", {"model": live.served_name,
+                                                    "prompt": prompt}), 413)
+    assert error["code"] == "payload_too_large"
+
+    # Without a Content-Length (chunked), the body is counted while it is read.
+    def chunks() -> Any:
+        for _ in range(live.max_body_bytes // 1024 + 2):
+            yield b" " * 1024
+
+    with live.http() as http:
+        response = http.post("/v1/completions", content=chunks(),
+                             headers={"Authorization": f"Bearer {live.keys['alice']}"})
+    assert response.status_code == 413
+
+
+def test_unknown_route_and_method_in_openai_shape(live: LiveServer) -> None:
+    with live.http() as http:
+        assert error_of(http.get("/v1/nothing"), 404)["type"] == "invalid_request_error"
+        assert http.get("/v1/completions").status_code == 405
+        assert "error" in http.get("/v1/completions").json()

@@ -1,0 +1,135 @@
+"""Health, readiness, metrics and the OpenAPI document of a live server; engine overload."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    RegistryConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from loraplex.engine.client import EngineClient
+from loraplex.gateway.app import create_app
+from loraplex.registry import db, service
+
+LiveServer = Any  # tests/gateway/conftest.py's LiveServer
+
+
+def test_health_and_ready_need_no_key(live: LiveServer) -> None:
+    with live.http() as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        ready = http.get("/ready")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "engine": True, "database": True}
+
+
+def test_openapi_document_describes_the_routes(live: LiveServer) -> None:
+    with live.http() as http:
+        doc = http.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/usage",
+            "/health", "/ready", "/metrics", "/admin/api/engine"} <= set(doc["paths"])
+    body = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert body["max_tokens"]["maximum"] == live.max_tokens_limit
+
+
+def samples(live: LiveServer) -> dict[str, list[Any]]:
+    with live.http() as http:
+        response = http.get("/metrics", headers={"Authorization": f"Bearer {live.admin_key}"})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_metrics_cover_requests_latency_engine_and_adapters(live: LiveServer) -> None:
+    with live.openai("bob") as client:
+        client.completions.create(model="secret", prompt="hello", max_tokens=3)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="alice/sql", prompt="hello", max_tokens=3)
+    metrics = samples(live)
+    requests = {(s.labels["tenant"], s.labels["adapter"], s.labels["status"]): s.value
+                for s in metrics["loraplex_requests_total"]}
+    assert requests[("bob", "bob/secret", "ok")] >= 1
+    # The refused name is not a label value: unknown models are counted as "none".
+    assert requests[("bob", "none", "client_error")] >= 1
+    assert not any("alice/sql" in key[1] and key[0] == "bob" for key in requests)
+    for histogram in ("loraplex_time_to_first_token_seconds",
+                      "loraplex_time_per_output_token_seconds",
+                      "loraplex_e2e_request_latency_seconds", "loraplex_adapter_load_seconds"):
+        count = [s for s in metrics[f"{histogram}_count"]]
+        assert count and count[0].value >= 1, histogram
+    for gauge in ("loraplex_queue_depth", "loraplex_running_requests",
+                  "loraplex_kv_blocks_used", "loraplex_kv_blocks_free",
+                  "loraplex_prefix_cache_hit_rate"):
+        assert gauge in metrics, gauge
+    assert metrics["loraplex_kv_blocks_free"][0].value > 0
+    assert metrics["loraplex_adapter_loads_total"][0].value >= 1
+    assert "loraplex_adapter_evictions_total" in metrics
+
+
+@pytest.fixture(scope="module")
+def tiny_queue(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+               serve_app: Any) -> Iterator[tuple[str, str]]:
+    """A server whose engine admits one unfinished request (in-process limiter, SQLite)."""
+    root = tmp_path_factory.mktemp("tiny_queue")
+    db_url = f"sqlite:///{root / 'registry.db'}"
+    db.upgrade(db_url)
+    engine = db.make_engine(db_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            tenant = service.create_tenant(session, "solo")
+            _, key = service.create_key(session, tenant.id)
+    finally:
+        engine.dispose()
+    client = EngineClient.from_config(EngineConfig(
+        ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=64), LoRAConfig(),
+        SchedulerConfig(max_num_seqs=4, max_waiting=1)))
+    app = create_app(ServerConfig(served_model_name="tiny"),
+                     RegistryConfig(db_url, str(root / "store")), client)
+    try:
+        with serve_app(app) as url:
+            yield url, key
+    finally:
+        client.close()
+
+
+def test_full_engine_queue_is_503_with_retry_after(tiny_queue: tuple[str, str]) -> None:
+    url, key = tiny_queue
+
+    async def scenario() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key,
+                                      max_retries=0) as client:
+
+            async def one() -> Any:
+                try:
+                    return await client.completions.create(
+                        model="tiny", prompt=[5] * 8, max_tokens=200,
+                        extra_body={"ignore_eos": True})
+                except openai.APIStatusError as exc:
+                    return exc
+
+            return list(await asyncio.gather(*(one() for _ in range(4))))
+
+    results = asyncio.run(scenario())
+    refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert refused and len(refused) < 4
+    for exc in refused:
+        assert exc.status_code == 503
+        assert exc.response.headers["retry-after"] == "1"
+        assert exc.body["code"] == "engine_overloaded"  # type: ignore[index]
