@@ -283,13 +283,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="a,b,c", help="comma-separated subset of a,b,c")
-    p.add_argument("--peer-requests", type=int, default=32,
+    p.add_argument("--peer-requests", type=int, default=24,
                    help="first K requests: the workload all three systems run")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of (b)")
     p.add_argument("--adapter-sweep", default="1,20,100",
-                   help="adapter counts for (c) on the full workload ('' to skip)")
+                   help="adapter counts for (c) on the sweep workload ('' to skip)")
+    p.add_argument("--sweep-requests", type=int, default=64,
+                   help="first K requests: the workload of the adapter sweep (0: all)")
     p.add_argument("--no-base-only", action="store_true",
-                   help="skip (c) on the full workload with the base model only")
+                   help="skip (c) with the base model only on the sweep workload")
     p.add_argument("--max-loras", type=int, default=16, help="loraplex device adapter slots")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -298,7 +300,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="cProfile loraplex's full-workload run; stats written next to --out")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run: 48 requests, prompts <= 256, outputs <= 64, 8 peer requests")
+                   help="a smoke run: 48 requests, prompts <= 256, outputs <= 64, "
+                        "8 peer requests, 24 sweep requests")
     p.add_argument("--out", default="docs/benchmarks/offline_throughput",
                    help="output path without extension: writes .json and .png")
     args = p.parse_args(argv)
@@ -307,6 +310,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.max_prompt = min(args.max_prompt, 256)
         args.max_output = min(args.max_output, 64)
         args.peer_requests = min(args.peer_requests, 8)
+        args.sweep_requests = min(args.sweep_requests or args.num_requests, 24)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not set(args.systems) <= set(SYSTEM_LABELS):
         p.error(f"--systems must be drawn from a,b,c; got {args.systems}")
@@ -336,9 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.min_output, args.max_output, args.zipf, args.seed)
     workload = make_workload(spec, vocab, tokenizer.all_special_ids)
     subset = workload[:args.peer_requests]
-    sweep = sorted(set(args.adapter_sweep) | {args.num_adapters}) if "c" in args.systems \
-        else [args.num_adapters]
-    adapter_paths = ensure_adapters(model_dir, max(sweep), args.cache_dir)
+    sweep = args.adapter_sweep if "c" in args.systems else []
+    adapter_paths = ensure_adapters(model_dir, max([args.num_adapters, *sweep]), args.cache_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     log(f"model {model_dir}; workload: {len(workload)} requests, "
         f"{num_prompt_tokens(workload)} prompt / {num_output_tokens(workload)} output tokens, "
@@ -350,10 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def record(name: str, system: str, items: Sequence[WorkItem], num_adapters: int,
                seconds: float, outs: list[list[int]], extra: dict[str, Any] | None = None,
-               ) -> RunResult:
+               workload_name: str = "peer subset") -> RunResult:
         check_lengths(name, items, outs)
         extra = {**(extra or {}), "load_avg_1m_after": round(os.getloadavg()[0], 2)}
-        r = RunResult(name, system, "peer subset" if items is subset else "full", len(items),
+        r = RunResult(name, system, workload_name, len(items),
                       num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
                       extra)
         results.append(r)
@@ -382,18 +385,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         secs, outs, extra = system.generate(subset)
         record("(c) loraplex", "c", subset, args.num_adapters, secs, outs, extra)
         out_base = Path(args.out)
-        for n in sweep:
-            items = with_adapters(workload, n, args.zipf, args.seed)
-            log(f"(c) full workload, {n} adapters: {len(items)} requests")
-            prof = out_base.with_name(out_base.name + f"_c{n}.prof") \
-                if args.profile and n == args.num_adapters else None
-            secs, outs, extra = system.generate(items, prof)
-            record(f"(c) loraplex, full, {n} adapters", "c", items, n, secs, outs, extra)
-        if not args.no_base_only:
-            items = with_adapters(workload, 0, args.zipf, args.seed)
-            log(f"(c) full workload, base model only: {len(items)} requests")
+        log(f"(c) full workload, {args.num_adapters} adapters: {len(workload)} requests")
+        prof = out_base.with_name(out_base.name + ".prof") if args.profile else None
+        secs, outs, extra = system.generate(workload, prof)
+        record(f"(c) loraplex, {args.num_adapters} adapters", "c", workload, args.num_adapters,
+               secs, outs, extra, "full")
+        sweep_items = workload[:args.sweep_requests] if args.sweep_requests else workload
+        counts = list(args.adapter_sweep) + ([] if args.no_base_only else [0])
+        for n in counts:
+            if sweep_items is workload and n == args.num_adapters:
+                continue  # that is the full run above
+            items = with_adapters(sweep_items, n, args.zipf, args.seed)
+            what = "base model only" if n == 0 else f"{n} adapters"
+            log(f"(c) sweep, {what}: {len(items)} requests")
             secs, outs, extra = system.generate(items)
-            record("(c) loraplex, full, base only", "c", items, 0, secs, outs, extra)
+            record(f"(c) loraplex, {what}", "c", items, n, secs, outs, extra, "sweep")
         system.llm.close()
 
     report = summarise(results, outputs, args, model_dir, spec, time.perf_counter() - started)

@@ -57,11 +57,16 @@ def paged_attention_ref(
         keys = _gather(k_cache, meta.block_tables[b], seq_len)  # [seq_len, kv_heads, dim]
         values = _gather(v_cache, meta.block_tables[b], seq_len)
         q = query[lo:hi].transpose(0, 1)  # [heads, q_len, dim]
-        k = keys.transpose(0, 1).repeat_interleave(group, 0)  # [heads, seq_len, dim]
-        v = values.transpose(0, 1).repeat_interleave(group, 0)
-        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(
-            seq_len - q_len)  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        k = keys.transpose(0, 1)  # [kv_heads, seq_len, dim]
+        v = values.transpose(0, 1)
+        if q_len == seq_len:  # nothing cached: plain causal attention
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
+        else:
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(
+                seq_len - q_len)  # [q_len, seq_len], causal aligned bottom-right
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=group > 1)
         out[lo:hi] = o.transpose(0, 1)
 
 
@@ -93,11 +98,12 @@ def _decode_batch(
                                                          *k_cache.shape[2:])[:, :max_len]
     values = v_cache.index_select(0, tables.flatten()).view(n, num_blocks * block_size,
                                                            *v_cache.shape[2:])[:, :max_len]
-    # keys: [n, max_len, kv_heads, dim] -> [n, heads, max_len, dim]
-    k = keys.transpose(1, 2).repeat_interleave(group, 1)
-    v = values.transpose(1, 2).repeat_interleave(group, 1)
+    # keys: [n, max_len, kv_heads, dim] -> [n, kv_heads, max_len, dim]
+    k = keys.transpose(1, 2)
+    v = values.transpose(1, 2)
     q = query.index_select(0, token_rows).unsqueeze(2)  # [n, heads, 1, dim]
     seq_lens = torch.tensor(lens, device=query.device)
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=group > 1)
     out.index_copy_(0, token_rows, o.squeeze(2))

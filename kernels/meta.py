@@ -32,6 +32,9 @@ class SGMVMeta:
     num_tokens: int
     max_seg_len: int
     max_rank: int  # largest rank among active slots (0 when none)
+    # First token of each segment when every segment is a contiguous run of tokens (the
+    # runner orders sequences by slot so that it is); None otherwise.
+    seg_first_tokens: tuple[int, ...] | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -75,7 +78,19 @@ class SGMVMeta:
             num_tokens=len(token_slots),
             max_seg_len=max(lens, default=0),
             max_rank=max((int(slot_ranks[s]) for s in active), default=0),
+            seg_first_tokens=_contiguous_firsts(order, starts, lens),
         )
+
+
+def _contiguous_firsts(order: list[int], starts: list[int],
+                       lens: list[int]) -> tuple[int, ...] | None:
+    firsts = []
+    for start, length in zip(starts, lens, strict=True):
+        first = order[start]
+        if order[start + length - 1] - first != length - 1:
+            return None  # sorted within a segment, so equal span means contiguous
+        firsts.append(first)
+    return tuple(firsts)
 
 
 @dataclass(frozen=True)

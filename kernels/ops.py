@@ -49,9 +49,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     if not meta.has_lora:
         return
     if resolve_backend(x.device, backend) == "torch":
-        # The fused path writes the slices side by side from column 0.
-        assert slice_offsets[0] == 0 and slice_offsets[-1] == out.shape[1], slice_offsets
-        add_lora_ref(out, x, lora_a, lora_b, scales, meta)
+        add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets)
         return
     y = torch.zeros(len(lora_a), x.shape[0], lora_a[0].shape[1], dtype=torch.float32
                     if x.dtype == torch.float32 else x.dtype, device=x.device)

@@ -55,25 +55,30 @@ def add_lora_ref(
     lora_b: list[torch.Tensor],  # per slice: [num_slots, slice_width, max_rank]
     scales: torch.Tensor,  # [num_slots]
     meta: SGMVMeta,
+    slice_offsets: list[int],  # [num_slices + 1] column offsets into out
 ) -> None:
-    """Shrink and expand fused per slot, one scatter per slot: the CPU fast path.
+    """Shrink and expand fused per slot: the CPU fast path.
 
-    Same arithmetic as ``sgmv_shrink_ref`` followed by ``sgmv_expand_ref``.
+    Same arithmetic as ``sgmv_shrink_ref`` followed by ``sgmv_expand_ref``. When each
+    slot's tokens are one contiguous run (the runner arranges it), rows are sliced and
+    accumulated in place with no gather or scatter.
     """
-    whole = len(meta.active_slots_list) == 1 and meta.seg_lens_list[0] == meta.num_tokens
-    for slot, start, length in zip(meta.active_slots_list, meta.seg_starts_list,
-                                   meta.seg_lens_list, strict=True):
+    firsts = meta.seg_first_tokens
+    for i, (slot, start, length) in enumerate(zip(
+            meta.active_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True)):
         rank = meta.slot_ranks_list[slot]
-        if whole:  # every token uses this slot: no gather or scatter needed
-            xs = x
-        else:
-            idx = meta.sorted_token_ids[start:start + length]
-            xs = x.index_select(0, idx)  # [length, hidden]
         scale = scales[slot]
+        if firsts is not None:
+            rows = slice(firsts[i], firsts[i] + length)
+            xs = x[rows]  # [length, hidden]
+            for k, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
+                y = (xs @ a[slot, :rank].T) * scale  # [length, rank]
+                out[rows, slice_offsets[k]:slice_offsets[k + 1]].addmm_(
+                    y.to(out.dtype), b[slot, :, :rank].T)
+            continue
+        idx = meta.sorted_token_ids[start:start + length]
+        xs = x.index_select(0, idx)
         parts = [((xs @ a[slot, :rank].T) * scale) @ b[slot, :, :rank].T
                  for a, b in zip(lora_a, lora_b, strict=True)]
-        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [length, out]
-        if whole:
-            out += delta.to(out.dtype)
-        else:
-            out.index_add_(0, idx, delta.to(out.dtype))
+        delta = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [length, out]
+        out[:, slice_offsets[0]:slice_offsets[-1]].index_add_(0, idx, delta.to(out.dtype))

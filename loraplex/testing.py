@@ -169,20 +169,18 @@ def reference_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
                      adapter_names: Sequence[str] | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy token ids (EOS ignored) and the first step's logits [vocab], by the oracle.
 
-    Recomputes the whole sequence each step: slow but free of any cache subtleties.
+    The oracle's own KV cache carries the sequence from step to step.
     """
-    ids = list(prompt_ids)
-    first_logits = None
-    out: list[int] = []
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"use_cache": True}
     if adapter_names is not None:
         kwargs["adapter_names"] = list(adapter_names)
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=torch.tensor([ids]), **kwargs).logits[0, -1]
-        if first_logits is None:
-            first_logits = logits.clone()
-        token = int(logits.argmax())
+    result = model(input_ids=torch.tensor([list(prompt_ids)]), **kwargs)
+    first_logits = result.logits[0, -1].clone()
+    out: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(result.logits[0, -1].argmax())
         out.append(token)
-        ids.append(token)
-    assert first_logits is not None
+        if step + 1 < max_new_tokens:
+            result = model(input_ids=torch.tensor([[token]]),
+                           past_key_values=result.past_key_values, **kwargs)
     return out, first_logits

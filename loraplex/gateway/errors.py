@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy as sa
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -50,7 +51,11 @@ class PayloadTooLargeError(LoraplexError):
 
 
 class ClientDisconnected(LoraplexError):
-    """The client went away before the response was sent (no response is written)."""
+    """The client went away before the response was sent (nobody reads the answer)."""
+
+
+class DependencyUnavailableError(LoraplexError):
+    """The database or the rate limiter's Redis cannot be reached (503, retry later)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,15 @@ def describe(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, EngineOverloadedError):
         return ErrorInfo(503, f"The server is overloaded: {exc}", "server_error", None,
                          "engine_overloaded", retry_after=OVERLOADED_RETRY_AFTER_S)
+    if isinstance(exc, DependencyUnavailableError):
+        return ErrorInfo(503, f"The service is temporarily unavailable: {exc}", "server_error",
+                         None, "dependency_unavailable", retry_after=OVERLOADED_RETRY_AFTER_S)
+    if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
+        return ErrorInfo(503, "The registry database is unavailable", "server_error", None,
+                         "dependency_unavailable", retry_after=OVERLOADED_RETRY_AFTER_S)
+    if isinstance(exc, ClientDisconnected):
+        # Nginx's "client closed request": only logs and metrics ever see it.
+        return ErrorInfo(499, str(exc), "invalid_request_error", None, "client_disconnected")
     if isinstance(exc, EngineDeadError):
         return ErrorInfo(503, "The engine is not running", "server_error", None,
                          "engine_unavailable")
@@ -129,12 +143,17 @@ def error_response(info: ErrorInfo) -> Response:
 async def handle_exception(request: Request, exc: Exception) -> Response:
     """Starlette exception handler for every exception a route lets escape."""
     info = describe(exc)
-    if info.status >= 500 and not isinstance(exc, (EngineOverloadedError, EngineDeadError)):
+    # Unexpected exceptions are re-raised by Starlette after this answer, and logged by the
+    # server with their traceback; only our own 500s would otherwise go unnoticed.
+    if info.status == 500 and isinstance(exc, LoraplexError):
         logger.error("error in %s %s", request.method, request.url.path, exc_info=exc)
+    elif info.code == "dependency_unavailable":
+        logger.warning("%s %s: %s", request.method, request.url.path, exc)
     return error_response(info)
 
 
 def exception_handlers() -> dict[Any, Any]:
     """The mapping to pass as ``Starlette(exception_handlers=...)``."""
     return {LoraplexError: handle_exception, HTTPException: handle_exception,
+            sa.exc.OperationalError: handle_exception, sa.exc.InterfaceError: handle_exception,
             Exception: handle_exception}

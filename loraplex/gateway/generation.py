@@ -12,6 +12,7 @@ works and end the job as soon as the client goes away.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 import anyio
+from redis.exceptions import RedisError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -30,7 +32,11 @@ from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.auth import cache_salt, tenant_limits
-from loraplex.gateway.errors import ClientDisconnected, PayloadTooLargeError
+from loraplex.gateway.errors import (
+    ClientDisconnected,
+    DependencyUnavailableError,
+    PayloadTooLargeError,
+)
 from loraplex.gateway.metrics import status_for_http
 from loraplex.gateway.ratelimit import Lease
 from loraplex.gateway.state import Gateway
@@ -40,6 +46,8 @@ from loraplex.registry.db import transaction
 from loraplex.registry.usage import UsageRecord
 
 T = TypeVar("T")
+
+logger = logging.getLogger("loraplex.gateway")
 
 BASE_LABEL = "base"
 
@@ -56,12 +64,15 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise PayloadTooLargeError(f"the request body ({size} bytes) is over the limit "
                                        f"of {max_bytes} bytes")
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_bytes:
-            raise PayloadTooLargeError(f"the request body is over the limit of {max_bytes} "
-                                       "bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > max_bytes:
+                raise PayloadTooLargeError(f"the request body is over the limit of "
+                                           f"{max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection while sending") from None
     return b"".join(chunks)
 
 
@@ -164,6 +175,8 @@ class Job:
                 f"({self.params.n} * {self.params.max_tokens}) is {reserved} tokens, over "
                 f"your limit of {principal.max_tokens_per_minute} tokens per window",
                 param="max_tokens") from exc
+        except (RedisError, OSError) as exc:
+            raise DependencyUnavailableError(f"rate limiter: {exc}") from exc
         salt = (None if gw.config.allow_cross_tenant_cache_sharing
                 else cache_salt(gw.salt_secret, principal.tenant_id))
         self._stream = gw.engine.generate(self.prompt_token_ids, self.params,
@@ -202,7 +215,12 @@ class Job:
             await self._stream.aclose()  # aborts the engine request if it is unfinished
         used = self.num_prompt_tokens + self.num_completion_tokens if self._admitted else 0
         if self._lease is not None:
-            await self.gw.rate_limiter.release(self._lease, used)
+            try:
+                await self.gw.rate_limiter.release(self._lease, used)
+            except (RedisError, OSError):
+                # The lease expires on its own (its TTL); the request itself went fine.
+                logger.warning("could not release rate-limit lease %s", self._lease.lease_id,
+                               exc_info=True)
         if self._admitted:
             self.gw.meter.add(UsageRecord(
                 tenant_id=self.principal.tenant_id, adapter_id=self.target.adapter_id,

@@ -59,7 +59,9 @@ def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         try:
             response = await handler(request, gw, obs)
         except Exception as exc:
-            if not obs.delegated:
+            if isinstance(exc, ClientDisconnected):
+                obs.record("aborted")
+            elif not obs.delegated:
                 obs.record_http(describe(exc).status)
             raise
         if not obs.delegated:

@@ -174,20 +174,26 @@ class ModelRunner:
         return [[next(sampled) for _ in s.samplings] for s in batch.seqs]
 
     def forward_logits(self, batch: BatchInputs) -> torch.Tensor:
-        """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token."""
+        """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token,
+        in the batch's order."""
         self.copy_blocks(batch.block_copies)
-        seqs = batch.seqs
+        # Sequences of one adapter side by side: each slot's tokens form one contiguous run,
+        # which the LoRA step slices instead of gathering and scattering.
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].lora_slot)
+        seqs = [batch.seqs[i] for i in order]
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
         sample_rows: list[int] = []
-        for s in seqs:
+        sampling_order: list[int] = []
+        for i, s in zip(order, seqs, strict=True):
             n = len(s.token_ids)
             input_ids.extend(s.token_ids)
             positions.extend(range(s.num_computed, s.num_computed + n))
             token_slots.extend([s.lora_slot] * n)
             if s.samplings:
                 sample_rows.append(len(input_ids) - 1)
+                sampling_order.append(i)
         dev = self.device
         meta = AttentionMeta.build(
             [s.block_table for s in seqs], [s.num_computed + len(s.token_ids) for s in seqs],
@@ -199,8 +205,10 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, device=dev),
                             torch.tensor(positions, device=dev), self.kv_caches, meta, lora,
                             self.kernel_backend)  # [num_tokens, hidden]
+        # Rows back in the batch's order of sampling sequences.
+        rank = {seq_index: r for r, seq_index in enumerate(sampling_order)}
+        rows = [sample_rows[rank[i]] for i in sorted(sampling_order)]
         return self.model.compute_logits(
-            hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=dev)))
-
+            hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev)))
 
 __all__ = ["BatchInputs", "ModelArgs", "ModelRunner", "SeqInput", "pick_device"]

@@ -54,6 +54,8 @@ TENANT_LIMITS: dict[str, tuple[int | None, int | None, int | None]] = {
     "alice": (None, None, None),
     "bob": (None, None, None),
     "carol": (None, None, None),
+    "erin": (None, None, None),  # only test_usage_is_metered calls as erin
+    "frank": (None, None, None),  # owns the tampered adapter of test_bad_inputs
     "rl-rpm": (3, None, None),
     "rl-tpm": (None, 300, None),
     "rl-conc": (None, None, 3),
@@ -75,6 +77,7 @@ class LiveServer:
     keys: dict[str, str] = field(default_factory=dict)  # tenant name -> key
     key_ids: dict[str, int] = field(default_factory=dict)
     admin_key: str = ""
+    adapter_store: Path | None = None
     adapter_dirs: dict[str, Path] = field(default_factory=dict)  # model name -> folder
 
     def openai(self, tenant: str | None = None, *, key: str | None = None,
@@ -241,6 +244,7 @@ def live(tiny_llama_dir: Path, llama_adapters: dict[str, Path], postgres_schema_
     server = _start(app)
     server_live.url = f"http://127.0.0.1:{server.port}"
     server_live.client = client
+    server_live.adapter_store = adapter_dir
     try:
         yield server_live
     finally:

@@ -4,10 +4,13 @@ problem, in OpenAI's error shape."""
 from __future__ import annotations
 
 import json
+import shutil
 from typing import Any
 
 import openai
 import pytest
+
+from loraplex.registry import db, service
 
 LiveServer = Any  # tests/gateway/conftest.py's LiveServer
 
@@ -161,3 +164,24 @@ def test_unknown_route_and_method_in_openai_shape(live: LiveServer) -> None:
         assert error_of(http.get("/v1/nothing"), 404)["type"] == "invalid_request_error"
         assert http.get("/v1/completions").status_code == 405
         assert "error" in http.get("/v1/completions").json()
+
+
+def test_adapter_whose_files_do_not_match_its_digest_is_422(live: LiveServer) -> None:
+    """A registry row whose stored weights are not the bytes it names is never served."""
+    folder = live.adapter_store / "zz" / "tampered"
+    shutil.copytree(live.adapter_dirs["alice/sql"], folder)
+    engine = db.make_engine(live.db_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            frank = service.get_tenant_by_name(session, "frank")
+            service.register_adapter(
+                session, tenant_id=frank.id, name="tampered", digest="f" * 64, size_bytes=1,
+                storage_path="zz/tampered", base_model=str(live.model_dir), rank=4,
+                alpha=8.0, use_rslora=False, target_modules=["q_proj"])
+    finally:
+        engine.dispose()
+    error = error_of(post(live, "/v1/completions", {"model": "tampered", "prompt": "hi",
+                                                    "max_tokens": 2}, tenant="frank"), 422)
+    assert error["param"] == "model" and "digest" in error["message"]
+    stats = live.wait_idle()
+    assert stats["kv_blocks_used"] == 0

@@ -160,14 +160,21 @@ def test_greedy_logprobs(live: LiveServer) -> None:
 
 
 def test_usage_is_metered(live: LiveServer) -> None:
-    with live.openai("carol") as client:
-        for _ in range(3):
-            client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=3,
-                                      temperature=0.0)
+    with live.openai("erin") as client:
+        completions = [client.completions.create(model=SERVED_NAME, prompt=PROMPT,
+                                                 max_tokens=3, temperature=0.0)
+                       for _ in range(3)]
+        client.completions.create(model="alice/summarizer", prompt=PROMPT, max_tokens=2,
+                                  n=2)
         report = client.get("/usage", cast_to=object)
     assert isinstance(report, dict)
-    assert report["tenant"] == "carol"
-    assert report["totals"]["requests"] == 3
-    [row] = report["data"]
-    assert row["model"] == SERVED_NAME and row["requests"] == 3
-    assert row["completion_tokens"] == report["totals"]["completion_tokens"] <= 9
+    assert report["tenant"] == "erin"
+    assert report["totals"]["requests"] == 4
+    rows = {row["model"]: row for row in report["data"]}
+    assert set(rows) == {SERVED_NAME, "alice/summarizer@v1"}
+    base = rows[SERVED_NAME]
+    assert base["requests"] == 3
+    assert base["completion_tokens"] == sum(c.usage.completion_tokens  # type: ignore[union-attr]
+                                            for c in completions)
+    assert base["prompt_tokens"] == 3 * completions[0].usage.prompt_tokens  # type: ignore[union-attr]
+    assert rows["alice/summarizer@v1"]["completion_tokens"] <= 4

@@ -33,7 +33,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, database=None, derandomize=True,
+@settings(max_examples=20, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case: Any, fuzz_live: LiveServer,
                           http_session: requests.Session) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,11 +85,11 @@ def test_metrics_cover_requests_latency_engine_and_adapters(live: LiveServer) ->
     assert "loraplex_adapter_evictions_total" in metrics
 
 
-@pytest.fixture(scope="module")
-def tiny_queue(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-               serve_app: Any) -> Iterator[tuple[str, str]]:
-    """A server whose engine admits one unfinished request (in-process limiter, SQLite)."""
-    root = tmp_path_factory.mktemp("tiny_queue")
+@contextlib.contextmanager
+def small_server(model_dir: Path, root: Path, serve_app: Any, config: ServerConfig,
+                 max_waiting: int = 1024) -> Iterator[tuple[str, str, str]]:
+    """A server on SQLite; yields its URL, the key of an unlimited tenant and the key of
+    one limited to 2 requests per window."""
     db_url = f"sqlite:///{root / 'registry.db'}"
     db.upgrade(db_url)
     engine = db.make_engine(db_url)
@@ -95,22 +97,32 @@ def tiny_queue(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         with db.transaction(db.make_session_factory(engine)) as session:
             tenant = service.create_tenant(session, "solo")
             _, key = service.create_key(session, tenant.id)
+            limited = service.create_tenant(session, "limited", max_requests_per_minute=2)
+            _, limited_key = service.create_key(session, limited.id)
     finally:
         engine.dispose()
     client = EngineClient.from_config(EngineConfig(
-        ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=64), LoRAConfig(),
-        SchedulerConfig(max_num_seqs=4, max_waiting=1)))
-    app = create_app(ServerConfig(served_model_name="tiny"),
-                     RegistryConfig(db_url, str(root / "store")), client)
+        ModelConfig(str(model_dir)), CacheConfig(num_kv_blocks=64), LoRAConfig(),
+        SchedulerConfig(max_num_seqs=4, max_waiting=max_waiting)))
+    app = create_app(config, RegistryConfig(db_url, str(root / "store")), client)
     try:
         with serve_app(app) as url:
-            yield url, key
+            yield url, key, limited_key
     finally:
         client.close()
 
 
-def test_full_engine_queue_is_503_with_retry_after(tiny_queue: tuple[str, str]) -> None:
-    url, key = tiny_queue
+@pytest.fixture(scope="module")
+def tiny_queue(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+               serve_app: Any) -> Iterator[tuple[str, str, str]]:
+    """A server whose engine admits one unfinished request (in-process limiter)."""
+    with small_server(tiny_llama_dir, tmp_path_factory.mktemp("tiny_queue"), serve_app,
+                      ServerConfig(served_model_name="tiny"), max_waiting=1) as served:
+        yield served
+
+
+def test_full_engine_queue_is_503_with_retry_after(tiny_queue: tuple[str, str, str]) -> None:
+    url, key, _ = tiny_queue
 
     async def scenario() -> list[Any]:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key,
@@ -133,3 +145,29 @@ def test_full_engine_queue_is_503_with_retry_after(tiny_queue: tuple[str, str]) 
         assert exc.status_code == 503
         assert exc.response.headers["retry-after"] == "1"
         assert exc.body["code"] == "engine_overloaded"  # type: ignore[index]
+
+
+def test_unreachable_redis_is_503_not_500(tiny_llama_dir: Path, tmp_path: Path,
+                                          serve_app: Any) -> None:
+    with socket.socket() as sock:  # a port with nobody listening
+        sock.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    config = ServerConfig(served_model_name="tiny", redis_url=dead)
+    with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, key, _), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+        assert refused.value.status_code == 503
+        assert refused.value.body["code"] == "dependency_unavailable"  # type: ignore[index]
+        assert [m.id for m in client.models.list()] == ["tiny"]  # what needs no limiter
+
+
+def test_in_process_limiter_without_redis(tiny_queue: tuple[str, str, str]) -> None:
+    url, _, limited_key = tiny_queue
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=limited_key, max_retries=0) as client:
+        for _ in range(2):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    assert refused.value.body["type"] == "requests"  # type: ignore[index]
