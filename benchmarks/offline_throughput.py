@@ -65,7 +65,7 @@ SYSTEM_LABELS = {
 class RunResult:
     name: str
     system: str  # "a", "b" or "c"
-    workload: str  # "peer subset" or "full"
+    workload: str  # "peer subset", "full" or "sweep"
     num_requests: int
     num_adapters: int  # distinct adapters the workload draws from (0: base model only)
     num_output_tokens: int
@@ -298,7 +298,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", help="where benchmark adapters are cached")
     p.add_argument("--profile", action="store_true",
-                   help="cProfile loraplex's full-workload run; stats written next to --out")
+                   help="cProfile loraplex's full-workload run; stats written to OUT.prof")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 48 requests, prompts <= 256, outputs <= 64, "
                         "8 peer requests, 24 sweep requests")
@@ -419,17 +419,17 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         ratios["c_over_b"] = by_system["c"].tokens_per_s / by_system["b"].tokens_per_s
     if "a" in by_system and "b" in by_system:
         ratios["b_over_a"] = by_system["b"].tokens_per_s / by_system["a"].tokens_per_s
-    full = {r.num_adapters: r for r in results if r.system == "c" and r.workload == "full"}
-    if 0 in full and args.num_adapters in full:
-        ratios["mixed_over_base_only"] = (full[args.num_adapters].tokens_per_s
-                                          / full[0].tokens_per_s)
-    for n, r in full.items():
-        if n and args.num_adapters in full:
+    sweep = sweep_runs(results)
+    if 0 in sweep and args.num_adapters in sweep:
+        ratios["mixed_over_base_only"] = (sweep[args.num_adapters].tokens_per_s
+                                          / sweep[0].tokens_per_s)
+    for n, r in sweep.items():
+        if n and n != args.num_adapters and args.num_adapters in sweep:
             ratios[f"adapters_{n}_over_{args.num_adapters}"] = (
-                r.tokens_per_s / full[args.num_adapters].tokens_per_s)
-    if "c" in by_system and args.num_adapters in full:
-        ratios["full_over_subset_c"] = (full[args.num_adapters].tokens_per_s
-                                        / by_system["c"].tokens_per_s)
+                r.tokens_per_s / sweep[args.num_adapters].tokens_per_s)
+    full = next((r for r in results if r.workload == "full"), None)
+    if "c" in by_system and full is not None:
+        ratios["c_full_over_c_subset"] = full.tokens_per_s / by_system["c"].tokens_per_s
     agree = {}
     names = {r.system: r.name for r in results if r.workload == "peer subset"}
     for other in ("b", "c"):
@@ -454,6 +454,16 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
     }
 
 
+def sweep_runs(results: list[RunResult]) -> dict[int, RunResult]:
+    """(c) by adapter count on the sweep workload; the full run counts when it is the same."""
+    sweep = {r.num_adapters: r for r in results if r.workload == "sweep"}
+    full = next((r for r in results if r.workload == "full"), None)
+    if full is not None and full.num_adapters not in sweep and \
+            all(r.num_requests == full.num_requests for r in sweep.values()):
+        sweep[full.num_adapters] = full
+    return dict(sorted(sweep.items()))
+
+
 def write_outputs(report: dict[str, Any], results: list[RunResult], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -468,8 +478,7 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     subset = [r for r in results if r.workload == "peer subset"]
-    full = sorted((r for r in results if r.workload == "full"),
-                  key=lambda r: (r.num_adapters != 0, r.num_adapters))
+    full = list(sweep_runs(results).values())
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[max(1, len(subset)),
                                                                     max(1, len(full))])
     colors = {"a": "#9e9e9e", "b": "#5b8bd0", "c": "#e0702a"}
@@ -500,7 +509,8 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
             ax.annotate(f"{r.tokens_per_s:.0f}", (bar.get_x() + bar.get_width() / 2,
                                                   bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
-        ax.set_title(f"loraplex, full workload ({full[0].num_requests} requests)", fontsize=10)
+        ax.set_title(f"loraplex, adapter sweep (first {full[0].num_requests} requests)",
+                     fontsize=10)
         ax.margins(y=0.15)
         ax.tick_params(axis="x", labelsize=8)
     else:

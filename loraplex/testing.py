@@ -182,5 +182,5 @@ def reference_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
         out.append(token)
         if step + 1 < max_new_tokens:
             result = model(input_ids=torch.tensor([[token]]),
-                           past_key_values=result.past_key_values, **kwargs)
+                           cache=result.cache, **kwargs)
     return out, first_logits
