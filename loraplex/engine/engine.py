@@ -63,8 +63,20 @@ class LLMEngine:
                                f"does not match the registered {ref.digest[:12]}")
         return adapter
 
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.args.vocab_size
+
     def close(self) -> None:
         self.adapters.close()
+
+    def forget_adapter(self, adapter_id: str, digest: str) -> None:
+        """Drops a deleted adapter version: its cached prefix blocks, its host copy, and its
+        slot unless a running request pins it (such requests finish unchanged; the slot is
+        then reused like any idle one)."""
+        tag = ("adapter", adapter_id, digest)
+        self.kv.drop_cached(lambda keys: tag in keys)
+        self.adapters.forget((adapter_id, digest))
 
     # --- admission ---------------------------------------------------------------------
 
@@ -78,7 +90,7 @@ class LLMEngine:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        vocab = self.runner.args.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
@@ -108,18 +120,21 @@ class LLMEngine:
                           group_id=request_id, sample_index=0,
                           eos_token_ids=self.eos_token_ids)
         self._groups[request_id] = [request]
-        self._make_generator(request)
         self.scheduler.add(request)
 
-    def _make_generator(self, request: Request) -> None:
-        seed = request.params.seed
-        if seed is None or request.params.is_greedy:
-            return
-        gen = torch.Generator(device=self.runner.device)
-        # Sample i of n gets its own stream, derived from the seed alone.
-        gen.manual_seed(seed if request.sample_index == 0
-                        else hash((seed, request.sample_index)) & 0x7FFF_FFFF_FFFF)
-        self._generators[request.request_id] = gen
+    def _generator(self, seq_id: str, sample_index: int,
+                   params: SamplingParams) -> torch.Generator | None:
+        """The sequence's own RNG when it has a seed: its draws never depend on the batch."""
+        if params.seed is None or params.is_greedy:
+            return None
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.runner.device)
+            # Sample i of n gets its own stream, derived from the seed alone.
+            gen.manual_seed(params.seed if sample_index == 0
+                            else hash((params.seed, sample_index)) & 0x7FFF_FFFF_FFFF)
+            self._generators[seq_id] = gen
+        return gen
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Ends every sequence of the request and frees what they hold."""
@@ -155,21 +170,16 @@ class LLMEngine:
 
     def _sampling_rows(self, request: Request) -> list[SamplingRow]:
         p = request.params
-        first_of_group = (request.num_output_tokens == 0 and p.n > 1
-                          and request.sample_index == 0
-                          and len(self._groups.get(request.group_id or "", [])) == 1)
-        count = p.n if first_of_group else 1
-        rows = []
-        for i in range(count):
-            gen = self._generators.get(request.request_id if i == 0
-                                       else self._child_id(request, i))
-            if gen is None and i > 0 and p.seed is not None and not p.is_greedy:
-                child = Request(self._child_id(request, i), [], p, sample_index=i)
-                self._make_generator(child)
-                gen = self._generators.get(child.request_id)
-            rows.append(SamplingRow(p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p,
-                                    p.min_p, gen, p.logprobs))
-        return rows
+        # The prompt's last position samples all n sequences' first tokens at once.
+        starts_group = (p.n > 1 and request.num_output_tokens == 0
+                        and len(self._groups[request.group_id or request.request_id]) == 1)
+        seq_ids = [request.request_id] + ([self._child_id(request, i) for i in range(1, p.n)]
+                                          if starts_group else [])
+        top_k = p.top_k if p.top_k > 0 else 0
+        return [SamplingRow(p.temperature, top_k, p.top_p, p.min_p,
+                            self._generator(seq_id, i if starts_group else request.sample_index,
+                                            p), p.logprobs)
+                for i, seq_id in enumerate(seq_ids)]
 
     @staticmethod
     def _child_id(request: Request, index: int) -> str:
@@ -262,15 +272,14 @@ class LLMEngine:
 
     def _forget_finished(self, group_id: str) -> None:
         group = self._groups.get(group_id)
-        if group is None:
+        if group is None or not all(r.status.is_finished for r in group):
             return
-        n = group[0].params.n
-        if len(group) >= n and all(r.status.is_finished for r in group) or \
-                group[0].status == RequestStatus.FINISHED_ABORTED:
-            if all(r.status.is_finished for r in group):
-                del self._groups[group_id]
-                for r in group:
-                    self._generators.pop(r.request_id, None)
+        # Children appear at the prompt's first sample; a group that ended before it
+        # (aborted, or its adapter failed) never gets them.
+        if len(group) >= group[0].params.n or group[0].status == RequestStatus.FINISHED_ABORTED:
+            del self._groups[group_id]
+            for r in group:
+                self._generators.pop(r.request_id, None)
 
     # --- figures -----------------------------------------------------------------------
 

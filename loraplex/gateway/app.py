@@ -103,7 +103,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
                          server_config.usage_flush_interval_s),
         tokenizers=Tokenizers(engine.tokenizer), served_model_name=served,
         salt_secret=salt_secret(server_config.cache_salt_secret),
-        max_model_len=engine.max_model_len, vocab_size=engine.runner.args.vocab_size,
+        max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
     )
     document = openapi_document(server_config)
 
