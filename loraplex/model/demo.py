@@ -45,6 +45,7 @@ from typing import Any
 
 from loraplex.config import default_home
 from loraplex.errors import ModelLoadError
+from loraplex.files import fsync_dir, fsync_file
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
 
@@ -150,7 +151,7 @@ def prepare_demo_model(
                 report.step(f"demo model was prepared concurrently in {target}")
                 return target
             raise ModelLoadError(f"cannot move the converted model to {target}: {exc}") from exc
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     report.step(f"demo model ready in {target} ({time.monotonic() - started:.1f}s)")
     return target
 
@@ -311,7 +312,7 @@ def _write_marker(staging: Path, info: dict[str, Any], gguf_sha256: str) -> None
         if path.is_file():
             # safetensors writes its file owner-only; the folder is meant to be shared.
             path.chmod(0o644)
-            _fsync_file(path)
+            fsync_file(path)
             files[path.name] = path.stat().st_size
     missing = [name for name in _REQUIRED_FILES if name not in files]
     if missing:
@@ -339,7 +340,7 @@ def _write_marker(staging: Path, info: dict[str, Any], gguf_sha256: str) -> None
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(staging)
+    fsync_dir(staging)
 
 
 def _read_marker(target: Path) -> dict[str, Any] | None:
@@ -451,14 +452,3 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 from loraplex.errors import AdapterError, ConflictError
+from loraplex.files import fsync_dir
 
 CONFIG_FILE: Final = "adapter_config.json"
 WEIGHTS_FILE: Final = "adapter_model.safetensors"
@@ -52,13 +53,6 @@ class StoredAdapter:
     relative_path: str
     created: bool = True
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _copy_stream(src: BinaryIO, dst: BinaryIO, hasher: Any) -> int:
@@ -149,7 +143,7 @@ class AdapterStore:
                 os.fsync(fout.fileno())
             for name in (WEIGHTS_FILE, CONFIG_FILE):
                 os.chmod(tmp / name, 0o444)  # content-addressed files never change
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
 
             digest = hasher.hexdigest()
             final = self.path_for(digest)
@@ -168,7 +162,7 @@ class AdapterStore:
                     raise
                 self._check_same_config(final, new_config, digest)
                 return replace(stored, created=False)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             return stored
         finally:
             if tmp.exists():
