@@ -310,7 +310,7 @@ def _check_field(field: str, value: str) -> None:
     # Checked as soon as the field arrives: a bad name must not cost the whole upload.
     if field == "name":
         check_adapter_name(value)
-    elif value not in VISIBILITIES:
+    elif value and value not in VISIBILITIES:
         raise InvalidRequestError(f"visibility must be one of {', '.join(VISIBILITIES)}, "
                                   f"got {value!r}", param="visibility")
 

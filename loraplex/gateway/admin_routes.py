@@ -1,23 +1,168 @@
-"""Operator routes under ``/admin/api``; every one needs an admin key (403 otherwise)."""
+"""Operator routes under ``/admin/api``; every one needs an admin key (403 otherwise).
+
+This module has the engine and usage views and gathers the others: tenants and keys in
+``admin_tenants``, adapters in ``admin_adapters``.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Final
+
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
-from loraplex.gateway.auth import authenticate, require_admin
-from loraplex.gateway.state import gateway
+from loraplex.errors import AdapterNotFoundError, InvalidRequestError
+from loraplex.gateway import admin_adapters, admin_tenants
+from loraplex.gateway.admin_tenants import MAX_INT32, admin_principal
+from loraplex.gateway.state import Gateway
+from loraplex.registry import service
+from loraplex.registry.db import transaction
+
+logger = logging.getLogger("loraplex.gateway")
+
+DEFAULT_USAGE_WINDOW: Final = timedelta(hours=48)
+MAX_USAGE_WINDOW: Final = timedelta(days=366)
+
+
+def _slot_names(gw: Gateway, slots: list[str | None]) -> list[dict[str, Any] | None]:
+    """Engine slots (``id@digest12``) with the adapter each holds, by owner and name."""
+    out: list[dict[str, Any] | None] = []
+    with transaction(gw.sessions) as session:
+        for index, slot in enumerate(slots):
+            if slot is None:
+                out.append(None)
+                continue
+            raw_id = slot.partition("@")[0]
+            entry: dict[str, Any] = {"slot": index, "identity": slot, "model": None,
+                                     "version": None, "status": None}
+            if raw_id.isdigit() and int(raw_id) <= MAX_INT32:
+                try:
+                    row = service.get_adapter(session, int(raw_id))
+                except AdapterNotFoundError:
+                    pass
+                else:
+                    entry |= {"model": f"{row.tenant.name}/{row.name}",
+                              "version": row.version, "status": row.status}
+            out.append(entry)
+    return out
 
 
 async def engine_stats(request: Request) -> Response:
     """The engine's figures: queue, running requests, KV blocks, adapter slots."""
-    gw = gateway(request)
-    require_admin(await authenticate(request, gw.sessions))
+    gw, _ = await admin_principal(request)
     stats = await gw.engine.stats()
-    return JSONResponse(stats | {"num_unfinished": gw.engine.num_unfinished})
+    slots = await run_in_threadpool(_slot_names, gw, list(stats["adapter_slots"]))
+    return JSONResponse(stats | {"num_unfinished": gw.engine.num_unfinished, "slots": slots,
+                                 "served_model": gw.served_model_name})
+
+
+def _parse_time(request: Request, name: str, default: datetime) -> datetime:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
+                                  param=name) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _usage(gw: Gateway, tenant: str | None, since: datetime,
+           until: datetime) -> dict[str, Any]:
+    with transaction(gw.sessions) as session:
+        tenants = service.list_tenants(session)
+        if tenant is not None:
+            tenants = [service.get_tenant_by_name(session, tenant)]
+        adapters = {row.id: row for row in service.list_adapters(session, include_deleted=True)}
+        data, totals = [], []
+        for t in tenants:
+            rows = service.list_usage(session, t.id, since=since, until=until)
+            for row in rows:
+                adapter = adapters.get(row.adapter_id) if row.adapter_id is not None else None
+                data.append({
+                    "hour": row.hour.isoformat(), "tenant": t.name,
+                    "model": (f"{adapter.tenant.name}/{adapter.name}" if adapter
+                              else gw.served_model_name),
+                    "version": adapter.version if adapter else None,
+                    "requests": row.requests, "prompt_tokens": row.prompt_tokens,
+                    "completion_tokens": row.completion_tokens,
+                    "total_tokens": row.prompt_tokens + row.completion_tokens})
+            if rows:
+                sums = service.usage_totals(session, t.id, since=since, until=until)
+                totals.append({"tenant": t.name, "requests": sums.requests,
+                               "prompt_tokens": sums.prompt_tokens,
+                               "completion_tokens": sums.completion_tokens,
+                               "total_tokens": sums.total_tokens})
+    data.sort(key=lambda r: (r["hour"], r["tenant"], r["model"]))
+    return {"object": "usage", "since": since.isoformat(), "until": until.isoformat(),
+            "totals": totals, "data": data}
+
+
+async def usage(request: Request) -> Response:
+    """Hourly requests and tokens per tenant and model over ``since``..``until`` (default:
+    the last 48 hours), optionally for one ``tenant``."""
+    gw, _ = await admin_principal(request)
+    now = datetime.now(UTC)
+    until = _parse_time(request, "until", now + timedelta(hours=1))
+    since = _parse_time(request, "since", now - DEFAULT_USAGE_WINDOW)
+    if since >= until:
+        raise InvalidRequestError("since must be before until", param="since")
+    if until - since > MAX_USAGE_WINDOW:
+        raise InvalidRequestError("the usage window is limited to 366 days", param="since")
+    tenant = request.query_params.get("tenant") or None
+    # Read-your-writes: what this process metered so far is written before reading.
+    await gw.meter.flush()
+    return JSONResponse(await run_in_threadpool(_usage, gw, tenant, since, until))
 
 
 def routes() -> list[Route]:
-    """The routes of this module, for ``create_app``."""
-    return [Route("/admin/api/engine", engine_stats, methods=["GET"])]
+    """The routes of every admin API module, for ``create_app``."""
+    return [
+        Route("/admin/api/engine", engine_stats, methods=["GET"]),
+        Route("/admin/api/usage", usage, methods=["GET"]),
+        *admin_tenants.routes(),
+        *admin_adapters.routes(),
+    ]
+
+
+# --- the admin UI ------------------------------------------------------------------------
+
+# The pages' folder in a checkout (or an editable install, as the Docker image has).
+ADMIN_UI_DIR: Final = Path(__file__).resolve().parents[2] / "admin_ui"
+_UI_HEADERS: Final = {
+    # Only the pages' own scripts and styles run, and no other site may frame them: the
+    # admin key lives in this tab's sessionStorage.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+class AdminUIFiles(StaticFiles):
+    """The admin pages, served with headers that keep the admin key in the page."""
+
+    def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result,
+                      scope: Scope, status_code: int = 200) -> Response:
+        response = super().file_response(full_path, stat_result, scope, status_code)
+        response.headers.update(_UI_HEADERS)
+        return response
+
+
+def admin_ui_mount(directory: Path = ADMIN_UI_DIR) -> Mount | None:
+    """``/admin`` serving the admin pages, or None when the folder is not there (a wheel
+    install: the pages ship with the source tree)."""
+    if not (directory / "index.html").is_file():
+        logger.warning("admin UI not served: %s has no index.html", directory)
+        return None
+    return Mount("/admin", app=AdminUIFiles(directory=directory, html=True), name="admin_ui")

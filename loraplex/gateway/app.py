@@ -16,11 +16,12 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from loraplex.config import RegistryConfig, ServerConfig
 from loraplex.engine.client import EngineClient
-from loraplex.gateway import admin_routes, openai_routes
+from loraplex.gateway import adapter_routes, admin_routes, openai_routes
+from loraplex.gateway.adapter_uploads import AdapterService
 from loraplex.gateway.auth import authenticate, require_admin, salt_secret
 from loraplex.gateway.errors import exception_handlers
 from loraplex.gateway.metrics import GatewayMetrics
@@ -28,8 +29,10 @@ from loraplex.gateway.openapi import openapi_document
 from loraplex.gateway.ratelimit import make_rate_limiter
 from loraplex.gateway.state import Gateway, Tokenizers, gateway
 from loraplex.gateway.usage import UsageMeter
+from loraplex.model.adapter_loader import validate_adapter_dir
 from loraplex.registry import db
 from loraplex.registry.store import AdapterStore
+from loraplex.registry.upload import AdapterUploader, UploadLimits
 
 
 async def health(request: Request) -> Response:
@@ -87,9 +90,10 @@ async def metrics_endpoint(request: Request) -> Response:
 
 def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
                engine_client: EngineClient, *, metrics: GatewayMetrics | None = None,
-               ) -> Starlette:
+               upload_limits: UploadLimits | None = None) -> Starlette:
     """The gateway app for ``engine_client`` (not started yet: the lifespan starts it, and
-    shuts it down at exit). The registry database must already be migrated."""
+    shuts it down at exit). The registry database must already be migrated.
+    ``upload_limits`` caps adapter uploads (default: ``UploadLimits()``)."""
     db_engine = db.make_engine(registry_config.database_url)
     engine = engine_client.engine
     served = server_config.served_model_name or os.path.basename(
@@ -106,6 +110,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
     )
     document = openapi_document(server_config)
+    adapters = _adapter_service(gw, engine_client, upload_limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -122,15 +127,32 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
             await gw.limiter.close()
             db_engine.dispose()
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", lambda request: JSONResponse(document), methods=["GET"]),
         *openai_routes.routes(),
+        *adapter_routes.routes(),
         *admin_routes.routes(),
     ]
+    ui = admin_routes.admin_ui_mount()
+    if ui is not None:
+        routes.append(ui)
     app = Starlette(routes=routes, exception_handlers=exception_handlers(),
                     lifespan=lifespan)
     app.state.gateway = gw
+    app.state.adapters = adapters
     return app
+
+
+def _adapter_service(gw: Gateway, engine_client: EngineClient,
+                     limits: UploadLimits | None) -> AdapterService:
+    engine = engine_client.engine
+    target, max_rank = engine.target_shapes, engine.config.lora.max_lora_rank
+    # Only the shapes are checked, not base_model_name_or_path (paths and hub ids of one
+    # model rarely agree): the shapes decide whether the adapter can be served at all.
+    uploader = AdapterUploader(gw.store, lambda path: validate_adapter_dir(path, target,
+                                                                           max_rank),
+                               base_model=engine.config.model.model, limits=limits)
+    return AdapterService(uploader, gw.sessions, gw.store, engine_client)

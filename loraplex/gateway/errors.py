@@ -29,6 +29,7 @@ from loraplex.errors import (
     LoraplexError,
     NotFoundError,
     PromptTooLongError,
+    UploadTooLargeError,
 )
 from loraplex.gateway.ratelimit import RateLimitExceeded
 
@@ -48,6 +49,10 @@ class PermissionDeniedError(LoraplexError):
 
 class PayloadTooLargeError(LoraplexError):
     """The request body is over the server's limit (413)."""
+
+
+class AdapterRejectedError(AdapterError):
+    """An uploaded adapter was refused; the message names the reason (422)."""
 
 
 class ClientDisconnected(LoraplexError):
@@ -104,6 +109,11 @@ def describe(exc: BaseException) -> ErrorInfo:
         return ErrorInfo(409, str(exc), "invalid_request_error", None, "conflict")
     if isinstance(exc, PayloadTooLargeError):
         return ErrorInfo(413, str(exc), "invalid_request_error", None, "payload_too_large")
+    if isinstance(exc, UploadTooLargeError):
+        return ErrorInfo(413, str(exc), "invalid_request_error", None, "payload_too_large")
+    if isinstance(exc, AdapterRejectedError):
+        return ErrorInfo(422, f"the adapter was refused: {exc}", "invalid_request_error",
+                         "file", "invalid_adapter")
     if isinstance(exc, AdapterError):
         # The adapter exists and is visible but cannot run on this base model.
         return ErrorInfo(422, f"the adapter cannot be served: {exc}", "invalid_request_error",

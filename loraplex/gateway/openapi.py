@@ -27,9 +27,10 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 def _errors(*codes: int) -> dict[str, Any]:
     text = {400: "Invalid body or parameter (named in error.param)",
             401: "Missing, unknown or revoked API key", 403: "The key lacks the admin role",
-            404: "Unknown model (or one the caller may not see)",
+            404: "Unknown model, tenant, key or adapter (or one the caller may not see)",
+            409: "Conflicts with existing state (a duplicate name)",
             413: "Body over the size limit, or prompt longer than the model's context",
-            422: "The adapter cannot run on this base model",
+            422: "The adapter cannot run on this base model, or an upload was refused",
             429: "Over a rate limit (see Retry-After)",
             503: "Engine queue full (see Retry-After) or engine not running"}
     return {str(c): {"$ref": f"#/components/responses/E{c}"} for c in codes if c in text}
@@ -38,7 +39,7 @@ def _errors(*codes: int) -> dict[str, Any]:
 def _error_responses() -> dict[str, Any]:
     out = {}
     for code, text in ((400, "Bad request"), (401, "Unauthorized"), (403, "Forbidden"),
-                       (404, "Not found"), (413, "Too large"), (422, "Unprocessable"),
+                       (404, "Not found"), (409, "Conflict"), (413, "Too large"), (422, "Unprocessable"),
                        (429, "Rate limited"), (503, "Unavailable")):
         response = _json(_ref("Error"), text)
         if code in (429, 503):
@@ -163,6 +164,136 @@ def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
             **_errors(400, 401, 404, 413, 422, 429, 503)}}
 
 
+_OBJ: dict[str, Any] = {"type": "object"}
+_LIST: dict[str, Any] = {"type": "object", "required": ["object", "data"],
+                         "properties": {"object": {"const": "list"},
+                                        "data": {"type": "array", "items": _OBJ}}}
+_LIMIT = {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1}
+_LIMITS = {f: _LIMIT for f in ("max_requests_per_minute", "max_tokens_per_minute",
+                               "max_concurrent_requests")}
+
+
+def _path_param(name: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True,
+            "schema": schema or {"type": "string", "minLength": 1}}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _body(schema: dict[str, Any], media: str = "application/json") -> dict[str, Any]:
+    return {"required": True, "content": {media: {"schema": schema}}}
+
+
+def _upload_body() -> dict[str, Any]:
+    binary = {"type": "string", "format": "binary"}
+    return _body({"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "description": "The adapter's name"},
+        "visibility": {"type": "string", "enum": ["private", "public"]},
+        "adapter_config.json": binary, "adapter_model.safetensors": binary,
+        "archive": binary | {"description": "A .zip or .tar.gz of the two files, instead"}}},
+        "multipart/form-data")
+
+
+_VERSION = _query("version", {"type": "integer", "minimum": 1, "maximum": 2**31 - 1})
+
+
+def _adapter_paths() -> dict[str, Any]:
+    """The tenant's own adapters."""
+    return {
+        "/v1/adapters": {
+            "get": {"summary": "Every version of the caller's adapters",
+                    "parameters": [_query("include_deleted", {"type": "boolean"})],
+                    "responses": {"200": _json(_LIST, "Adapter versions"),
+                                  **_errors(400, 401)}},
+            "post": {"summary": "Upload a new version of one of the caller's adapters",
+                     "requestBody": _upload_body(),
+                     "responses": {"201": _json(_OBJ, "The stored version"),
+                                   **_errors(400, 401, 409, 413, 422)}}},
+        "/v1/adapters/{name}": {"delete": {
+            "summary": "Delete the caller's adapter (every version, or ?version=N)",
+            "parameters": [_path_param("name"), _VERSION],
+            "responses": {"200": _json(_OBJ, "The deleted versions"),
+                          **_errors(400, 401, 404)}}},
+    }
+
+
+def _admin_paths() -> dict[str, Any]:
+    """Operator routes; every one needs an admin key."""
+    tenant = _path_param("tenant")
+    admin = _errors(400, 401, 403, 404)
+    return {
+        "/admin/api/engine": {"get": {"summary": "Engine statistics (admin)", "responses": {
+            "200": _json(_OBJ, "Engine statistics"), **_errors(401, 403)}}},
+        "/admin/api/usage": {"get": {
+            "summary": "Hourly usage per tenant and model (admin)",
+            "parameters": [_query(n, {"type": "string", "format": "date-time"})
+                           for n in ("since", "until")] + [_query("tenant", {"type": "string"})],
+            "responses": {"200": _json(_OBJ, "Usage"), **admin}}},
+        "/admin/api/tenants": {
+            "get": {"summary": "Every tenant (admin)",
+                    "responses": {"200": _json(_LIST, "Tenants"), **_errors(401, 403)}},
+            "post": {"summary": "Create a tenant (admin)",
+                     "requestBody": _body({"type": "object", "required": ["name"],
+                                           "properties": {"name": {"type": "string"}}
+                                           | _LIMITS}),
+                     "responses": {"201": _json(_OBJ, "The tenant"),
+                                   **_errors(400, 401, 403, 409, 413)}}},
+        "/admin/api/tenants/{tenant}": {
+            "parameters": [tenant],
+            "get": {"summary": "One tenant (admin)",
+                    "responses": {"200": _json(_OBJ, "The tenant"), **admin}},
+            "patch": {"summary": "Change a tenant's limits or status (admin)",
+                      "requestBody": _body({"type": "object", "properties": _LIMITS | {
+                          "status": {"type": "string", "enum": ["active", "suspended"]}}}),
+                      "responses": {"200": _json(_OBJ, "The tenant"), **admin}}},
+        "/admin/api/tenants/{tenant}/keys": {
+            "parameters": [tenant],
+            "get": {"summary": "A tenant's API keys (admin)",
+                    "responses": {"200": _json(_LIST, "Keys"), **admin}},
+            "post": {"summary": "Issue an API key; the key is in this response only (admin)",
+                     "requestBody": _body({"type": "object", "properties": {
+                         "name": {"type": ["string", "null"], "maxLength": 128},
+                         "role": {"type": "string", "enum": ["tenant", "admin"]}}}),
+                     "responses": {"201": _json(_OBJ, "The key, with its plaintext"),
+                                   **admin}}},
+        "/admin/api/keys": {"get": {
+            "summary": "Every API key (admin)", "parameters": [_query("tenant",
+                                                                     {"type": "string"})],
+            "responses": {"200": _json(_LIST, "Keys"), **admin}}},
+        "/admin/api/keys/{key_id}": {"delete": {
+            "summary": "Revoke an API key (admin)",
+            "parameters": [_path_param("key_id", {"type": "integer", "minimum": 0})],
+            "responses": {"200": _json(_OBJ, "The revoked key"), **admin}}},
+        "/admin/api/adapters": {"get": {
+            "summary": "Every adapter version (admin)",
+            "parameters": [_query("tenant", {"type": "string"}),
+                           _query("include_deleted", {"type": "boolean"})],
+            "responses": {"200": _json(_LIST, "Adapter versions"), **admin}}},
+        "/admin/api/tenants/{tenant}/adapters": {
+            "parameters": [tenant],
+            "get": {"summary": "A tenant's adapter versions (admin)",
+                    "parameters": [_query("include_deleted", {"type": "boolean"})],
+                    "responses": {"200": _json(_LIST, "Adapter versions"), **admin}},
+            "post": {"summary": "Upload a new version of a tenant's adapter (admin)",
+                     "requestBody": _upload_body(),
+                     "responses": {"201": _json(_OBJ, "The stored version"),
+                                   **_errors(400, 401, 403, 404, 409, 413, 422)}}},
+        "/admin/api/tenants/{tenant}/adapters/{name}": {
+            "parameters": [tenant, _path_param("name")],
+            "patch": {"summary": "Make an adapter public or private (admin)",
+                      "requestBody": _body({"type": "object", "required": ["visibility"],
+                                            "properties": {"visibility": {
+                                                "type": "string",
+                                                "enum": ["private", "public"]}}}),
+                      "responses": {"200": _json(_LIST, "The adapter's versions"), **admin}},
+            "delete": {"summary": "Delete an adapter (every version, or ?version=N) (admin)",
+                       "parameters": [_VERSION],
+                       "responses": {"200": _json(_OBJ, "The deleted versions"), **admin}}},
+    }
+
+
 def openapi_document(config: ServerConfig) -> dict[str, Any]:
     """The document for a server with ``config``'s limits."""
     text = {"text/plain": {"schema": {"type": "string"}}}
@@ -193,8 +324,8 @@ def openapi_document(config: ServerConfig) -> dict[str, Any]:
                                for n in ("since", "until")],
                 "responses": {"200": _json(_ref("UsageReport"), "Usage"),
                               **_errors(400, 401)}}},
-            "/admin/api/engine": {"get": {"summary": "Engine statistics (admin)", "responses": {
-                "200": _json({"type": "object"}, "Engine statistics"), **_errors(401, 403)}}},
+            **_adapter_paths(),
+            **_admin_paths(),
             "/metrics": {"get": {"summary": "Prometheus metrics (admin)", "responses": {
                 "200": {"description": "Exposition text", "content": text},
                 **_errors(401, 403)}}},

@@ -1,0 +1,118 @@
+// Adapters: upload (with progress; refusals shown inline), versions, visibility, delete.
+import { api, upload } from "../api.js";
+import { badge, confirmButton, errorLine, field, fmtBytes, fmtTime, h, table } from "../dom.js";
+import { tenantOptions } from "./keys.js";
+
+export const title = "Adapters";
+const enc = encodeURIComponent;
+
+export async function render(container) {
+  const tenant = h("select", { required: true });
+  const name = h("input", { required: true, placeholder: "support-bot", autocomplete: "off",
+                            spellcheck: "false", pattern: "[A-Za-z0-9][A-Za-z0-9_.\\-]*" });
+  const visibility = h("select", {}, h("option", { value: "private" }, "private"),
+                       h("option", { value: "public" }, "public (others call it as tenant/name)"));
+  const files = h("input", { type: "file", multiple: true, required: true,
+                             accept: ".json,.safetensors,.zip,.gz,.tgz,.md" });
+  const submit = h("button", { type: "submit", class: "primary" }, "Upload");
+  const progress = h("progress", { max: "1", value: "0", hidden: true, "aria-label": "Upload progress" });
+  const uploadError = errorLine();
+  uploadError.id = "upload-error";
+  const uploadDone = h("p", { class: "success", role: "status", hidden: true, id: "upload-done" });
+  const form = h("form", { class: "inline", id: "upload-adapter" },
+    field("Tenant", tenant), field("Name", name, "a new upload under a name is a new version"),
+    field("Visibility", visibility),
+    field("Files", files, "adapter_config.json + adapter_model.safetensors, or one .zip / .tar.gz"),
+    submit);
+
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    uploadError.clear();
+    uploadDone.hidden = true;
+    const body = new FormData();
+    body.append("name", name.value.trim());
+    body.append("visibility", visibility.value);
+    for (const file of files.files) body.append("file", file, file.name);
+    progress.value = 0;
+    progress.hidden = false;
+    submit.disabled = true;
+    try {
+      const row = await upload(`/admin/api/tenants/${enc(tenant.value)}/adapters`, body,
+                               (fraction) => { progress.value = fraction; });
+      progress.value = 1;
+      uploadDone.textContent = `Stored ${row.model} version ${row.version} (rank ${row.rank}, ` +
+        `${fmtBytes(row.size_bytes)}). Call it with model "${row.name}" using a key of ` +
+        `${row.tenant}${row.visibility === "public" ? `, or "${row.model}" from any tenant` : ""}.`;
+      uploadDone.hidden = false;
+      name.value = "";
+      files.value = "";
+      await load();
+    } catch (err) {
+      uploadError.show(err);
+    } finally {
+      submit.disabled = false;
+      progress.hidden = true;
+    }
+  });
+
+  const filter = h("select", { "aria-label": "Show adapters of" });
+  const showDeleted = h("input", { type: "checkbox" });
+  const listArea = h("div", { id: "adapter-list" });
+  filter.addEventListener("change", () => load());
+  showDeleted.addEventListener("change", () => load());
+
+  async function load() {
+    let data;
+    try {
+      const params = new URLSearchParams();
+      if (filter.value) params.set("tenant", filter.value);
+      if (showDeleted.checked) params.set("include_deleted", "true");
+      data = (await api("GET", `/admin/api/adapters?${params}`)).data;
+    } catch (err) {
+      const e = errorLine(); e.show(err); listArea.replaceChildren(e); return;
+    }
+    listArea.replaceChildren(table(
+      ["Adapter", "Version", "Rank", "Size", "Visibility", "Status", "Uploaded", "Identity", ""],
+      data.map((a) => {
+        const rowError = errorLine();
+        const path = `/admin/api/tenants/${enc(a.tenant)}/adapters/${enc(a.name)}`;
+        const actions = h("div", { class: "actions" });
+        if (a.status === "active") {
+          const other = a.visibility === "public" ? "private" : "public";
+          const toggle = h("button", { type: "button", class: "small" }, `Make ${other}`);
+          toggle.addEventListener("click", async () => {
+            rowError.clear();
+            try { await api("PATCH", path, { visibility: other }); await load(); }
+            catch (err) { rowError.show(err); }
+          });
+          actions.append(toggle, confirmButton("Delete", `Delete v${a.version}?`, async () => {
+            rowError.clear();
+            try { await api("DELETE", `${path}?version=${a.version}`); await load(); }
+            catch (err) { rowError.show(err); }
+          }, "danger small"));
+        }
+        return [h("strong", {}, a.model), `v${a.version}`,
+                `${a.rank}${a.use_rslora ? " (rs)" : ""}`, fmtBytes(a.size_bytes),
+                badge(a.visibility), badge(a.status), fmtTime(a.created_at),
+                h("code", { title: a.identity }, `${a.id}@${a.digest.slice(0, 12)}`),
+                h("div", {}, actions, rowError)];
+      }), "No adapters yet."));
+  }
+
+  container.append(
+    h("h1", {}, "Adapters"),
+    h("div", { class: "card" }, h("h2", {}, "Upload an adapter"),
+      h("p", { class: "muted" }, "A PEFT LoRA adapter for the served base model. It is checked " +
+        "before it is stored: a refusal says why."),
+      form, progress, uploadError, uploadDone),
+    h("div", { class: "card" },
+      h("div", { class: "page-head" }, h("h2", {}, "Versions"),
+        h("div", { class: "actions" }, field("Tenant", filter),
+          h("label", {}, showDeleted, " show deleted"))),
+      listArea));
+  try {
+    await tenantOptions(tenant);
+    await tenantOptions(filter, { all: true });
+  } catch (err) { uploadError.show(err); }
+  await load();
+}

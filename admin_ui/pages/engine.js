@@ -1,0 +1,63 @@
+// Engine: queue, KV cache, prefix-cache hit rate and adapter slots, refreshed every 2 s.
+import { api } from "../api.js";
+import { errorLine, fmtInt, h, table } from "../dom.js";
+
+export const title = "Engine";
+const REFRESH_MS = 2000;
+
+function stat(label, value, sub, fraction) {
+  return h("div", { class: "stat" }, h("div", { class: "label" }, label),
+    h("div", { class: "value" }, value), sub ? h("div", { class: "sub" }, sub) : null,
+    fraction === undefined ? null : (() => {
+      const bar = h("span");
+      bar.style.width = `${Math.max(0, Math.min(1, fraction)) * 100}%`;
+      return h("div", { class: "meter" }, bar);
+    })());
+}
+
+const pct = (x) => `${(100 * x).toFixed(1)}%`;
+
+export async function render(container) {
+  const stamp = h("span", { class: "muted", id: "engine-updated" });
+  const error = errorLine();
+  const stats = h("div", { class: "stats", id: "engine-stats" });
+  const slots = h("div", { id: "engine-slots" });
+  let timer = null;
+  let stopped = false;
+
+  async function refresh() {
+    try {
+      const s = await api("GET", "/admin/api/engine");
+      error.clear();
+      stats.replaceChildren(
+        stat("Queue", fmtInt(s.num_waiting), `${s.num_running} running · ${s.num_swapped} ` +
+             `swapped · ${s.num_unfinished} unfinished`),
+        stat("KV cache", pct(s.kv_utilization), `${fmtInt(s.kv_blocks_used)} of ` +
+             `${fmtInt(s.kv_blocks_total)} blocks used · ${fmtInt(s.kv_blocks_cached_free)} ` +
+             "cached", s.kv_utilization),
+        stat("Prefix-cache hit rate", pct(s.prefix_cache_hit_rate),
+             `${fmtInt(s.prefix_cache_hit_tokens)} of ${fmtInt(s.prefix_cache_queried_tokens)} ` +
+             "prompt tokens", s.prefix_cache_hit_rate),
+        stat("Adapter slots", `${s.slots.filter(Boolean).length} / ${s.slots.length}`,
+             `${fmtInt(s.adapter_slot_loads)} loads · ${fmtInt(s.adapter_slot_evictions)} ` +
+             `evictions · ${s.adapter_load_seconds.toFixed(2)} s loading`),
+        stat("Steps", fmtInt(s.num_steps), `${fmtInt(s.num_preemptions)} preemptions`));
+      slots.replaceChildren(table(["Slot", "Adapter", "Version", "Identity"],
+        s.slots.map((slot, i) => slot
+          ? [String(i), h("strong", {}, slot.model || "(unknown)"),
+             slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}` : "—",
+             h("code", {}, slot.identity)]
+          : [String(i), h("span", { class: "muted" }, "empty"), "—", "—"]), "No slots."));
+      stamp.textContent = `Model ${s.served_model} · updated ${new Date().toLocaleTimeString("en-GB")}`;
+    } catch (err) {
+      error.show(err);
+    }
+    if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
+  }
+
+  container.append(
+    h("div", { class: "page-head" }, h("h1", {}, "Engine"), stamp), error, stats,
+    h("div", { class: "card" }, h("h2", {}, "Adapter slots"), slots));
+  await refresh();
+  return () => { stopped = true; clearTimeout(timer); };
+}

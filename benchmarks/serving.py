@@ -1,0 +1,715 @@
+"""Online serving: a running ``loraplex serve`` driven over HTTP with Poisson arrivals.
+
+For each server configuration (chunked prefill on/off x prefix caching on/off) the script
+starts ``loraplex serve`` as a subprocess on a free 127.0.0.1 port, with a fresh registry
+(SQLite under a temporary LORAPLEX_HOME) holding N tenants and M LoRA adapters (Zipf
+popularity over the adapters, some of them public and called by other tenants as
+``owner/name``). At each arrival rate it sends the same seeded Poisson stream of streaming
+``POST /v1/completions`` requests (async httpx clients), and records per request: TTFT
+(send -> first streamed token), TPOT ((end - first token) / (output tokens - 1)), the gaps
+between streamed chunks (ITL), end-to-end latency and output tokens (from the final usage
+chunk). Every prompt is a shared system prompt followed by a per-request random part (token
+ids), so prefix caching has something to reuse; the server salts the prefix cache per
+tenant, so a cached system prompt is shared only among one tenant's requests.
+
+Reported per (configuration, rate): output throughput, TTFT / TPOT / ITL p50 and p99,
+goodput (requests per second that met the SLO: TTFT and TPOT under the limits), the engine's
+prefix-cache hit rate and preemptions over the run (from ``/admin/api/engine``). Chunked
+prefill on runs with a small token budget per step (``--chunk-budget``), the point of
+chunking; off needs a budget that holds a whole prompt (``--max-num-batched-tokens``).
+
+    python benchmarks/serving.py            # the default run (~15 min, 2 cores)
+    python benchmarks/serving.py --quick    # a smoke run (~3 min)
+
+Loads only 127.0.0.1; every run is bounded in requests and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _workload import (  # noqa: E402
+    WorkItem,
+    WorkloadSpec,
+    ensure_adapters,
+    make_workload,
+    zipf_weights,
+)
+
+T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {message}", flush=True)
+
+
+# --- configurations -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    name: str
+    chunked_prefill: bool
+    prefix_caching: bool
+
+    def serve_args(self, args: argparse.Namespace) -> list[str]:
+        budget = args.chunk_budget if self.chunked_prefill else args.max_num_batched_tokens
+        out = ["--max-num-batched-tokens", str(budget)]
+        if not self.chunked_prefill:
+            out.append("--no-chunked-prefill")
+        if not self.prefix_caching:
+            out.append("--no-prefix-caching")
+        return out
+
+
+SETUPS = {
+    "chunked+prefix": ServerSetup("chunked+prefix", True, True),
+    "chunked": ServerSetup("chunked", True, False),
+    "prefix": ServerSetup("prefix", False, True),
+    "neither": ServerSetup("neither", False, False),
+}
+
+
+# --- workload -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    owner: str  # tenant name
+    public: bool
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of the stream: when it is sent, by whom, to which model, what."""
+
+    at: float  # seconds after the stream starts
+    tenant: int
+    model: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Record:
+    index: int
+    tenant: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    sent: float
+    first: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.first is not None and self.end is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        assert self.first is not None and self.end is not None
+        return (self.end - self.first) / (self.output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.sent
+
+
+def build_calls(items: Sequence[WorkItem], system_prompt: list[int], tenants: Sequence[Tenant],
+                adapters: Sequence[Adapter], base_model: str, base_fraction: float,
+                rate: float, seed: int) -> list[Call]:
+    """A Poisson stream at ``rate`` req/s over ``items`` (in order). A request to a private
+    adapter comes from its owner; to a public one, from any tenant; to the base model
+    (``base_fraction`` of requests), from any tenant."""
+    rng = random.Random(seed)
+    names = [t.name for t in tenants]
+    calls = []
+    t = 0.0
+    for item in items:
+        t += rng.expovariate(rate)
+        if item.adapter is None or rng.random() < base_fraction:
+            caller, model = rng.randrange(len(tenants)), base_model
+        else:
+            a = adapters[item.adapter]
+            caller = rng.randrange(len(tenants)) if a.public else names.index(a.owner)
+            model = a.name if names[caller] == a.owner else f"{a.owner}/{a.name}"
+        calls.append(Call(t, caller, model, system_prompt + item.prompt_ids, item.max_tokens))
+    return calls
+
+
+# --- the server ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(env: dict[str, str], *argv: str) -> Any:
+    out = subprocess.run(["loraplex", *argv], env=env, check=True, capture_output=True,
+                         text=True)
+    return json.loads(out.stdout) if "--json" in argv else out.stdout
+
+
+def register(env: dict[str, str], model_dir: str, adapter_paths: Sequence[Path],
+             num_tenants: int) -> tuple[list[Tenant], list[Adapter]]:
+    """Tenants (no quotas) with one key each; adapter i belongs to tenant i % N, and every
+    other adapter is public."""
+    cli(env, "db", "upgrade")
+    tenants = []
+    for i in range(num_tenants):
+        name = f"tenant{i}"
+        cli(env, "tenants", "create", name, "--json")
+        key = cli(env, "keys", "create", "--tenant", name, "--json")["key"]
+        tenants.append(Tenant(name, key))
+    adapters = []
+    for i, path in enumerate(adapter_paths):
+        a = Adapter(f"lora{i}", tenants[i % num_tenants].name, public=i % 2 == 1)
+        extra = ["--public"] if a.public else []
+        cli(env, "adapters", "add", "--model", model_dir, "--tenant", a.owner, "--name", a.name,
+            str(path), *extra, "--json")
+        adapters.append(a)
+    return tenants, adapters
+
+
+class Server:
+    def __init__(self, setup: ServerSetup, args: argparse.Namespace, env: dict[str, str],
+                 model_dir: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = ["loraplex", "serve", "--model", model_dir, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning", "--dtype", "float32",
+               "--device", "cpu", "--max-loras", str(args.max_loras),
+               "--max-num-seqs", str(args.max_num_seqs), "--seed", "0",
+               *setup.serve_args(args)]
+        self.cmd = cmd
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server was not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGINT (a graceful uvicorn shutdown), then SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log(f"the server did not stop in {timeout:.0f} s; killing it")
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+# --- the client ---------------------------------------------------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, url: str, key: str, call: Call,
+                      rec: Record, t_start: float) -> None:
+    await asyncio.sleep(max(0.0, t_start + call.at - time.monotonic()))
+    rec.sent = time.monotonic()
+    body = {"model": call.model, "prompt": call.prompt, "max_tokens": call.max_tokens,
+            "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    last = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"}) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return
+                now = time.monotonic()
+                if chunk.get("choices"):
+                    if rec.first is None:
+                        rec.first = now
+                    elif last is not None:
+                        rec.gaps.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    rec.output_tokens = int(chunk["usage"]["completion_tokens"])
+        rec.end = last if last is not None else time.monotonic()
+        if rec.output_tokens != call.max_tokens:
+            rec.error = f"expected {call.max_tokens} tokens, got {rec.output_tokens}"
+    except asyncio.CancelledError:
+        rec.error = "cancelled at the drain limit"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_stream(url: str, tenants: Sequence[Tenant], calls: Sequence[Call],
+                     drain_timeout: float, label: str) -> tuple[list[Record], float]:
+    """Sends ``calls`` on schedule; returns the records and the span (first send to the last
+    completion, or to the drain limit)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=10, read=None, write=10, pool=None)
+    records = [Record(i, tenants[c.tenant].name, c.model, len(c.prompt), c.max_tokens, 0.0)
+               for i, c in enumerate(calls)]
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t_start = time.monotonic() + 0.2
+        tasks = [asyncio.create_task(one_request(client, url, tenants[c.tenant].key, c, r,
+                                                 t_start))
+                 for c, r in zip(calls, records, strict=True)]
+        deadline = t_start + calls[-1].at + drain_timeout
+        progress = asyncio.create_task(_progress(records, t_start, label))
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        progress.cancel()
+    ends = [r.end for r in records if r.end is not None]
+    span = (max(ends) if ends else time.monotonic()) - t_start
+    if pending:
+        span = max(span, deadline - t_start)
+    return records, span
+
+
+async def _progress(records: Sequence[Record], t_start: float, label: str) -> None:
+    while True:
+        await asyncio.sleep(10)
+        now = time.monotonic()
+        sent = sum(1 for r in records if r.sent)
+        done = sum(1 for r in records if r.end is not None or r.error is not None)
+        log(f"  {label}: t={now - t_start:5.0f}s sent {sent}/{len(records)}, "
+            f"done {done}, in flight {sent - done}")
+
+
+# --- statistics ---------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarise(records: Sequence[Record], span: float,
+              slos: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            errors[r.error[:80]] = errors.get(r.error[:80], 0) + 1
+    return {
+        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": errors, "span_s": span,
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "throughput_tok_s": sum(r.output_tokens for r in ok) / span,
+        "request_rate_done": len(ok) / span,
+        "goodput_req_s": [_good(ok, slo) / span for slo in slos],
+        "slo_met_fraction": [_good(ok, slo) / len(records) for slo in slos],
+        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+        "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
+        "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99),
+    }
+
+
+def _good(ok: Sequence[Record], slo: tuple[float, float]) -> int:
+    return sum(1 for r in ok if (r.ttft or 0) < slo[0] and (r.tpot or 0) < slo[1])
+
+
+def slo_label(slo: tuple[float, float]) -> str:
+    return f"TTFT<{slo[0]:g}s, TPOT<{slo[1] * 1000:g}ms"
+
+
+def engine_stats(url: str, admin_key: str) -> dict[str, Any]:
+    try:
+        r = httpx.get(f"{url}/admin/api/engine", headers={"Authorization": f"Bearer {admin_key}"},
+                      timeout=30)
+        return dict(r.json()) if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    def d(name: str) -> float:
+        return float(after.get(name, 0) or 0) - float(before.get(name, 0) or 0)
+
+    queried = d("prefix_cache_queried_tokens")
+    return {"prefix_cache_hit_rate": d("prefix_cache_hit_tokens") / queried if queried else 0.0,
+            "preemptions": d("num_preemptions"), "steps": d("num_steps"),
+            "adapter_slot_loads": d("adapter_slot_loads"),
+            "kv_blocks_total": after.get("kv_blocks_total")}
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def fmt_ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def table(results: Sequence[dict[str, Any]], slos: Sequence[tuple[float, float]]) -> str:
+    good = " | ".join(f"goodput {i + 1} (req/s)" for i in range(len(slos)))
+    head = ("| config | rate (req/s) | done/sent | out tok/s | TTFT p50 / p99 (ms) "
+            f"| TPOT p50 / p99 (ms) | ITL p99 (ms) | {good} | prefix hit | preempt |")
+    lines = [head, "|" + "---|" * (9 + len(slos))]
+    for r in results:
+        s = r["summary"]
+        goodput = " | ".join(f"{g:.3f} ({100 * f:.0f}%)"
+                             for g, f in zip(s["goodput_req_s"], s["slo_met_fraction"],
+                                             strict=True))
+        lines.append(
+            f"| {r['config']} | {r['rate']:g} | {s['completed']}/{s['requests']} "
+            f"| {s['throughput_tok_s']:.1f} | {fmt_ms(s['ttft_p50'])} / {fmt_ms(s['ttft_p99'])} "
+            f"| {fmt_ms(s['tpot_p50'])} / {fmt_ms(s['tpot_p99'])} | {fmt_ms(s['itl_p99'])} "
+            f"| {goodput} | {100 * r['engine']['prefix_cache_hit_rate']:.0f}% "
+            f"| {r['engine']['preemptions']:.0f} |")
+    lines.append("")
+    lines.append("; ".join(f"SLO {i + 1}: {slo_label(slo)}" for i, slo in enumerate(slos))
+                 + ". Goodput = requests meeting the SLO / span (first send to last "
+                 "completion); in brackets, the share of sent requests meeting it.")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path, title: str,
+         slos: Sequence[tuple[float, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels = [
+        (axes[0][0], ("ttft_p50", "ttft_p99"), 1000, "TTFT (ms)", [s[0] * 1000 for s in slos]),
+        (axes[0][1], ("tpot_p50", "tpot_p99"), 1000, "TPOT (ms)", [s[1] * 1000 for s in slos]),
+        (axes[1][0], ("goodput_req_s",), 1, "goodput (req/s meeting the SLO)", []),
+        (axes[1][1], ("throughput_tok_s",), 1, "output throughput (tok/s)", []),
+    ]
+    for ax, keys, scale, ylabel, slo_lines in panels:
+        for ci, config in enumerate(configs):
+            rows = [r for r in results if r["config"] == config]
+            rates = [r["rate"] for r in rows]
+            if keys == ("goodput_req_s",):
+                for si, style in zip(range(len(slos)), ("-o", "--x", ":s"), strict=False):
+                    ys = [r["summary"]["goodput_req_s"][si] for r in rows]
+                    ax.plot(rates, ys, style, color=colors[ci % len(colors)],
+                            label=f"{config}, SLO {si + 1}")
+                continue
+            for key, style in zip(keys, ("-o", "--x"), strict=False):
+                ys = [(r["summary"][key] or float("nan")) * scale for r in rows]
+                label = config if len(keys) == 1 else f"{config} {key.split('_')[1]}"
+                ax.plot(rates, ys, style, color=colors[ci % len(colors)], label=label)
+        for si, slo in enumerate(slo_lines):
+            ax.axhline(slo, color="grey", lw=0.8, ls=":")
+            ax.annotate(f"SLO {si + 1}", (0, slo), xycoords=("axes fraction", "data"),
+                        fontsize=7, color="grey")
+        if slo_lines:
+            ax.set_yscale("log")
+        if keys == ("goodput_req_s",):
+            ax.set_title("; ".join(f"SLO {i + 1}: {slo_label(x)}" for i, x in enumerate(slos)),
+                         fontsize=8)
+        if keys == ("goodput_req_s",):
+            rates = sorted({r["rate"] for r in results})
+            ax.plot(rates, rates, color="grey", lw=0.8, ls=":", label="offered rate")
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine_info(load_start: tuple[float, float, float]) -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "os_cpus": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_at_start": [round(x, 2) for x in load_start],
+            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
+
+# --- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF model folder (default: the demo model, prepared if needed)")
+    p.add_argument("--configs", default=",".join(SETUPS),
+                   help=f"comma-separated subset of {', '.join(SETUPS)}")
+    p.add_argument("--rates", default="0.15,0.3,0.6", help="arrival rates, req/s")
+    p.add_argument("--duration", type=float, default=50,
+                   help="seconds of arrivals per rate (the request count is rate x duration)")
+    p.add_argument("--max-requests", type=int, default=60, help="cap on requests per rate")
+    p.add_argument("--drain-timeout", type=float, default=40,
+                   help="seconds after the last arrival before unfinished requests are cancelled")
+    p.add_argument("--num-tenants", type=int, default=4)
+    p.add_argument("--num-adapters", type=int, default=8)
+    p.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
+    p.add_argument("--base-fraction", type=float, default=0.1,
+                   help="share of requests to the base model")
+    p.add_argument("--system-prompt-tokens", type=int, default=256,
+                   help="shared system prompt, prepended to every prompt")
+    p.add_argument("--min-prompt", type=int, default=16, help="per-request part of the prompt")
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--min-output", type=int, default=8)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--slo", default="1:0.1,3:0.5",
+                   help="comma-separated SLOs, each TTFT:TPOT in seconds; goodput is reported "
+                        "for each")
+    p.add_argument("--chunk-budget", type=int, default=256,
+                   help="--max-num-batched-tokens with chunked prefill on")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="--max-num-batched-tokens with chunked prefill off (holds any prompt)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", help="where benchmark adapters are cached")
+    p.add_argument("--keep-logs", action="store_true", help="keep the server logs and registry")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: rates 0.2,0.5, 25 s of arrivals, outputs <= 32, "
+                        "configs chunked+prefix and neither")
+    p.add_argument("--out", default="docs/benchmarks/serving",
+                   help="output path without extension: writes .json and .png")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rates = "0.2,0.5"
+        args.duration = min(args.duration, 25)
+        args.max_output = min(args.max_output, 32)
+        args.drain_timeout = min(args.drain_timeout, 25)
+        if args.configs == ",".join(SETUPS):
+            args.configs = "chunked+prefix,neither"
+    try:
+        args.slos = [(float(a), float(b)) for a, b in
+                     (x.split(":") for x in args.slo.split(",") if x.strip())]
+    except ValueError:
+        p.error(f"--slo: expected TTFT:TPOT pairs, got {args.slo!r}")
+    args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = set(args.configs) - set(SETUPS)
+    if unknown:
+        p.error(f"unknown configs {sorted(unknown)}; choose from {list(SETUPS)}")
+    return args
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return str(Path(model).absolute())
+    from loraplex.model.demo import prepare_demo_model
+
+    return str(prepare_demo_model(progress=True))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_start = os.getloadavg()
+    log(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
+        f"({os.cpu_count()} CPUs)")
+    model_dir = resolve_model(args.model)
+    adapter_paths = ensure_adapters(model_dir, args.num_adapters, args.cache_dir)
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    excluded = set(tokenizer.all_special_ids)
+    rng = random.Random(args.seed + 17)
+    allowed = [t for t in range(vocab) if t not in excluded]
+    system_prompt = [rng.choice(allowed) for _ in range(args.system_prompt_tokens)]
+
+    home = Path(tempfile.mkdtemp(prefix="loraplex-serving-bench-"))
+    admin_key = "lpx-" + secrets.token_urlsafe(40)
+    env = dict(os.environ, LORAPLEX_HOME=str(home), LORAPLEX_ADMIN_KEY=admin_key,
+               LORAPLEX_MODEL=model_dir, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY",
+                                                                        "PASSIVE"))
+    for var in ("LORAPLEX_DATABASE_URL", "LORAPLEX_ADAPTER_DIR", "LORAPLEX_REDIS_URL"):
+        env.pop(var, None)
+    log(f"registering {args.num_tenants} tenants and {args.num_adapters} adapters in {home}")
+    tenants, adapters = register(env, model_dir, adapter_paths, args.num_tenants)
+    base_model = Path(model_dir).name
+
+    streams: dict[float, list[Call]] = {}
+    for ri, rate in enumerate(args.rates):
+        n = max(2, min(args.max_requests, round(rate * args.duration)))
+        spec = WorkloadSpec(num_requests=n, num_adapters=args.num_adapters,
+                            min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                            min_output=args.min_output, max_output=args.max_output,
+                            zipf_exponent=args.zipf, seed=args.seed * 1000 + ri)
+        items = make_workload(spec, vocab, sorted(excluded))
+        streams[rate] = build_calls(items, system_prompt, tenants, adapters, base_model,
+                                    args.base_fraction, rate, args.seed * 1000 + ri)
+    total = sum(len(c) for c in streams.values())
+    log(f"{len(args.configs)} configs x {len(args.rates)} rates, {total} requests per config; "
+        f"adapter popularity (Zipf {args.zipf}): "
+        + ", ".join(f"{w:.2f}" for w in zipf_weights(args.num_adapters, args.zipf)))
+
+    results: list[dict[str, Any]] = []
+    servers: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for config in args.configs:
+            setup = SETUPS[config]
+            log(f"== {config}: starting the server")
+            t_boot = time.monotonic()
+            server = Server(setup, args, env, model_dir, home / f"server-{config}.log")
+            try:
+                server.wait_ready(300)
+                boot_s = time.monotonic() - t_boot
+                log(f"   ready in {boot_s:.1f} s on {server.url}: {' '.join(server.cmd[2:])}")
+                warm = warmup_calls(tenants, adapters, base_model, args.seed)
+                recs, _ = asyncio.run(run_stream(server.url, tenants, warm, 120, "warm-up"))
+                bad = [r.error for r in recs if not r.ok]
+                if bad:
+                    raise RuntimeError(f"warm-up requests failed: {bad[:3]}\n{server.tail()}")
+                for rate in args.rates:
+                    calls = streams[rate]
+                    label = f"{config} @ {rate:g} req/s"
+                    log(f"   {label}: {len(calls)} requests over {calls[-1].at:.0f} s")
+                    before = engine_stats(server.url, admin_key)
+                    records, span = asyncio.run(run_stream(server.url, tenants, calls,
+                                                           args.drain_timeout, label))
+                    after = engine_stats(server.url, admin_key)
+                    summary = summarise(records, span, args.slos)
+                    delta = engine_delta(before, after)
+                    results.append({"config": config, "rate": rate, "summary": summary,
+                                    "engine": delta,
+                                    "records": [dict(asdict(r), gaps=None, ttft=r.ttft,
+                                                     tpot=r.tpot) for r in records]})
+                    log(f"   {label}: done {summary['completed']}/{summary['requests']}, "
+                        f"{summary['throughput_tok_s']:.1f} tok/s, TTFT p50/p99 "
+                        f"{fmt_ms(summary['ttft_p50'])}/{fmt_ms(summary['ttft_p99'])} ms, "
+                        f"TPOT p50/p99 {fmt_ms(summary['tpot_p50'])}/"
+                        f"{fmt_ms(summary['tpot_p99'])} ms, goodput "
+                        + "/".join(f"{g:.3f}" for g in summary["goodput_req_s"])
+                        + " req/s, prefix hit "
+                        f"{100 * delta['prefix_cache_hit_rate']:.0f}%, load "
+                        f"{os.getloadavg()[0]:.2f}"
+                        + (f", errors {summary['errors']}" if summary["errors"] else ""))
+            finally:
+                rc = server.stop()
+                log(f"   server stopped (exit {rc})")
+                servers.append({"config": config, "cmd": server.cmd[2:], "exit_code": rc})
+    finally:
+        if results:
+            write_outputs(args, out, results, servers, load_start)
+        if not args.keep_logs:
+            shutil.rmtree(home, ignore_errors=True)
+        else:
+            log(f"server logs and registry kept in {home}")
+    return 0
+
+
+def warmup_calls(tenants: Sequence[Tenant], adapters: Sequence[Adapter], base_model: str,
+                 seed: int) -> list[Call]:
+    """One short request per adapter and one to the base model, 0.5 s apart, so adapters
+    are read from disk and installed in slots here, not in the measured runs. The prompts
+    do not share the system prompt: the prefix cache starts cold at the first rate."""
+    rng = random.Random(seed + 99)
+    names = [t.name for t in tenants]
+    models = [(names.index(a.owner), a.name) for a in adapters] + [(0, base_model)]
+    return [Call(0.5 * i, caller, model, [rng.randrange(1000, 2000) for _ in range(16)], 2)
+            for i, (caller, model) in enumerate(models)]
+
+
+def write_outputs(args: argparse.Namespace, out: Path, results: Sequence[dict[str, Any]],
+                  servers: Sequence[dict[str, Any]],
+                  load_start: tuple[float, float, float]) -> None:
+    machine = machine_info(load_start)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    doc = {"benchmark": "serving", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+           "command": "python benchmarks/serving.py " + " ".join(sys.argv[1:]),
+           "machine": machine, "settings": settings, "servers": servers,
+           "results": results}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    title = (f"loraplex serve over HTTP, CPU ({machine['os_cpus']} cores, load "
+             f"{machine['load_avg_at_start'][0]:.1f}-{machine['load_avg_at_end'][0]:.1f}); "
+             f"{args.num_tenants} tenants, {args.num_adapters} adapters, "
+             f"{args.system_prompt_tokens}-token shared system prompt")
+    plot(results, out.with_suffix(".png"), title, args.slos)
+    log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    print()
+    print(table(results, args.slos))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

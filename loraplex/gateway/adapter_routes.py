@@ -1,0 +1,67 @@
+"""The tenant's own adapters: ``/v1/adapters`` upload, list and delete.
+
+A tenant sees and deletes only its own adapters; another tenant's is reported as not found
+(404), public or not, so names are not revealed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.gateway.adapter_uploads import adapter_json, adapter_service, deleted_json
+from loraplex.gateway.admin_adapters import query_flag, query_version
+from loraplex.gateway.auth import authenticate
+from loraplex.gateway.state import Gateway, gateway
+from loraplex.registry import service
+from loraplex.registry.api_keys import Principal
+from loraplex.registry.db import transaction
+
+
+def _own_versions(gw: Gateway, principal: Principal,
+                  include_deleted: bool) -> list[dict[str, Any]]:
+    with transaction(gw.sessions) as session:
+        rows = service.list_adapters(session, principal.tenant_id,
+                                     include_deleted=include_deleted)
+        return [adapter_json(row, principal.tenant_name) for row in rows]
+
+
+async def list_adapters(request: Request) -> Response:
+    """Every version of the caller's adapters with its status (deleted ones with
+    ``?include_deleted=true``)."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    data = await run_in_threadpool(_own_versions, gw, principal,
+                                   query_flag(request, "include_deleted"))
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def upload_adapter(request: Request) -> Response:
+    """A new version of one of the caller's adapters (multipart; see adapter_uploads)."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    result = await adapter_service(request).upload(request, principal.tenant_id)
+    return JSONResponse(adapter_json(result.adapter, principal.tenant_name), status_code=201)
+
+
+async def delete_adapter(request: Request) -> Response:
+    """Deletes the caller's adapter (every version, or ``?version=N``)."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    version = query_version(request)
+    deleted = await adapter_service(request).delete(principal.tenant_id,
+                                                    request.path_params["name"], version)
+    return JSONResponse(deleted_json(deleted, principal.tenant_name))
+
+
+def routes() -> list[Route]:
+    """The routes of this module, for ``create_app``."""
+    return [
+        Route("/v1/adapters", list_adapters, methods=["GET"]),
+        Route("/v1/adapters", upload_adapter, methods=["POST"]),
+        Route("/v1/adapters/{name}", delete_adapter, methods=["DELETE"]),
+    ]

@@ -1,0 +1,111 @@
+"""Admin routes for any tenant's adapters: list versions, upload, visibility, delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.errors import InvalidRequestError
+from loraplex.gateway.adapter_uploads import adapter_json, adapter_service, deleted_json
+from loraplex.gateway.admin_tenants import MAX_INT32, admin_principal, json_object
+from loraplex.gateway.state import Gateway
+from loraplex.registry import service
+from loraplex.registry.db import transaction
+
+
+def query_flag(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise InvalidRequestError(f"{name} must be true or false, got {raw!r}", param=name)
+    return raw in ("true", "1")
+
+
+def query_version(request: Request) -> int | None:
+    """The ``version`` query parameter: one version of an adapter, or None for all."""
+    raw = request.query_params.get("version")
+    if raw is None:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_INT32:
+        raise InvalidRequestError(f"version must be a positive integer, got {raw!r}",
+                                  param="version")
+    return int(raw)
+
+
+def list_versions(gw: Gateway, tenant: str | None, include_deleted: bool,
+                  ) -> list[dict[str, Any]]:
+    """Every version of the adapters of one tenant (by name) or of all tenants."""
+    with transaction(gw.sessions) as session:
+        tenant_id = None if tenant is None else service.get_tenant_by_name(session, tenant).id
+        return [adapter_json(row, row.tenant.name)
+                for row in service.list_adapters(session, tenant_id,
+                                                 include_deleted=include_deleted)]
+
+
+async def list_adapters(request: Request) -> Response:
+    """``/admin/api/adapters[?tenant=&include_deleted=true]`` or per tenant."""
+    gw, _ = await admin_principal(request)
+    tenant = request.path_params.get("tenant") or request.query_params.get("tenant") or None
+    data = await run_in_threadpool(list_versions, gw, tenant,
+                                   query_flag(request, "include_deleted"))
+    return JSONResponse({"object": "list", "data": data})
+
+
+def _tenant_id(gw: Gateway, name: str) -> int:
+    with transaction(gw.sessions) as session:
+        return service.get_tenant_by_name(session, name).id
+
+
+async def upload_adapter(request: Request) -> Response:
+    """A new version of the tenant's adapter from a multipart upload (see adapter_uploads)."""
+    gw, _ = await admin_principal(request)
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    result = await adapter_service(request).upload(request, tenant_id)
+    return JSONResponse(adapter_json(result.adapter, tenant), status_code=201)
+
+
+def _set_visibility(gw: Gateway, tenant: str, name: str, visibility: Any,
+                    ) -> list[dict[str, Any]]:
+    if not isinstance(visibility, str):
+        raise InvalidRequestError("visibility must be 'private' or 'public'", param="visibility")
+    with transaction(gw.sessions) as session:
+        owner = service.get_tenant_by_name(session, tenant)
+        rows = service.set_visibility(session, owner.id, name, visibility)
+        return [adapter_json(row, owner.name) for row in rows]
+
+
+async def update_adapter(request: Request) -> Response:
+    """``{"visibility": "public"|"private"}`` for every active version of the adapter."""
+    gw, _ = await admin_principal(request)
+    body = await json_object(request, gw, ("visibility",))
+    data = await run_in_threadpool(_set_visibility, gw, request.path_params["tenant"],
+                                   request.path_params["name"], body.get("visibility"))
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def delete_adapter(request: Request) -> Response:
+    """Deletes every version (or ``?version=N``); new requests for it get 404 at once."""
+    gw, _ = await admin_principal(request)
+    tenant = request.path_params["tenant"]
+    version = query_version(request)
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    deleted = await adapter_service(request).delete(tenant_id, request.path_params["name"],
+                                                    version)
+    return JSONResponse(deleted_json(deleted, tenant))
+
+
+def routes() -> list[Route]:
+    """The routes of this module, for ``create_app``."""
+    return [
+        Route("/admin/api/adapters", list_adapters, methods=["GET"]),
+        Route("/admin/api/tenants/{tenant}/adapters", list_adapters, methods=["GET"]),
+        Route("/admin/api/tenants/{tenant}/adapters", upload_adapter, methods=["POST"]),
+        Route("/admin/api/tenants/{tenant}/adapters/{name}", update_adapter,
+              methods=["PATCH"]),
+        Route("/admin/api/tenants/{tenant}/adapters/{name}", delete_adapter,
+              methods=["DELETE"]),
+    ]
