@@ -14,6 +14,7 @@ import sys
 from typing import Any, cast
 
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
+from loraplex.registry.upload import UploadLimits
 
 ENV_REDIS_URL = "LORAPLEX_REDIS_URL"
 ENV_CACHE_SALT_SECRET = "LORAPLEX_CACHE_SALT_SECRET"
@@ -38,6 +39,8 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the base model's name in 'model' (default: the model folder's name)")
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    p.add_argument("--max-upload-bytes", type=int, default=UploadLimits().max_upload_bytes,
+                   help="largest adapter upload (files or archive), and largest unpacked archive")
     p.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit,
                    help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=defaults.max_n,
@@ -102,7 +105,10 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = cast(EngineConfig, engine_config_from_args(args, model))
     client = EngineClient.from_config(engine_config, progress=True)
     try:
-        app = create_app(server_config, registry_config_from_args(args), client)
+        limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
+                              max_unpacked_bytes=args.max_upload_bytes)
+        app = create_app(server_config, registry_config_from_args(args), client,
+                         upload_limits=limits)
         uvicorn.run(app, host=server_config.host, port=server_config.port,
                     log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=10)
     finally:

@@ -53,7 +53,7 @@ def test_loraplex_serve_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None
     cmd = ([exe] if exe else [sys.executable, "-m", "loraplex.cli"]) + [
            "serve", "--model", str(tiny_llama_dir),
            "--port", str(port), "--num-kv-blocks", "64", "--served-model-name", "tiny",
-           "--log-level", "warning"]
+           "--max-upload-bytes", "1000", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     url = f"http://127.0.0.1:{port}"
@@ -68,6 +68,12 @@ def test_loraplex_serve_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None
             assert result.usage is not None and result.usage.completion_tokens <= 3
             with pytest.raises(openai.NotFoundError):
                 client.completions.create(model="nope", prompt="hello", max_tokens=3)
+        # --max-upload-bytes reaches the upload pipeline: 2 KB is refused before reading.
+        big = httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {admin_key}"},
+                         files={"adapter_model.safetensors": ("adapter_model.safetensors",
+                                                              b"\0" * 2000)},
+                         data={"name": "big"}, timeout=30)
+        assert big.status_code == 413, big.text
     finally:
         proc.send_signal(signal.SIGINT)
         try:
