@@ -517,7 +517,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(SETUPS),
                    help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--rates", default="0.15,0.3,0.6", help="arrival rates, req/s")
-    p.add_argument("--duration", type=float, default=50,
+    p.add_argument("--duration", type=float, default=45,
                    help="seconds of arrivals per rate (the request count is rate x duration)")
     p.add_argument("--max-requests", type=int, default=60, help="cap on requests per rate")
     p.add_argument("--drain-timeout", type=float, default=40,

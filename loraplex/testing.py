@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +185,41 @@ def reference_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
             result = model(input_ids=torch.tensor([[token]]),
                            cache=result.cache, **kwargs)
     return out, first_logits
+
+
+TEST_REDIS_URL_ENV = "LORAPLEX_TEST_REDIS_URL"
+
+
+def redis_url_for_tests() -> str:
+    """The real Redis the tests use (``LORAPLEX_TEST_REDIS_URL``, else the local one)."""
+    import os
+
+    return os.environ.get(TEST_REDIS_URL_ENV, "redis://127.0.0.1:6379/0")
+
+
+@contextmanager
+def redis_key_prefix(label: str) -> Iterator[str]:
+    """A fresh key prefix in the test Redis; every key under it is deleted on exit.
+
+    Fails (never skips) when Redis is not reachable: the limits are tested against it.
+    """
+    import uuid
+
+    import pytest
+    import redis
+
+    url = redis_url_for_tests()
+    prefix = f"loraplex:test:{label}:{uuid.uuid4().hex}:"
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        client.close()
+        pytest.fail(f"these tests need a real Redis at {url}: {exc}")
+    try:
+        yield prefix
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()

@@ -29,6 +29,8 @@ import httpx
 import pytest
 import yaml
 
+from loraplex.testing import redis_url_for_tests
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -38,7 +40,7 @@ ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 
 POSTGRES_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = redis_url_for_tests()
 # ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
 INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")
 

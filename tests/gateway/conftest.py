@@ -14,7 +14,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 import sqlalchemy as sa
 import uvicorn
 
@@ -40,10 +38,11 @@ from loraplex.config import (
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
 from loraplex.registry import db, service
+from loraplex.testing import redis_key_prefix, redis_url_for_tests
 
 POSTGRES_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = redis_url_for_tests()
 SERVED_NAME = "tiny-llama"
 WINDOW_S = 4.0  # rate-limit window of the main server, short so recovery is testable
 MAX_TOKENS_LIMIT = 400
@@ -183,20 +182,8 @@ def postgres_schema_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_prefix() -> Iterator[str]:
     """A Redis key prefix of this run; its keys are deleted at the end."""
-    prefix = f"loraplex:test:gateway:{uuid.uuid4().hex}:"
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        client.close()
-        pytest.fail(f"these tests need a real Redis at {REDIS_URL}: {exc}")
-    try:
+    with redis_key_prefix("gateway") as prefix:
         yield prefix
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 def _start(app: Any) -> _ThreadedUvicorn:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
-import redis
 
 from loraplex.errors import ConfigError, InvalidRequestError
 from loraplex.gateway.ratelimit import (
@@ -22,8 +19,9 @@ from loraplex.gateway.ratelimit import (
     TenantLimits,
     make_rate_limiter,
 )
+from loraplex.testing import redis_key_prefix, redis_url_for_tests
 
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = redis_url_for_tests()
 
 T = TypeVar("T")
 LimiterFactory = Callable[..., RateLimiter]
@@ -36,20 +34,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 @pytest.fixture
 def redis_prefix() -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted afterwards."""
-    prefix = f"loraplex:test:rl:{uuid.uuid4().hex}:"
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        client.close()
-        pytest.fail(f"these tests need a real Redis at {REDIS_URL}: {exc}")
-    try:
+    with redis_key_prefix("rl") as prefix:
         yield prefix
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 @pytest.fixture(params=["redis", "in_process"])
