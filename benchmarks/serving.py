@@ -19,7 +19,7 @@ prefill on runs with a small token budget per step (``--chunk-budget``), the poi
 chunking; off needs a budget that holds a whole prompt (``--max-num-batched-tokens``).
 
     python benchmarks/serving.py            # the default run (~15 min, 2 cores)
-    python benchmarks/serving.py --quick    # a smoke run (~3 min)
+    python benchmarks/serving.py --quick    # a smoke run (~4 min)
 
 Loads only 127.0.0.1; every run is bounded in requests and time.
 """
@@ -50,6 +50,9 @@ from typing import Any
 import httpx
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Passed on to the server: idle OpenMP threads sleep instead of spinning, which on a CPU
+# shared with other jobs turns every parallel op into a wait for a scheduler time slice.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _workload import (  # noqa: E402
@@ -186,29 +189,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cli(env: dict[str, str], *argv: str) -> Any:
-    out = subprocess.run(["loraplex", *argv], env=env, check=True, capture_output=True,
-                         text=True)
-    return json.loads(out.stdout) if "--json" in argv else out.stdout
+def cli(registry: Sequence[str], *argv: str) -> Any:
+    """One ``loraplex`` registry command, run in this process (a subprocess each would pay
+    for Python and torch imports every time); returns its JSON output."""
+    import contextlib
+    import io
+
+    from loraplex.cli import main as loraplex_main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = loraplex_main([*argv, *registry, "--json"])
+    if rc != 0:
+        raise RuntimeError(f"loraplex {' '.join(argv)} failed ({rc}): {buf.getvalue()}")
+    return json.loads(buf.getvalue())
 
 
-def register(env: dict[str, str], model_dir: str, adapter_paths: Sequence[Path],
+def register(registry: Sequence[str], model_dir: str, adapter_paths: Sequence[Path],
              num_tenants: int) -> tuple[list[Tenant], list[Adapter]]:
     """Tenants (no quotas) with one key each; adapter i belongs to tenant i % N, and every
     other adapter is public."""
-    cli(env, "db", "upgrade")
+    cli(registry, "db", "upgrade")
     tenants = []
     for i in range(num_tenants):
         name = f"tenant{i}"
-        cli(env, "tenants", "create", name, "--json")
-        key = cli(env, "keys", "create", "--tenant", name, "--json")["key"]
+        cli(registry, "tenants", "create", name)
+        key = cli(registry, "keys", "create", "--tenant", name)["key"]
         tenants.append(Tenant(name, key))
     adapters = []
     for i, path in enumerate(adapter_paths):
         a = Adapter(f"lora{i}", tenants[i % num_tenants].name, public=i % 2 == 1)
         extra = ["--public"] if a.public else []
-        cli(env, "adapters", "add", "--model", model_dir, "--tenant", a.owner, "--name", a.name,
-            str(path), *extra, "--json")
+        cli(registry, "adapters", "add", "--model", model_dir, "--tenant", a.owner,
+            "--name", a.name, str(path), *extra)
         adapters.append(a)
     return tenants, adapters
 
@@ -552,7 +565,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="output path without extension: writes .json and .png")
     args = p.parse_args(argv)
     if args.quick:
-        args.rates = "0.2,0.5"
+        if args.rates == p.get_default("rates"):
+            args.rates = "0.2,0.5"
         args.duration = min(args.duration, 25)
         args.max_output = min(args.max_output, 32)
         args.drain_timeout = min(args.drain_timeout, 25)
@@ -598,13 +612,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     home = Path(tempfile.mkdtemp(prefix="loraplex-serving-bench-"))
     admin_key = "lpx-" + secrets.token_urlsafe(40)
+    database_url = f"sqlite:///{home / 'loraplex.db'}"
+    adapter_dir = str(home / "adapters")
     env = dict(os.environ, LORAPLEX_HOME=str(home), LORAPLEX_ADMIN_KEY=admin_key,
-               LORAPLEX_MODEL=model_dir, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY",
-                                                                        "PASSIVE"))
-    for var in ("LORAPLEX_DATABASE_URL", "LORAPLEX_ADAPTER_DIR", "LORAPLEX_REDIS_URL"):
+               LORAPLEX_MODEL=model_dir, LORAPLEX_DATABASE_URL=database_url,
+               LORAPLEX_ADAPTER_DIR=adapter_dir)
+    for var in ("LORAPLEX_REDIS_URL", "LORAPLEX_CACHE_SALT_SECRET"):
         env.pop(var, None)
     log(f"registering {args.num_tenants} tenants and {args.num_adapters} adapters in {home}")
-    tenants, adapters = register(env, model_dir, adapter_paths, args.num_tenants)
+    tenants, adapters = register(["--database-url", database_url, "--adapter-dir", adapter_dir],
+                                 model_dir, adapter_paths, args.num_tenants)
     base_model = Path(model_dir).name
 
     streams: dict[float, list[Call]] = {}
