@@ -15,7 +15,7 @@ for every system; installing adapters into loraplex's device slots is timed.
 workload (the headline ratios); (c) also runs the whole workload, with 1, 20 and 100
 adapters (same prompts and lengths), and with the base model only.
 
-    python benchmarks/offline_throughput.py            # the full run (~25 min, 2 cores)
+    python benchmarks/offline_throughput.py            # the full run (~40 min, 2 busy cores)
     python benchmarks/offline_throughput.py --quick    # a smoke run (a few minutes)
 """
 
