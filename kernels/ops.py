@@ -12,7 +12,12 @@ import torch
 
 from loraplex_kernels.attention_ref import paged_attention_ref, store_kv_ref
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
-from loraplex_kernels.sgmv_ref import add_lora_ref, sgmv_expand_ref, sgmv_shrink_ref
+from loraplex_kernels.sgmv_ref import (
+    PackedSlots,
+    add_lora_ref,
+    sgmv_expand_ref,
+    sgmv_shrink_ref,
+)
 
 Backend = Literal["torch", "triton"]
 
@@ -44,12 +49,18 @@ def sgmv_expand(y: torch.Tensor, lora_b: list[torch.Tensor], meta: SGMVMeta,
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
              lora_b: list[torch.Tensor], scales: torch.Tensor, meta: SGMVMeta,
-             slice_offsets: list[int], backend: Backend | None = None) -> None:
-    """``out += LoRA delta`` of every token's slot (shrink then expand)."""
+             slice_offsets: list[int], backend: Backend | None = None,
+             packed: PackedSlots | None = None) -> None:
+    """``out += LoRA delta`` of every token's slot (shrink then expand).
+
+    ``packed`` (optional, per slot): every slice's A stacked ``[slices * rank, in]`` and a
+    block-diagonal B ``[out, slices * rank]`` with the slot's scale folded in; the CPU
+    path uses them when each slot's tokens are contiguous.
+    """
     if not meta.has_lora:
         return
     if resolve_backend(x.device, backend) == "torch":
-        add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets)
+        add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets, packed)
         return
     y = torch.zeros(len(lora_a), x.shape[0], lora_a[0].shape[1], dtype=torch.float32
                     if x.dtype == torch.float32 else x.dtype, device=x.device)

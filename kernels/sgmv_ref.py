@@ -48,6 +48,11 @@ def sgmv_expand_ref(
             out[:, lo:hi].index_add_(0, idx, delta.to(out.dtype))
 
 
+# Per slot: (A of every slice stacked [slices * rank, in], block-diagonal B scaled by
+#            the slot's LoRA scale [sum of slice widths, slices * rank]), or None when empty.
+PackedSlots = list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
 def add_lora_ref(
     out: torch.Tensor,  # [num_tokens, sum(slice widths)], accumulated into
     x: torch.Tensor,  # [num_tokens, hidden]
@@ -56,6 +61,7 @@ def add_lora_ref(
     scales: torch.Tensor,  # [num_slots]
     meta: SGMVMeta,
     slice_offsets: list[int],  # [num_slices + 1] column offsets into out
+    packed: PackedSlots | None = None,
 ) -> None:
     """Shrink and expand fused per slot: the CPU fast path.
 
@@ -71,6 +77,12 @@ def add_lora_ref(
         if firsts is not None:
             rows = slice(firsts[i], firsts[i] + length)
             xs = x[rows]  # [length, hidden]
+            pair = packed[slot] if packed is not None else None
+            if pair is not None:
+                a_all, b_all = pair
+                y = xs @ a_all.T  # [length, slices * rank]; the scale is folded into b_all
+                out[rows, slice_offsets[0]:slice_offsets[-1]].addmm_(y.to(out.dtype), b_all.T)
+                continue
             for k, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
                 y = (xs @ a[slot, :rank].T) * scale  # [length, rank]
                 out[rows, slice_offsets[k]:slice_offsets[k + 1]].addmm_(

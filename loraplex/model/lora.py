@@ -60,13 +60,30 @@ class LoRALinear(nn.Module):
                        for _ in slice_widths]
         self.lora_b = [torch.zeros(num_slots, w, max_rank, dtype=dtype, device=device)
                        for w in slice_widths]
+        # Per slot, every slice at once: A [num_slices * rank, in] and a block-diagonal,
+        # pre-scaled B [out, num_slices * rank]. The CPU path does one shrink and one expand
+        # per slot with them instead of three ops per slice: on CPU the op count is the cost.
+        self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)  # [num_tokens, out]
         if lora is not None and lora.meta.has_lora:
             add_lora(out, x, self.lora_a, self.lora_b, lora.scales, lora.meta,
-                     self.slice_offsets, lora.backend)
+                     self.slice_offsets, lora.backend, packed=self.packed)
         return out
+
+    def pack_slot(self, slot: int, rank: int, scale: float) -> None:
+        """Rebuilds the slot's packed weights from its slices, with the LoRA scale folded
+        into B (``rank`` 0: an empty slot)."""
+        if rank == 0:
+            self.packed[slot] = None
+            return
+        a = torch.cat([la[slot, :rank] for la in self.lora_a])  # [slices * rank, in]
+        b = a.new_zeros(self.slice_offsets[-1], a.shape[0])  # [out, slices * rank]
+        for k, lb in enumerate(self.lora_b):
+            b[self.slice_offsets[k]:self.slice_offsets[k + 1],
+              k * rank:(k + 1) * rank] = lb[slot, :, :rank] * scale
+        self.packed[slot] = (a, b)
 
     def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor | None,
                  b: torch.Tensor | None) -> None:

@@ -124,6 +124,9 @@ class ModelRunner:
                         None if w is None else w.lora_a.to(self.device, self.dtype),
                         None if w is None else w.lora_b.to(self.device, self.dtype))
         self.slot_ranks[slot] = adapter.rank if adapter else 0
+        for layer in range(self.args.num_layers):
+            for module in self._lora_modules(layer).values():
+                module.pack_slot(slot, self.slot_ranks[slot], adapter.scaling if adapter else 0.0)
         self.lora_scales[slot] = adapter.scaling if adapter else 0.0
 
     # --- KV block movement ------------------------------------------------------------
