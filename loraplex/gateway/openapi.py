@@ -1,8 +1,7 @@
 """The OpenAPI 3.1 document of the gateway, written by hand and served at /openapi.json.
 
 It states the limits this server enforces (``max_tokens``, ``n``...) so generated clients and
-fuzzers know them. Fields the server ignores are not listed; a request may still send them
-(see ``gateway/schemas.py``).
+fuzzers know them. A body field outside ``gateway/schemas.py``'s known sets is a 400.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Request bodies of the OpenAI-compatible routes, parsed and validated into dataclasses.
 
 Parsing is strict about what it reads: a field of the wrong JSON type, or out of range, is a
-400 that names the field. Fields it does not know are ignored, as vLLM does and as most
-OpenAI-compatible clients expect (they send vendor extras through ``extra_body``). Known
-OpenAI fields that loraplex cannot honour (``echo``, ``suffix``, a non-zero penalty,
-``logit_bias``, tools...) are refused when set to anything but their neutral value, never
-silently dropped. ``cache_salt``/``salt`` in a body is ignored on purpose: the salt is
-derived by the server from the tenant.
+400 that names the field. A field it does not know is a 400 too, as OpenAI answers
+("Unrecognized request argument supplied"); the vendor extras loraplex accepts (``top_k``,
+``min_p``, ``ignore_eos``, ``stop_token_ids``, sent through the client's ``extra_body``)
+are known fields. Known OpenAI fields that loraplex cannot honour (``echo``, ``suffix``,
+a non-zero penalty, ``logit_bias``, tools...) are refused when set to anything but their
+neutral value, never silently dropped. ``cache_salt``/``salt`` in a body is accepted and
+ignored on purpose: the salt is derived by the server from the tenant.
 """
 
 from __future__ import annotations
@@ -37,6 +38,26 @@ _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
     "functions": ([],),
     "parallel_tool_calls": (False, True),
 }
+
+
+_COMMON_FIELDS: Final = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+    # vendor extras, and the salt that is ignored on purpose
+    "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "salt",
+})
+COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS: Final = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+    "tool_choice", "functions", "function_call", "parallel_tool_calls", "store", "metadata",
+}
+
+
+def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise InvalidRequestError(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -246,6 +267,7 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
 def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
                      max_n: int) -> CompletionRequest:
     """Validates a completions body; InvalidRequestError names the first bad field."""
+    _check_known(body, COMPLETION_FIELDS)
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
     options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
                        logprobs=logprobs, max_tokens_keys=("max_tokens",))
@@ -303,6 +325,7 @@ def _message(i: int, raw: Any) -> ChatMessage:
 def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
                           max_n: int) -> ChatCompletionRequest:
     """Validates a chat completions body; InvalidRequestError names the first bad field."""
+    _check_known(body, CHAT_FIELDS)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0

@@ -113,12 +113,23 @@ def test_bad_chat_parameters_are_400_naming_the_param(
     assert word in error["message"]
 
 
-def test_unknown_fields_are_ignored_like_vendor_extras(live: LiveServer) -> None:
+def test_unknown_fields_are_400_as_openai_answers(live: LiveServer) -> None:
     body = {"model": live.served_name, "prompt": "hello", "max_tokens": 2,
-            "some_future_option": {"x": 1}, "best_of": 1, "presence_penalty": 0}
+            "some_future_option": {"x": 1}}
+    error = error_of(post(live, "/v1/completions", body), 400)
+    assert error["param"] == "some_future_option"
+    assert "Unrecognized request argument supplied" in error["message"]
+    chat = {"model": live.served_name, "max_tokens": 2, "prompt": "not a chat field",
+            "messages": [{"role": "user", "content": "hi"}]}
+    assert error_of(post(live, "/v1/chat/completions", chat), 400)["param"] == "prompt"
+
+
+def test_known_neutral_fields_and_vendor_extras_are_accepted(live: LiveServer) -> None:
+    body = {"model": live.served_name, "prompt": "hello", "max_tokens": 2, "best_of": 1,
+            "presence_penalty": 0, "top_k": 5, "ignore_eos": True, "cache_salt": "ignored"}
     response = post(live, "/v1/completions", body)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] <= 2
+    assert response.json()["usage"]["completion_tokens"] == 2
 
 
 def test_unknown_model_is_404(live: LiveServer) -> None:
