@@ -22,6 +22,7 @@ from starlette.types import Scope
 from loraplex.errors import AdapterNotFoundError, InvalidRequestError
 from loraplex.gateway import admin_adapters, admin_tenants
 from loraplex.gateway.admin_tenants import MAX_INT32, admin_principal
+from loraplex.gateway.schemas import parse_time_param
 from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.db import transaction
@@ -64,18 +65,6 @@ async def engine_stats(request: Request) -> Response:
                                  "served_model": gw.served_model_name})
 
 
-def _parse_time(request: Request, name: str, default: datetime) -> datetime:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = datetime.fromisoformat(raw)
-    except ValueError:
-        raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
-                                  param=name) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
 def _usage(gw: Gateway, tenant: str | None, since: datetime,
            until: datetime) -> dict[str, Any]:
     with transaction(gw.sessions) as session:
@@ -112,8 +101,8 @@ async def usage(request: Request) -> Response:
     the last 48 hours), optionally for one ``tenant``."""
     gw, _ = await admin_principal(request)
     now = datetime.now(UTC)
-    until = _parse_time(request, "until", now + timedelta(hours=1))
-    since = _parse_time(request, "since", now - DEFAULT_USAGE_WINDOW)
+    until = parse_time_param(request.query_params, "until") or now + timedelta(hours=1)
+    since = parse_time_param(request.query_params, "since") or now - DEFAULT_USAGE_WINDOW
     if since >= until:
         raise InvalidRequestError("since must be before until", param="since")
     if until - since > MAX_USAGE_WINDOW:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -40,6 +40,7 @@ from loraplex.gateway.schemas import (
     parse_chat_completion,
     parse_completion,
     parse_json_body,
+    parse_time_param,
 )
 from loraplex.gateway.state import Gateway, gateway
 from loraplex.registry import service
@@ -247,18 +248,6 @@ async def _events(gw: Gateway, job: Job, options: GenerationOptions,
 # --- usage -------------------------------------------------------------------------------
 
 
-def _parse_time(request: Request, name: str) -> datetime | None:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return None
-    try:
-        value = datetime.fromisoformat(raw)
-    except ValueError:
-        raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
-                                  param=name) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
 def _usage_report(gw: Gateway, principal: Principal, since: datetime | None,
                   until: datetime | None) -> dict[str, Any]:
     with transaction(gw.sessions) as session:
@@ -289,7 +278,8 @@ def _usage_model(session: Session, gw: Gateway, principal: Principal,
 async def get_usage(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
-    since, until = _parse_time(request, "since"), _parse_time(request, "until")
+    since = parse_time_param(request.query_params, "since")
+    until = parse_time_param(request.query_params, "until")
     # Read-your-writes: what this process metered so far is written before reading.
     await gw.meter.flush()
     report = await run_in_threadpool(_usage_report, gw, principal, since, until)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from loraplex.engine.sampling_params import MAX_LOGPROBS
@@ -58,6 +60,19 @@ def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
     if unknown:
         raise InvalidRequestError(
             f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+
+
+def parse_time_param(params: Mapping[str, str], name: str) -> datetime | None:
+    """An ISO 8601 query parameter (UTC when it has no offset); 400 naming it if bad."""
+    raw = params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
+                                  param=name) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
