@@ -10,7 +10,7 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import ConfigError, InvalidRequestError
 from loraplex.registry.models import Usage
 
 _usage = cast(sa.Table, Usage.__table__)
@@ -99,7 +99,7 @@ def record_usage(session: Session, records: Iterable[UsageRecord]) -> int:
         for row in rows:
             session.execute(lite_stmt, row)
     else:
-        raise NotImplementedError(f"usage upserts are not written for {dialect}")
+        raise ConfigError(f"usage metering supports SQLite and PostgreSQL databases, not {dialect}")
     return len(rows)
 
 
