@@ -223,3 +223,26 @@ def redis_key_prefix(label: str) -> Iterator[str]:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def postgres_url_for_tests() -> str:
+    """The real PostgreSQL the tests use (``LORAPLEX_TEST_POSTGRES_URL``, else the local one)."""
+    import os
+
+    return os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
+                          "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def bootstrap_admin(database_url: str, tenant: str = "ops") -> str:
+    """Migrates a registry, creates ``tenant`` with an admin key, and returns the key."""
+    from loraplex.registry import db, service
+
+    db.upgrade(database_url)
+    engine = db.make_engine(database_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            row = service.create_tenant(session, tenant)
+            _, admin_key = service.create_key(session, row.id, role="admin")
+    finally:
+        engine.dispose()
+    return admin_key

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from loraplex.testing import redis_url_for_tests
+from loraplex.testing import postgres_url_for_tests, redis_url_for_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -38,8 +38,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 ENV_EXAMPLE = ROOT / ".env.example"
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 
-POSTGRES_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
-                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = postgres_url_for_tests()
 REDIS_URL = redis_url_for_tests()
 # ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
 INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")

@@ -38,10 +38,9 @@ from loraplex.config import (
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
 from loraplex.registry import db, service
-from loraplex.testing import redis_key_prefix, redis_url_for_tests
+from loraplex.testing import postgres_url_for_tests, redis_key_prefix, redis_url_for_tests
 
-POSTGRES_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
-                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = postgres_url_for_tests()
 REDIS_URL = redis_url_for_tests()
 SERVED_NAME = "tiny-llama"
 WINDOW_S = 4.0  # rate-limit window of the main server, short so recovery is testable

@@ -35,13 +35,16 @@ from loraplex.config import (
 )
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
-from loraplex.registry import db, service
 from loraplex.registry.upload import UploadLimits
-from loraplex.testing import build_adapter
+from loraplex.testing import (
+    bootstrap_admin,
+    build_adapter,
+    postgres_url_for_tests,
+    redis_url_for_tests,
+)
 
-POSTGRES_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
-                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = postgres_url_for_tests()
+REDIS_URL = redis_url_for_tests()
 SERVED = "tiny-llama"
 MAX_UPLOAD = 512 * 1024
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -127,14 +130,7 @@ def api(tiny_llama_dir: Path, schema_url: str, redis_prefix: str,
         tmp_path_factory: pytest.TempPathFactory,
         serve_app: Callable[[Any], AbstractContextManager[str]]) -> Iterator[Admin]:
     """The server, with one admin tenant ``ops``; everything else is made over HTTP."""
-    db.upgrade(schema_url)
-    engine = db.make_engine(schema_url)
-    try:
-        with db.transaction(db.make_session_factory(engine)) as session:
-            ops = service.create_tenant(session, "ops")
-            _, admin_key = service.create_key(session, ops.id, role="admin")
-    finally:
-        engine.dispose()
+    admin_key = bootstrap_admin(schema_url)
     store = tmp_path_factory.mktemp("admin_store")
     config = ServerConfig(redis_url=REDIS_URL, served_model_name=SERVED,
                           rate_limit_key_prefix=f"{redis_prefix}admin:",

@@ -19,9 +19,9 @@ from safetensors.numpy import save_file
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.registry import db
+from loraplex.testing import postgres_url_for_tests
 
-POSTGRES_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL",
-                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = postgres_url_for_tests()
 TABLES_CHILD_FIRST = ("usage", "adapters", "api_keys", "tenants")
 
 # A tiny Llama: adapters are validated against these shapes by the engine's loader.

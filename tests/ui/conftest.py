@@ -30,8 +30,7 @@ from loraplex.config import (
 )
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
-from loraplex.registry import db, service
-from loraplex.testing import build_adapter
+from loraplex.testing import bootstrap_admin, build_adapter
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu",
@@ -52,14 +51,7 @@ def ui_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
               ) -> Iterator[UIServer]:
     root = tmp_path_factory.mktemp("ui_server")
     db_url = f"sqlite:///{root / 'registry.db'}"
-    db.upgrade(db_url)
-    engine = db.make_engine(db_url)
-    try:
-        with db.transaction(db.make_session_factory(engine)) as session:
-            ops = service.create_tenant(session, "ops")
-            _, admin_key = service.create_key(session, ops.id, role="admin")
-    finally:
-        engine.dispose()
+    admin_key = bootstrap_admin(db_url)
     client = EngineClient.from_config(EngineConfig(
         ModelConfig(str(tiny_llama_dir)), CacheConfig(block_size=16, num_kv_blocks=128),
         LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
