@@ -42,23 +42,37 @@ def paged_attention_ref(
     Decode rows (one query each) are done in one padded batch; each prefill chunk is done
     on its own with a bottom-right aligned causal mask.
     """
-    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group = query.shape[1] // k_cache.shape[2]
     decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
-    prefill = [b for b, q in enumerate(meta.query_lens_list) if q > 1]
-    starts = meta.query_start_loc.tolist() if prefill else None
     if decode:
         _decode_batch(query, k_cache, v_cache, meta, decode, scale, group, out)
+    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out)
+
+
+def prefill_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMeta,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> None:
+    """The sequences with more than one new query token (prefill chunks), one at a time,
+    with a bottom-right aligned causal mask; decode rows are left alone."""
+    group = query.shape[1] // k_cache.shape[2]
+    prefill = [b for b, q in enumerate(meta.query_lens_list) if q > 1]
+    starts = meta.query_start_loc.tolist() if prefill else []
     for b in prefill:
-        assert starts is not None
         lo, hi = starts[b], starts[b + 1]
         seq_len = meta.seq_lens_list[b]
         q_len = hi - lo
         keys = _gather(k_cache, meta.block_tables[b], seq_len)  # [seq_len, kv_heads, dim]
         values = _gather(v_cache, meta.block_tables[b], seq_len)
-        q = query[lo:hi].transpose(0, 1)  # [heads, q_len, dim]
-        k = keys.transpose(0, 1)  # [kv_heads, seq_len, dim]
-        v = values.transpose(0, 1)
+        # 4-D [1, heads, len, dim]: SDPA's fused CPU kernel takes 4-D inputs only (the 3-D
+        # call falls back to the unfused path, ~3x slower here).
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
+        k = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, dim]
+        v = values.transpose(0, 1).unsqueeze(0)
         if q_len == seq_len:  # nothing cached: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=group > 1)
@@ -67,7 +81,7 @@ def paged_attention_ref(
                 seq_len - q_len)  # [q_len, seq_len], causal aligned bottom-right
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=group > 1)
-        out[lo:hi] = o.transpose(0, 1)
+        out[lo:hi] = o[0].transpose(0, 1)
 
 
 def _decode_batch(

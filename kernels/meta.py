@@ -8,6 +8,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Segments (one slot's consecutive tokens) up to this long go to the native CPU LoRA
+# kernel; longer ones (prefill) to per-slot matmuls, which are faster there.
+SHORT_SEGMENT_LEN = 32
+
+
 @dataclass(frozen=True)
 class SGMVMeta:
     """Which tokens use which adapter slot, without reordering activations.
@@ -35,6 +40,11 @@ class SGMVMeta:
     # First token of each segment when every segment is a contiguous run of tokens (the
     # runner orders sequences by slot so that it is); None otherwise.
     seg_first_tokens: tuple[int, ...] | None = None
+    # When contiguous: segments of at most ``short_segment_len`` tokens as int64
+    # [3, num_short] (first token, length, slot), for kernels that take many short
+    # segments in one call, and the indices of the longer ones.
+    short_segments: torch.Tensor | None = None
+    long_segment_ids: tuple[int, ...] = ()
 
     @property
     def has_lora(self) -> bool:
@@ -46,6 +56,7 @@ class SGMVMeta:
         token_slots: Sequence[int],
         slot_ranks: Sequence[int],
         device: torch.device | str = "cpu",
+        short_segment_len: int = SHORT_SEGMENT_LEN,
     ) -> SGMVMeta:
         num_slots = len(slot_ranks)
         for s in token_slots:
@@ -64,6 +75,15 @@ class SGMVMeta:
                 lens.append(0)
             lens[-1] += 1
         i32 = dict(dtype=torch.int32, device=device)
+        firsts = _contiguous_firsts(order, starts, lens)
+        short = None
+        long_ids: tuple[int, ...] = ()
+        if firsts is not None:
+            keep = [i for i, n in enumerate(lens) if n <= short_segment_len]
+            long_ids = tuple(i for i, n in enumerate(lens) if n > short_segment_len)
+            short = torch.tensor([[firsts[i] for i in keep], [lens[i] for i in keep],
+                                  [active[i] for i in keep]], dtype=torch.int64,
+                                 device=device).reshape(3, len(keep))
         return cls(
             token_slots=torch.tensor(list(token_slots), **i32),  # type: ignore[arg-type]
             sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=device),
@@ -78,7 +98,9 @@ class SGMVMeta:
             num_tokens=len(token_slots),
             max_seg_len=max(lens, default=0),
             max_rank=max((int(slot_ranks[s]) for s in active), default=0),
-            seg_first_tokens=_contiguous_firsts(order, starts, lens),
+            seg_first_tokens=firsts,
+            short_segments=short,
+            long_segment_ids=long_ids,
         )
 
 
@@ -110,6 +132,9 @@ class AttentionMeta:
     seq_lens_list: tuple[int, ...]
     query_lens_list: tuple[int, ...]
     block_size: int
+    # Sequences with one query token (decode) and their query rows, for decode kernels.
+    decode_seq_ids: torch.Tensor  # [num_decode] int64
+    decode_rows: torch.Tensor  # [num_decode] int64
 
     @property
     def num_seqs(self) -> int:
@@ -143,11 +168,17 @@ class AttentionMeta:
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
         starts = [0]
         slots: list[int] = []
-        for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens, strict=True):
+        decode_ids: list[int] = []
+        decode_rows: list[int] = []
+        for b, (table, seq_len, q_len) in enumerate(
+                zip(block_tables, seq_lens, query_lens, strict=True)):
             if q_len < 1 or q_len > seq_len:
                 raise ValueError(f"query length {q_len} not in [1, seq_len={seq_len}]")
             if len(table) * block_size < seq_len:
                 raise ValueError(f"block table of {len(table)} blocks too short for {seq_len}")
+            if q_len == 1:
+                decode_ids.append(b)
+                decode_rows.append(starts[-1])
             starts.append(starts[-1] + q_len)
             for pos in range(seq_len - q_len, seq_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -160,4 +191,6 @@ class AttentionMeta:
             seq_lens_list=tuple(seq_lens),
             query_lens_list=tuple(query_lens),
             block_size=block_size,
+            decode_seq_ids=torch.tensor(decode_ids, dtype=torch.int64, device=device),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
         )

@@ -1,7 +1,12 @@
 """The one dispatch point: Triton on CUDA, the PyTorch reference elsewhere.
 
-Every op takes ``backend=None`` (pick by device), ``"torch"`` or ``"triton"``; tests use the
-override to run the Triton kernels under ``TRITON_INTERPRET=1`` on CPU.
+Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"triton"``:
+
+- ``"triton"``: the Triton kernels (CUDA; tests run them under ``TRITON_INTERPRET=1``).
+- ``"cpu"``: the native CPU kernels where they apply (float32 decode attention, built from
+  ``csrc/`` on first use), the PyTorch reference for the rest. The default on CPU when the
+  native library is available.
+- ``"torch"``: the PyTorch reference only (the tests' oracle).
 """
 
 from __future__ import annotations
@@ -10,7 +15,12 @@ from typing import Literal
 
 import torch
 
-from loraplex_kernels.attention_ref import paged_attention_ref, store_kv_ref
+from loraplex_kernels import cpu_native
+from loraplex_kernels.attention_ref import (
+    paged_attention_ref,
+    prefill_attention_ref,
+    store_kv_ref,
+)
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
 from loraplex_kernels.sgmv_ref import (
     PackedSlots,
@@ -19,13 +29,15 @@ from loraplex_kernels.sgmv_ref import (
     sgmv_shrink_ref,
 )
 
-Backend = Literal["torch", "triton"]
+Backend = Literal["torch", "cpu", "triton"]
 
 
 def resolve_backend(device: torch.device, backend: Backend | None = None) -> Backend:
     if backend is not None:
         return backend
-    return "triton" if device.type == "cuda" else "torch"
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if cpu_native.available() else "torch"
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: list[torch.Tensor], scales: torch.Tensor,
@@ -50,16 +62,28 @@ def sgmv_expand(y: torch.Tensor, lora_b: list[torch.Tensor], meta: SGMVMeta,
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
              lora_b: list[torch.Tensor], scales: torch.Tensor, meta: SGMVMeta,
              slice_offsets: list[int], backend: Backend | None = None,
-             packed: PackedSlots | None = None) -> None:
+             packed: PackedSlots | None = None,
+             native: cpu_native.NativeLoRASlots | None = None) -> None:
     """``out += LoRA delta`` of every token's slot (shrink then expand).
 
     ``packed`` (optional, per slot): every slice's A stacked ``[slices * rank, in]`` and a
     block-diagonal B ``[out, slices * rank]`` with the slot's scale folded in; the CPU
-    path uses them when each slot's tokens are contiguous.
+    path uses them when each slot's tokens are contiguous. ``native``: the same weights in
+    the native CPU kernel's layout; with the ``"cpu"`` backend, short segments (decode)
+    go to that kernel in one call and long ones (prefill) to per-slot matmuls.
     """
     if not meta.has_lora:
         return
-    if resolve_backend(x.device, backend) == "torch":
+    chosen = resolve_backend(x.device, backend)
+    if chosen == "cpu" and native is not None and meta.short_segments is not None \
+            and native.covers(meta.active_slots_list) and cpu_native.can_lora(x, out) \
+            and slice_offsets[0] == 0 and slice_offsets[-1] == out.shape[1]:
+        cpu_native.add_lora(out, x, meta.short_segments, native)
+        if meta.long_segment_ids:
+            add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets, packed,
+                         meta.long_segment_ids)
+        return
+    if chosen in ("torch", "cpu"):
         add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets, packed)
         return
     y = torch.zeros(len(lora_a), x.shape[0], lora_a[0].shape[1], dtype=torch.float32
@@ -81,9 +105,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMeta, scale: float, out: torch.Tensor,
                     backend: Backend | None = None) -> None:
-    if resolve_backend(query.device, backend) == "triton":
+    chosen = resolve_backend(query.device, backend)
+    if chosen == "triton":
         from loraplex_kernels.attention_triton import paged_attention_triton
         paged_attention_triton(query, k_cache, v_cache, meta, scale, out)
+    elif chosen == "cpu" and cpu_native.available() and cpu_native.can_decode(
+            query, k_cache, out):
+        cpu_native.paged_decode_attention(query, k_cache, v_cache, meta, scale, out)
+        prefill_attention_ref(query, k_cache, v_cache, meta, scale, out)
     else:
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 

@@ -6,6 +6,8 @@ padded maximum), and scattered back; base-model rows (slot -1) are never touched
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from loraplex_kernels.meta import SGMVMeta
@@ -62,16 +64,19 @@ def add_lora_ref(
     meta: SGMVMeta,
     slice_offsets: list[int],  # [num_slices + 1] column offsets into out
     packed: PackedSlots | None = None,
+    segment_ids: Sequence[int] | None = None,
 ) -> None:
     """Shrink and expand fused per slot: the CPU fast path.
 
     Same arithmetic as ``sgmv_shrink_ref`` followed by ``sgmv_expand_ref``. When each
     slot's tokens are one contiguous run (the runner arranges it), rows are sliced and
-    accumulated in place with no gather or scatter.
+    accumulated in place with no gather or scatter. ``segment_ids``: only these segments
+    (default: all).
     """
     firsts = meta.seg_first_tokens
-    for i, (slot, start, length) in enumerate(zip(
-            meta.active_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True)):
+    for i in range(len(meta.active_slots_list)) if segment_ids is None else segment_ids:
+        slot, start, length = (meta.active_slots_list[i], meta.seg_starts_list[i],
+                               meta.seg_lens_list[i])
         rank = meta.slot_ranks_list[slot]
         scale = scales[slot]
         if firsts is not None:

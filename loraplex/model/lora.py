@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex_kernels import cpu_native
 from loraplex_kernels.meta import SGMVMeta
 from loraplex_kernels.ops import Backend, add_lora
 
@@ -64,12 +65,14 @@ class LoRALinear(nn.Module):
         # pre-scaled B [out, num_slices * rank]. The CPU path does one shrink and one expand
         # per slot with them instead of three ops per slice: on CPU the op count is the cost.
         self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        # The same, laid out for the native CPU kernel (float32 on CPU only).
+        self.native = cpu_native.NativeLoRASlots(num_slots)
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)  # [num_tokens, out]
         if lora is not None and lora.meta.has_lora:
             add_lora(out, x, self.lora_a, self.lora_b, lora.scales, lora.meta,
-                     self.slice_offsets, lora.backend, packed=self.packed)
+                     self.slice_offsets, lora.backend, packed=self.packed, native=self.native)
         return out
 
     def pack_slot(self, slot: int, rank: int, scale: float) -> None:
@@ -77,6 +80,7 @@ class LoRALinear(nn.Module):
         into B (``rank`` 0: an empty slot)."""
         if rank == 0:
             self.packed[slot] = None
+            self.native.set(slot, None)
             return
         a = torch.cat([la[slot, :rank] for la in self.lora_a])  # [slices * rank, in]
         b = a.new_zeros(self.slice_offsets[-1], a.shape[0])  # [out, slices * rank]
@@ -84,6 +88,7 @@ class LoRALinear(nn.Module):
             b[self.slice_offsets[k]:self.slice_offsets[k + 1],
               k * rank:(k + 1) * rank] = lb[slot, :, :rank] * scale
         self.packed[slot] = (a, b)
+        self.native.set(slot, self.packed[slot])
 
     def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor | None,
                  b: torch.Tensor | None) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex_kernels import ops
+from loraplex_kernels import cpu_native, ops
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
 
 # (vs float64 oracle, vs reference) absolute/relative tolerance per dtype
@@ -180,17 +180,38 @@ def check_expand(case: SGMVCase, dtype: torch.dtype, device: str,
         _close(out, ref, f"expand {case} vs reference")
 
 
+def pack_slots(case: SGMVCase, inp: SGMVInputs,
+               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None],
+                          cpu_native.NativeLoRASlots]:
+    """Per slot, as LoRALinear packs them: every slice's A stacked and a block-diagonal B
+    with the scale folded in; and the same in the native CPU kernel's layout."""
+    packed: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    native = cpu_native.NativeLoRASlots(len(case.slot_ranks))
+    offsets = inp.slice_offsets
+    for s, rank in enumerate(case.slot_ranks):
+        a = torch.cat([la[s, :rank] for la in inp.lora_a])  # [slices * rank, hidden]
+        b = a.new_zeros(offsets[-1], a.shape[0])  # [out, slices * rank]
+        for k, lb in enumerate(inp.lora_b):
+            b[offsets[k]:offsets[k + 1], k * rank:(k + 1) * rank] = (
+                lb[s, :, :rank] * inp.scales[s].to(lb.dtype))
+        packed.append((a, b))
+        native.set(s, (a, b))
+    return packed, native
+
+
 def check_add_lora(case: SGMVCase, dtype: torch.dtype, device: str,
-                   backend: ops.Backend | None) -> None:
-    """Shrink then expand through the public entry point, against float64."""
+                   backend: ops.Backend | None, packed: bool = False) -> None:
+    """Shrink then expand through the public entry point, against float64 (``packed``:
+    with the per-slot packed weights the model passes, which the CPU paths use)."""
     inp = make_sgmv_inputs(case, dtype, device)
     g = torch.Generator().manual_seed(2)
     # As in the model: the slices tile the whole output (the CPU fast path relies on it).
     width = inp.slice_offsets[-1]
     out0 = torch.randn(len(case.token_slots), width, generator=g).to(dtype).to(device)
     out = out0.clone()
+    pair, native = pack_slots(case, inp) if packed else (None, None)
     ops.add_lora(out, inp.x, inp.lora_a, inp.lora_b, inp.scales, inp.meta, inp.slice_offsets,
-                 backend=backend)
+                 backend=backend, packed=pair, native=native)
     expected = out0.double().cpu().clone()
     shrunk = dense_shrink(case, inp)
     for t, s in enumerate(case.token_slots):
@@ -318,9 +339,11 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str,
                     backend: ops.Backend) -> None:
     scale = case.head_dim ** -0.5
     # The reference gathers whole blocks and masks, so it needs finite garbage; the Triton
-    # kernels must never load an unowned row, so NaN garbage proves it.
+    # and native CPU kernels must never load an unowned row, so NaN garbage proves it.
+    # ("cpu" runs float16 on the reference.)
+    exact_reads = backend == "triton" or (backend == "cpu" and dtype == torch.float32)
     inp = make_attention_inputs(case, dtype, device,
-                                garbage=30.0 if backend == "torch" else float("nan"))
+                                garbage=float("nan") if exact_reads else 30.0)
     out = _new_out(case, inp.query)
     if backend == "triton" and case.num_splits is not None:
         from loraplex_kernels.attention_triton import paged_attention_triton

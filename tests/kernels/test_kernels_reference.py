@@ -70,7 +70,7 @@ def test_attention_reference(case: AttentionCase, dtype: torch.dtype) -> None:
 
 
 def test_dispatch_picks_triton_on_cuda_only() -> None:
-    assert ops.resolve_backend(torch.device("cpu")) == "torch"
+    assert ops.resolve_backend(torch.device("cpu")) in ("torch", "cpu")
     assert ops.resolve_backend(torch.device("cuda", 0)) == "triton"
     assert ops.resolve_backend(torch.device("cpu"), "triton") == "triton"
     assert ops.resolve_backend(torch.device("cuda"), "torch") == "torch"

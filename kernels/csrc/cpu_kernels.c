@@ -1,0 +1,258 @@
+/* Native CPU kernels (float32): paged decode attention straight from the block cache.
+ *
+ * The PyTorch reference gathers every sequence's K/V into a padded tensor in every layer
+ * and then runs SDPA over it: three passes over memory, most of it padding when context
+ * lengths vary. Here each (sequence, KV head) pair reads its own blocks once for the
+ * scores and once for the values, and nothing past a sequence's length is touched.
+ *
+ * Compiled on first use by loraplex_kernels.cpu_native (gcc -O3 -march=native -fopenmp)
+ * and called through ctypes; OpenMP is the runtime torch already loaded (libgomp.so.1).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp on [-87, 0]); written out so
+ * the softmax loop vectorises without -ffast-math. */
+static inline float exp_nonpositive(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* One sequence, every head: `kv_heads` groups of `group` query heads over the sequence's
+ * `len` cached positions, reading each cached position's K (then V) row for all KV heads
+ * at once, so each block is one contiguous read. `head_dim` is a compile-time constant at
+ * the hot call site (64), so the inner loops unroll into whole vectors.
+ * Scratch: scores [num_heads * len], acc [num_heads * head_dim]. */
+static inline __attribute__((always_inline)) void decode_one(
+    const float *restrict q, int64_t q_head_stride,
+    const float *restrict k_cache, const float *restrict v_cache, const int32_t *restrict table,
+    int64_t len, int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size,
+    float scale, float *restrict scores, float *restrict acc, float *restrict o,
+    int64_t o_head_stride)
+{
+    const int64_t heads = kv_heads * group;
+    const int64_t pos_stride = kv_heads * head_dim;
+    const int64_t block_stride = block_size * pos_stride;
+    /* pass 1: scaled scores, head-major: scores[h * len + p] */
+    for (int64_t pos0 = 0; pos0 < len; pos0 += block_size) {
+        const float *restrict kb = k_cache + (int64_t)table[pos0 / block_size] * block_stride;
+        const int64_t n = len - pos0 < block_size ? len - pos0 : block_size;
+        int64_t p = 0;
+        /* four positions at a time: four independent dot-product chains per head */
+        for (; p + 4 <= n; p += 4) {
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *restrict k0 = kb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict k1 = k0 + pos_stride;
+                const float *restrict k2 = k1 + pos_stride;
+                const float *restrict k3 = k2 + pos_stride;
+                const float *restrict qh = q + h * q_head_stride;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    s0 += qh[d] * k0[d];
+                    s1 += qh[d] * k1[d];
+                    s2 += qh[d] * k2[d];
+                    s3 += qh[d] * k3[d];
+                }
+                float *restrict sh = scores + h * len + pos0 + p;
+                sh[0] = s0 * scale;
+                sh[1] = s1 * scale;
+                sh[2] = s2 * scale;
+                sh[3] = s3 * scale;
+            }
+        }
+        for (; p < n; ++p) {
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *restrict k = kb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict qh = q + h * q_head_stride;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * k[d];
+                scores[h * len + pos0 + p] = s * scale;
+            }
+        }
+    }
+    /* softmax over positions, per head (max first, for range) */
+    for (int64_t h = 0; h < heads; ++h) {
+        float *restrict sh = scores + h * len;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < len; ++j) m = sh[j] > m ? sh[j] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; ++j) {
+            const float e = exp_nonpositive(sh[j] - m);
+            sh[j] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) sh[j] *= inv;
+    }
+    /* pass 2: probability-weighted values */
+    for (int64_t j = 0; j < heads * head_dim; ++j) acc[j] = 0.0f;
+    for (int64_t pos0 = 0; pos0 < len; pos0 += block_size) {
+        const float *restrict vb = v_cache + (int64_t)table[pos0 / block_size] * block_stride;
+        const int64_t n = len - pos0 < block_size ? len - pos0 : block_size;
+        int64_t p = 0;
+        for (; p + 4 <= n; p += 4) {
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *restrict v0 = vb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict v1 = v0 + pos_stride;
+                const float *restrict v2 = v1 + pos_stride;
+                const float *restrict v3 = v2 + pos_stride;
+                const float *restrict sh = scores + h * len + pos0 + p;
+                const float p0 = sh[0], p1 = sh[1], p2 = sh[2], p3 = sh[3];
+                float *restrict a = acc + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d)
+                    a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            }
+        }
+        for (; p < n; ++p) {
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *restrict v = vb + p * pos_stride + (h / group) * head_dim;
+                const float pr = scores[h * len + pos0 + p];
+                float *restrict a = acc + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += pr * v[d];
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < head_dim; ++d) o[h * o_head_stride + d] = acc[h * head_dim + d];
+}
+
+/* query:  rows of [num_heads, head_dim], row r at query + r * q_row_stride (head stride
+ *         q_head_stride, element stride 1)
+ * k/v:    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+ * block_tables: [num_all_seqs, table_stride] int32
+ * seq_ids/rows/seq_lens_all: for each of num_seqs decode sequences, its index into the
+ *         block tables and seq_lens, and its query (= output) row
+ * out:    like query (o_row_stride, o_head_stride)
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_decode_attention_f32(
+    const float *query, int64_t q_row_stride, int64_t q_head_stride,
+    const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens_all, const int64_t *seq_ids, const int64_t *rows,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale,
+    float *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < num_seqs; ++i)
+        if (seq_lens_all[seq_ids[i]] > max_len) max_len = seq_lens_all[seq_ids[i]];
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len));
+        float *acc = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
+        const int ok = scores && acc;
+        /* every thread must reach the worksharing loop, even one without scratch */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_seqs; ++i) {
+            if (!ok) {
+                failed = 1;
+                continue;
+            }
+            const int64_t seq = seq_ids[i], row = rows[i];
+            const int32_t *table = block_tables + seq * table_stride;
+            const float *q = query + row * q_row_stride;
+            float *o = out + row * o_row_stride;
+            if (head_dim == 64)
+                decode_one(q, q_head_stride, k_cache, v_cache, table, seq_lens_all[seq],
+                           num_kv_heads, group, 64, block_size, scale, scores, acc, o,
+                           o_head_stride);
+            else
+                decode_one(q, q_head_stride, k_cache, v_cache, table, seq_lens_all[seq],
+                           num_kv_heads, group, head_dim, block_size, scale, scores, acc, o,
+                           o_head_stride);
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
+/* LoRA shrink then expand for every token of every segment, accumulated into out:
+ *   out[t, :n_out] += (x[t] @ At_s) @ Bt_s      for the tokens t of segment i (slot s)
+ * At_s [in, r_s] holds every slice's A (transposed) and Bt_s [r_s, n_out] the block-diagonal
+ * B with the LoRA scale folded in (transposed), so both products are row updates that
+ * vectorise along their contiguous axis. Tokens of one segment are consecutive rows
+ * seg_first[i] .. seg_first[i] + seg_len[i] - 1; rows outside every segment (base model)
+ * are never touched. Weights come as per-slot addresses (at_ptrs, bt_ptrs, ranks).
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int lora_segments_f32(
+    const float *x, int64_t x_stride, float *out, int64_t out_stride,
+    int64_t in_features, int64_t n_out,
+    const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,
+    int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs, const int64_t *ranks,
+    int num_threads)
+{
+    int64_t num_rows = 0, max_rank = 1;
+    for (int64_t i = 0; i < num_segs; ++i) {
+        num_rows += seg_len[i];
+        if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
+    }
+    /* row -> (token, slot), so the parallel loop balances over tokens, not segments */
+    int64_t *work = malloc(sizeof(int64_t) * (size_t)(2 * (num_rows ? num_rows : 1)));
+    if (!work) return -1;
+    for (int64_t i = 0, w = 0; i < num_segs; ++i)
+        for (int64_t j = 0; j < seg_len[i]; ++j, ++w) {
+            work[2 * w] = seg_first[i] + j;
+            work[2 * w + 1] = seg_slot[i];
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *y = malloc(sizeof(float) * (size_t)max_rank);
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t w = 0; w < num_rows; ++w) {
+            if (!y) {
+                failed = 1;
+                continue;
+            }
+            const int64_t t = work[2 * w], slot = work[2 * w + 1];
+            const int64_t r = ranks[slot];
+            const float *restrict at = (const float *)(intptr_t)at_ptrs[slot];
+            const float *restrict bt = (const float *)(intptr_t)bt_ptrs[slot];
+            const float *restrict xt = x + t * x_stride;
+            float *restrict ot = out + t * out_stride;
+            float *restrict yy = y;
+            for (int64_t k = 0; k < r; ++k) yy[k] = 0.0f;
+            for (int64_t i = 0; i < in_features; ++i) {
+                const float xi = xt[i];
+                const float *restrict a = at + i * r;
+#pragma omp simd
+                for (int64_t k = 0; k < r; ++k) yy[k] += xi * a[k];
+            }
+            for (int64_t k = 0; k < r; ++k) {
+                const float yk = yy[k];
+                const float *restrict b = bt + k * n_out;
+#pragma omp simd
+                for (int64_t o = 0; o < n_out; ++o) ot[o] += yk * b[o];
+            }
+        }
+        free(y);
+    }
+    free(work);
+    return failed ? -1 : 0;
+}

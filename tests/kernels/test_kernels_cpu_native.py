@@ -1,0 +1,140 @@
+"""Native CPU kernels (``csrc/cpu_kernels.c``) against float64 and the PyTorch reference.
+
+Unowned cache rows hold NaN, so a kernel that reads past a sequence's length or outside its
+blocks fails. The build and the switch are checked in child processes, since the library
+is loaded once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import (
+    ATTENTION_CASES,
+    SGMV_CASES,
+    AttentionCase,
+    SGMVCase,
+    check_add_lora,
+    check_attention,
+)
+
+from loraplex_kernels import cpu_native, ops
+from loraplex_kernels.meta import SGMVMeta
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(),
+                                reason="no C compiler: the native CPU kernels are not built")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
+def test_attention_cpu_backend(case: AttentionCase, dtype: torch.dtype) -> None:
+    check_attention(case, dtype, "cpu", "cpu")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=7),
+    prefill=st.lists(st.integers(1, 12), min_size=0, max_size=2),
+    kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([8, 17, 64]),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: int,
+                               group: int, head_dim: int, block_size: int) -> None:
+    """Decode rows mixed with prefill chunks, odd head sizes, blocks of one position."""
+    seq_lens = tuple(lens) + tuple(q + 5 for q in prefill)
+    query_lens = (1,) * len(lens) + tuple(prefill)
+    case = AttentionCase("random", seq_lens, query_lens, kv_heads * group, kv_heads,
+                         head_dim, block_size)
+    check_attention(case, torch.float32, "cpu", "cpu")
+
+
+def test_dispatch_prefers_native_on_cpu() -> None:
+    assert ops.resolve_backend(torch.device("cpu")) == "cpu"
+    assert ops.resolve_backend(torch.device("cpu"), "torch") == "torch"
+
+
+def _child(code: str, **env: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=root, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_switch_off_falls_back_to_the_reference() -> None:
+    code = ("import torch; from loraplex_kernels import ops, cpu_native; "
+            "print(cpu_native.available(), ops.resolve_backend(torch.device('cpu')))")
+    assert _child(code, LORAPLEX_CPU_KERNELS="0") == "False torch"
+
+
+def test_build_is_cached_per_source_and_machine(tmp_path: Path) -> None:
+    code = "from loraplex_kernels import cpu_native; print(cpu_native.build())"
+    first = _child(code, LORAPLEX_KERNEL_CACHE=str(tmp_path))
+    again = _child(code, LORAPLEX_KERNEL_CACHE=str(tmp_path))
+    assert first == again and Path(first).parent == tmp_path
+    # One library, no temporary files left behind.
+    assert [p.name for p in tmp_path.iterdir()] == [Path(first).name]
+
+
+def test_broken_compiler_is_a_clear_error(tmp_path: Path) -> None:
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'fake cc 1.0'\necho 'cc: boom' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="building cpu_kernels.c failed: cc: boom"):
+        cpu_native.build(str(fake), tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def _sorted(case: SGMVCase) -> SGMVCase:
+    """The same tokens ordered by slot (as the runner orders them), so every slot's tokens
+    are one run and the native path applies."""
+    return replace(case, name=case.name + "-sorted", token_slots=tuple(sorted(case.token_slots)))
+
+
+@pytest.mark.parametrize("case", [_sorted(c) for c in SGMV_CASES], ids=str)
+def test_add_lora_cpu_backend(case: SGMVCase) -> None:
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    assert meta.short_segments is not None
+    check_add_lora(case, torch.float32, "cpu", "cpu", packed=True)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 45)), min_size=1, max_size=6),
+    ranks=st.lists(st.sampled_from([1, 2, 8, 16, 33, 64]), min_size=4, max_size=4),
+    hidden=st.integers(1, 80),
+    widths=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+)
+def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hidden: int,
+                              widths: list[int]) -> None:
+    """Short (native) and long (> 32 tokens, per-slot matmul) runs of one slot mixed with
+    base-model tokens; odd sizes and ranks."""
+    slots = sorted(s for s, n in runs for _ in range(n))
+    case = SGMVCase("random", tuple(slots), tuple(ranks), hidden, tuple(widths))
+    check_add_lora(case, torch.float32, "cpu", "cpu", packed=True)
+
+
+def test_lora_slot_tables_follow_the_weights() -> None:
+    slots = cpu_native.NativeLoRASlots(3)
+    a, b = torch.randn(6, 5), torch.randn(7, 6)
+    slots.set(1, (a, b))
+    assert slots.covers((1,)) and not slots.covers((0, 1))
+    assert slots.ranks.tolist() == [0, 6, 0]
+    at, bt = slots.weights[1] or (None, None)
+    assert at is not None and bt is not None
+    assert torch.equal(at, a.t()) and torch.equal(bt, b.t())
+    assert slots.at_ptrs[1] == at.data_ptr() and slots.bt_ptrs[1] == bt.data_ptr()
+    slots.set(1, None)
+    assert slots.ranks.tolist() == [0, 0, 0] and slots.weights[1] is None
+    slots.set(2, (a.half(), b.half()))  # not float32: left to the reference
+    assert not slots.covers((2,))
