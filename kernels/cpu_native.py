@@ -162,7 +162,8 @@ def paged_decode_attention(
 class NativeLoRASlots:
     """One projection's per-slot LoRA weights in the native kernel's layout: A of every
     slice transposed ``[in, slices * rank]`` and the scaled block-diagonal B transposed
-    ``[slices * rank, out]``, reached through per-slot address tables."""
+    ``[slices * rank, out]`` (``slices * rank`` padded with zeros to a multiple of 16),
+    reached through per-slot address tables."""
 
     num_slots: int
     at_ptrs: torch.Tensor = field(init=False)  # [num_slots] int64
@@ -184,8 +185,12 @@ class NativeLoRASlots:
             self.ranks[slot] = 0
             self.at_ptrs[slot] = self.bt_ptrs[slot] = 0
             return
-        at = packed[0].t().contiguous()  # [in, slices * rank]
-        bt = packed[1].t().contiguous()  # [slices * rank, out]
+        a, b = packed
+        width = -(-a.shape[0] // 16) * 16  # padded with zero ranks: the kernel takes 16 at once
+        at = a.new_zeros(a.shape[1], width)  # [in, padded slices * rank]
+        at[:, :a.shape[0]] = a.t()
+        bt = b.new_zeros(width, b.shape[0])  # [padded slices * rank, out]
+        bt[:a.shape[0]] = b.t()
         self.weights[slot] = (at, bt)
         self.at_ptrs[slot] = at.data_ptr()
         self.bt_ptrs[slot] = bt.data_ptr()

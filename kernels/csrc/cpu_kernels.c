@@ -192,11 +192,71 @@ int paged_decode_attention_f32(
     return failed ? -1 : 0;
 }
 
+/* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
+ * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps 16 ranks x
+ * 4 tokens in registers; the expand keeps 64 outputs x 4 tokens, so each out row is read
+ * and written once. xb: the tokens' x rows, zero-padded to 4 [4, in]; y: [4, r]. */
+#define LORA_TOKENS 4
+static void lora_tokens(const float *restrict xb, float *restrict out, int64_t out_stride,
+                        int64_t nt, int64_t in_features, int64_t n_out,
+                        const float *restrict at, const float *restrict bt, int64_t r,
+                        float *restrict y)
+{
+    const float *restrict x0 = xb, *restrict x1 = xb + in_features,
+                *restrict x2 = xb + 2 * in_features, *restrict x3 = xb + 3 * in_features;
+    for (int64_t k0 = 0; k0 < r; k0 += 16) {
+        float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
+        for (int64_t i = 0; i < in_features; ++i) {
+            const float *restrict a = at + i * r + k0;
+            const float v0 = x0[i], v1 = x1[i], v2 = x2[i], v3 = x3[i];
+#pragma omp simd
+            for (int64_t k = 0; k < 16; ++k) {
+                c0[k] += v0 * a[k];
+                c1[k] += v1 * a[k];
+                c2[k] += v2 * a[k];
+                c3[k] += v3 * a[k];
+            }
+        }
+        for (int64_t k = 0; k < 16; ++k) {
+            y[k0 + k] = c0[k];
+            y[r + k0 + k] = c1[k];
+            y[2 * r + k0 + k] = c2[k];
+            y[3 * r + k0 + k] = c3[k];
+        }
+    }
+    int64_t o0 = 0;
+    for (; o0 + 64 <= n_out; o0 += 64) {
+        float c0[64] = {0}, c1[64] = {0}, c2[64] = {0}, c3[64] = {0};
+        for (int64_t k = 0; k < r; ++k) {
+            const float *restrict b = bt + k * n_out + o0;
+            const float v0 = y[k], v1 = y[r + k], v2 = y[2 * r + k], v3 = y[3 * r + k];
+#pragma omp simd
+            for (int64_t o = 0; o < 64; ++o) {
+                c0[o] += v0 * b[o];
+                c1[o] += v1 * b[o];
+                c2[o] += v2 * b[o];
+                c3[o] += v3 * b[o];
+            }
+        }
+        const float *restrict c[LORA_TOKENS] = {c0, c1, c2, c3};
+        for (int64_t t = 0; t < nt; ++t) {
+            float *restrict ot = out + t * out_stride + o0;
+#pragma omp simd
+            for (int64_t o = 0; o < 64; ++o) ot[o] += c[t][o];
+        }
+    }
+    for (int64_t t = 0; t < nt; ++t) /* the last n_out % 64 outputs */
+        for (int64_t o = o0; o < n_out; ++o) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < r; ++k) acc += y[t * r + k] * bt[k * n_out + o];
+            out[t * out_stride + o] += acc;
+        }
+}
+
 /* LoRA shrink then expand for every token of every segment, accumulated into out:
  *   out[t, :n_out] += (x[t] @ At_s) @ Bt_s      for the tokens t of segment i (slot s)
  * At_s [in, r_s] holds every slice's A (transposed) and Bt_s [r_s, n_out] the block-diagonal
- * B with the LoRA scale folded in (transposed), so both products are row updates that
- * vectorise along their contiguous axis. Tokens of one segment are consecutive rows
+ * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16. Tokens of one segment are consecutive rows
  * seg_first[i] .. seg_first[i] + seg_len[i] - 1; rows outside every segment (base model)
  * are never touched. Weights come as per-slot addresses (at_ptrs, bt_ptrs, ranks).
  * Returns 0, or -1 when scratch memory could not be allocated. */
@@ -207,51 +267,44 @@ int lora_segments_f32(
     int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs, const int64_t *ranks,
     int num_threads)
 {
-    int64_t num_rows = 0, max_rank = 1;
+    int64_t num_groups = 0, max_rank = 1;
     for (int64_t i = 0; i < num_segs; ++i) {
-        num_rows += seg_len[i];
+        num_groups += (seg_len[i] + LORA_TOKENS - 1) / LORA_TOKENS;
         if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
     }
-    /* row -> (token, slot), so the parallel loop balances over tokens, not segments */
-    int64_t *work = malloc(sizeof(int64_t) * (size_t)(2 * (num_rows ? num_rows : 1)));
+    /* work item -> (first token, token count, slot): groups of up to LORA_TOKENS tokens */
+    int64_t *work = malloc(sizeof(int64_t) * (size_t)(3 * (num_groups ? num_groups : 1)));
     if (!work) return -1;
     for (int64_t i = 0, w = 0; i < num_segs; ++i)
-        for (int64_t j = 0; j < seg_len[i]; ++j, ++w) {
-            work[2 * w] = seg_first[i] + j;
-            work[2 * w + 1] = seg_slot[i];
+        for (int64_t j = 0; j < seg_len[i]; j += LORA_TOKENS, ++w) {
+            work[3 * w] = seg_first[i] + j;
+            work[3 * w + 1] = seg_len[i] - j < LORA_TOKENS ? seg_len[i] - j : LORA_TOKENS;
+            work[3 * w + 2] = seg_slot[i];
         }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *y = malloc(sizeof(float) * (size_t)max_rank);
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t w = 0; w < num_rows; ++w) {
-            if (!y) {
+        float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * max_rank));
+        float *xb = calloc((size_t)(LORA_TOKENS * in_features), sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < num_groups; ++w) {
+            if (!y || !xb) {
                 failed = 1;
                 continue;
             }
-            const int64_t t = work[2 * w], slot = work[2 * w + 1];
-            const int64_t r = ranks[slot];
-            const float *restrict at = (const float *)(intptr_t)at_ptrs[slot];
-            const float *restrict bt = (const float *)(intptr_t)bt_ptrs[slot];
-            const float *restrict xt = x + t * x_stride;
-            float *restrict ot = out + t * out_stride;
-            float *restrict yy = y;
-            for (int64_t k = 0; k < r; ++k) yy[k] = 0.0f;
-            for (int64_t i = 0; i < in_features; ++i) {
-                const float xi = xt[i];
-                const float *restrict a = at + i * r;
-#pragma omp simd
-                for (int64_t k = 0; k < r; ++k) yy[k] += xi * a[k];
-            }
-            for (int64_t k = 0; k < r; ++k) {
-                const float yk = yy[k];
-                const float *restrict b = bt + k * n_out;
-#pragma omp simd
-                for (int64_t o = 0; o < n_out; ++o) ot[o] += yk * b[o];
-            }
+            const int64_t t = work[3 * w], nt = work[3 * w + 1], slot = work[3 * w + 2];
+            for (int64_t j = 0; j < LORA_TOKENS; ++j)
+                if (j < nt)
+                    memcpy(xb + j * in_features, x + (t + j) * x_stride,
+                           sizeof(float) * (size_t)in_features);
+                else
+                    memset(xb + j * in_features, 0, sizeof(float) * (size_t)in_features);
+            lora_tokens(xb, out + t * out_stride, out_stride, nt, in_features, n_out,
+                        (const float *)(intptr_t)at_ptrs[slot],
+                        (const float *)(intptr_t)bt_ptrs[slot], ranks[slot], y);
         }
         free(y);
+        free(xb);
     }
     free(work);
     return failed ? -1 : 0;

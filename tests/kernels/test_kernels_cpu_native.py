@@ -129,10 +129,11 @@ def test_lora_slot_tables_follow_the_weights() -> None:
     a, b = torch.randn(6, 5), torch.randn(7, 6)
     slots.set(1, (a, b))
     assert slots.covers((1,)) and not slots.covers((0, 1))
-    assert slots.ranks.tolist() == [0, 6, 0]
+    assert slots.ranks.tolist() == [0, 16, 0]  # 6 ranks, padded to 16
     at, bt = slots.weights[1] or (None, None)
     assert at is not None and bt is not None
-    assert torch.equal(at, a.t()) and torch.equal(bt, b.t())
+    assert torch.equal(at[:, :6], a.t()) and torch.equal(bt[:6], b.t())
+    assert not at[:, 6:].any() and not bt[6:].any()
     assert slots.at_ptrs[1] == at.data_ptr() and slots.bt_ptrs[1] == bt.data_ptr()
     slots.set(1, None)
     assert slots.ranks.tolist() == [0, 0, 0] and slots.weights[1] is None
