@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Segments (one slot's consecutive tokens) up to this long go to the native CPU LoRA
 # kernel; longer ones (prefill) to per-slot matmuls, which are faster there.
 SHORT_SEGMENT_LEN = 32

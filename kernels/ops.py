@@ -92,6 +92,30 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     sgmv_expand(y, lora_b, meta, out, slice_offsets, backend)
 
 
+# MKL's packed-weight GEMM beats the plain one on CPU for small batches (decode) and not
+# for large ones (prefill); weights smaller than this gain nothing from packing.
+_MKL_PACK_MIN_ELEMENTS = 1 << 16
+_MKL_PACK_MAX_ROWS = 128
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed copy of a float32 CPU linear weight ``[out, in]`` for ``linear``;
+    None where packing does not apply (another device or dtype, no MKL, a small weight)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkl.is_available()
+            or weight.numel() < _MKL_PACK_MIN_ELEMENTS):
+        return None
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_MAX_ROWS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through the packed weight (``pack_linear_weight``) for small batches."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= _MKL_PACK_MAX_ROWS:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _MKL_PACK_MAX_ROWS)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              backend: Backend | None = None) -> None:
@@ -117,5 +141,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 
 
-__all__ = ["AttentionMeta", "Backend", "SGMVMeta", "add_lora", "paged_attention",
-           "resolve_backend", "sgmv_expand", "sgmv_shrink", "store_kv"]
+__all__ = ["AttentionMeta", "Backend", "SGMVMeta", "add_lora", "linear", "pack_linear_weight",
+           "paged_attention", "resolve_backend", "sgmv_expand", "sgmv_shrink", "store_kv"]

@@ -13,7 +13,7 @@ from torch import nn
 from loraplex.model.args import ModelArgs, rope_inv_freq
 from loraplex.model.lora import LoRALinear, LoRAStep
 from loraplex_kernels.meta import AttentionMeta
-from loraplex_kernels.ops import Backend, paged_attention, store_kv
+from loraplex_kernels.ops import Backend, linear, pack_linear_weight, paged_attention, store_kv
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -42,16 +42,21 @@ class Rotary(nn.Module):
         self.cos = emb.cos().float().to(device)
         self.sin = emb.sin().float().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """cos and sin at each token's position, ``[num_tokens, 1, head_dim]`` each: looked up
+        once per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def _rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    cos, sin = rope
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -67,20 +72,19 @@ class Attention(nn.Module):
                                  device)
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                kv_cache: KVCache, meta: AttentionMeta, lora: LoRAStep | None,
-                backend: Backend | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMeta,
+                lora: LoRAStep | None, backend: Backend | None) -> torch.Tensor:
         a = self.args
         n = x.shape[0]
         qkv = self.qkv_proj(x, lora)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = q.reshape(n, a.num_heads, a.head_dim)
-        k = k.reshape(n, a.num_kv_heads, a.head_dim)
-        v = v.reshape(n, a.num_kv_heads, a.head_dim).contiguous()
-        q, k = rotary(positions, q, k)
+        # q and k sit side by side in qkv: rotate both in one pass.
+        qk = _rotate(qkv[:, :a.q_size + a.kv_size].view(n, a.num_heads + a.num_kv_heads,
+                                                          a.head_dim), rope)
+        q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]  # [num_tokens, heads | kv_heads, dim]
+        v = qkv[:, a.q_size + a.kv_size:].reshape(n, a.num_kv_heads, a.head_dim).contiguous()
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend)
-        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        out = q.new_empty(q.shape)  # [num_tokens, num_heads, head_dim]
         paged_attention(q, k_cache, v_cache, meta, self.scale, out, backend)
         return self.o_proj(out.reshape(n, a.q_size), lora)
 
@@ -111,11 +115,9 @@ class DecoderLayer(nn.Module):
                                                 device)
         self.mlp = MLP(args, num_slots, max_rank, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                kv_cache: KVCache, meta: AttentionMeta, lora: LoRAStep | None,
-                backend: Backend | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, lora,
-                               backend)
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMeta,
+                lora: LoRAStep | None, backend: Backend | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora, backend)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
@@ -136,6 +138,15 @@ class LlamaModel(nn.Module):
             torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=device),
             requires_grad=False))
         self.rotary = Rotary(args, max_positions, device)
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """GEMM-packed copies of the base weights where faster (float32 CPU); call once the
+        weights are loaded."""
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.pack_weight()
+        self.packed_lm_head = pack_linear_weight(self.lm_head)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -143,10 +154,12 @@ class LlamaModel(nn.Module):
                 backend: Backend | None = None) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        rope = self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, meta, lora, backend)
+            x = layer(x, rope, kv, meta, lora, backend)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()  # [num_rows, vocab]
+        return linear(hidden, self.lm_head, None,
+                      self.packed_lm_head).float()  # [num_rows, vocab]

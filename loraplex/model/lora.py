@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loraplex_kernels import cpu_native
 from loraplex_kernels.meta import SGMVMeta
-from loraplex_kernels.ops import Backend, add_lora
+from loraplex_kernels.ops import Backend, add_lora, linear, pack_linear_weight
 
 # PEFT module name -> (our packed module, slice index within it)
 MODULE_SLICES: dict[str, tuple[str, int]] = {
@@ -67,13 +66,19 @@ class LoRALinear(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
         # The same, laid out for the native CPU kernel (float32 on CPU only).
         self.native = cpu_native.NativeLoRASlots(num_slots)
+        self.packed_weight: torch.Tensor | None = None  # see pack_weight
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)  # [num_tokens, out]
+        out = linear(x, self.weight, self.bias, self.packed_weight)  # [num_tokens, out]
         if lora is not None and lora.meta.has_lora:
             add_lora(out, x, self.lora_a, self.lora_b, lora.scales, lora.meta,
                      self.slice_offsets, lora.backend, packed=self.packed, native=self.native)
         return out
+
+    def pack_weight(self) -> None:
+        """Keeps a GEMM-packed copy of the (loaded, now fixed) base weight where that is
+        faster (float32 on CPU with MKL)."""
+        self.packed_weight = pack_linear_weight(self.weight)
 
     def pack_slot(self, slot: int, rank: int, scale: float) -> None:
         """Rebuilds the slot's packed weights from its slices, with the LoRA scale folded

@@ -65,6 +65,7 @@ class ModelRunner:
         self.model, self.args = load_model(
             model_config.model, model_config.dtype, self.device, lora_config.max_loras,
             lora_config.max_lora_rank, model_config.max_model_len, progress)
+        self.model.pack_weights()
         self.max_model_len = model_config.max_model_len or self.args.max_position_embeddings
         self.tokenizer = load_tokenizer(model_config.model)
         self.num_blocks = self._num_blocks(cache_config)
