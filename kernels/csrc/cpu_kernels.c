@@ -48,6 +48,9 @@ static inline __attribute__((always_inline)) void decode_one(
     const int64_t heads = kv_heads * group;
     const int64_t pos_stride = kv_heads * head_dim;
     const int64_t block_stride = block_size * pos_stride;
+    /* each query head's KV head, without a division in the inner loops */
+    int64_t kv_of[heads];
+    for (int64_t h = 0; h < heads; ++h) kv_of[h] = h / group;
     /* pass 1: scaled scores, head-major: scores[h * len + p] */
     for (int64_t pos0 = 0; pos0 < len; pos0 += block_size) {
         const float *restrict kb = k_cache + (int64_t)table[pos0 / block_size] * block_stride;
@@ -56,7 +59,7 @@ static inline __attribute__((always_inline)) void decode_one(
         /* four positions at a time: four independent dot-product chains per head */
         for (; p + 4 <= n; p += 4) {
             for (int64_t h = 0; h < heads; ++h) {
-                const float *restrict k0 = kb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict k0 = kb + p * pos_stride + kv_of[h] * head_dim;
                 const float *restrict k1 = k0 + pos_stride;
                 const float *restrict k2 = k1 + pos_stride;
                 const float *restrict k3 = k2 + pos_stride;
@@ -78,7 +81,7 @@ static inline __attribute__((always_inline)) void decode_one(
         }
         for (; p < n; ++p) {
             for (int64_t h = 0; h < heads; ++h) {
-                const float *restrict k = kb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict k = kb + p * pos_stride + kv_of[h] * head_dim;
                 const float *restrict qh = q + h * q_head_stride;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -112,7 +115,7 @@ static inline __attribute__((always_inline)) void decode_one(
         int64_t p = 0;
         for (; p + 4 <= n; p += 4) {
             for (int64_t h = 0; h < heads; ++h) {
-                const float *restrict v0 = vb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict v0 = vb + p * pos_stride + kv_of[h] * head_dim;
                 const float *restrict v1 = v0 + pos_stride;
                 const float *restrict v2 = v1 + pos_stride;
                 const float *restrict v3 = v2 + pos_stride;
@@ -126,7 +129,7 @@ static inline __attribute__((always_inline)) void decode_one(
         }
         for (; p < n; ++p) {
             for (int64_t h = 0; h < heads; ++h) {
-                const float *restrict v = vb + p * pos_stride + (h / group) * head_dim;
+                const float *restrict v = vb + p * pos_stride + kv_of[h] * head_dim;
                 const float pr = scores[h * len + pos0 + p];
                 float *restrict a = acc + h * head_dim;
 #pragma omp simd
