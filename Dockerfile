@@ -36,16 +36,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_DISABLE_TELEMETRY=1
 
 # tini: signals reach the server even while it loads the model (PID 1 ignores SIGTERM
-# unless it installs a handler). On a CUDA image: Python itself, and a C compiler plus
-# Python headers, which Triton needs at run time to build its kernel launchers.
+# unless it installs a handler). A C compiler: on CPU the engine builds its native kernels
+# (kernels/csrc) on first use for the host's CPU, and falls back to slower PyTorch code
+# without one; on CUDA, Triton needs it (plus Python headers) to build kernel launchers.
+# On a CUDA image also Python itself.
 RUN set -eux; \
     apt-get update; \
-    apt-get install -y --no-install-recommends tini ca-certificates; \
+    apt-get install -y --no-install-recommends tini ca-certificates gcc libc6-dev; \
     if ! command -v python3 >/dev/null 2>&1; then \
         apt-get install -y --no-install-recommends python3 python3-venv; \
     fi; \
     if [ "$TORCH_VARIANT" != "cpu" ]; then \
-        apt-get install -y --no-install-recommends gcc libc6-dev; \
         python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
             || apt-get install -y --no-install-recommends python3-dev; \
     fi; \

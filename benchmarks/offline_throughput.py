@@ -11,11 +11,12 @@ not). Every system decodes greedily and ignores EOS, so it produces exactly the 
 lengths. Loading the model and reading adapters from disk happen before the clock starts,
 for every system; installing adapters into loraplex's device slots is timed.
 
-(a) and (b) are slow, so all three run the first ``--peer-requests`` requests of the
-workload (the headline ratios); (c) also runs the whole workload, with 1, 20 and 100
-adapters (same prompts and lengths), and with the base model only.
+All three run the first ``--peer-requests`` requests of the workload (default: all 200;
+the headline ratios); (c) runs the whole workload a second time, and an adapter sweep
+(1, 20 and 100 adapters on the first ``--sweep-requests``, same prompts and lengths, and
+the base model only).
 
-    python benchmarks/offline_throughput.py            # the full run (~40 min, 2 busy cores)
+    python benchmarks/offline_throughput.py            # the full run (~45 min on 2 cores)
     python benchmarks/offline_throughput.py --quick    # a smoke run (a few minutes)
 """
 
@@ -283,7 +284,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="a,b,c", help="comma-separated subset of a,b,c")
-    p.add_argument("--peer-requests", type=int, default=24,
+    p.add_argument("--peer-requests", type=int, default=200,
                    help="first K requests: the workload all three systems run")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of (b)")
     p.add_argument("--adapter-sweep", default="1,20,100",
@@ -293,7 +294,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-base-only", action="store_true",
                    help="skip (c) with the base model only on the sweep workload")
     p.add_argument("--max-loras", type=int, default=16, help="loraplex device adapter slots")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", help="where benchmark adapters are cached")
