@@ -233,6 +233,43 @@ def postgres_url_for_tests() -> str:
                           "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
+def postgres_schema_url(schema: str) -> str:
+    """The test database URL with ``schema`` first on the search path."""
+    url = postgres_url_for_tests()
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options=-csearch_path%3D{schema}"
+
+
+@contextmanager
+def postgres_schema(label: str) -> Iterator[str]:
+    """A fresh schema in the test PostgreSQL (named with the pid), as a URL that puts it
+    first on the search path; dropped on exit.
+
+    Fails (never skips) when PostgreSQL is not reachable: storage is tested against it.
+    """
+    import os
+
+    import pytest
+    import sqlalchemy as sa
+
+    url = postgres_url_for_tests()
+    admin = sa.create_engine(url)
+    schema = f"loraplex_test_{label}_{os.getpid()}"
+    try:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        pytest.fail(f"these tests need PostgreSQL at {url}: {exc.orig}")
+    try:
+        yield postgres_schema_url(schema)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.dispose()
+
+
 def bootstrap_admin(database_url: str, tenant: str = "ops") -> str:
     """Migrates a registry, creates ``tenant`` with an admin key, and returns the key."""
     from loraplex.registry import db, service

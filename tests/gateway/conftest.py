@@ -10,7 +10,6 @@ background thread, on a socket bound to a free port of 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
@@ -22,7 +21,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import sqlalchemy as sa
 import uvicorn
 
 from loraplex.cli_registry import run_registry_cli
@@ -38,9 +36,12 @@ from loraplex.config import (
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
 from loraplex.registry import db, service
-from loraplex.testing import postgres_url_for_tests, redis_key_prefix, redis_url_for_tests
+from loraplex.testing import (
+    postgres_schema,
+    redis_key_prefix,
+    redis_url_for_tests,
+)
 
-POSTGRES_URL = postgres_url_for_tests()
 REDIS_URL = redis_url_for_tests()
 SERVED_NAME = "tiny-llama"
 WINDOW_S = 4.0  # rate-limit window of the main server, short so recovery is testable
@@ -158,24 +159,8 @@ def _add_adapter(db_url: str, adapter_dir: Path, model_dir: Path, tenant: str, n
 @pytest.fixture(scope="session")
 def postgres_schema_url() -> Iterator[str]:
     """A fresh schema in the test PostgreSQL, dropped at the end."""
-    admin = sa.create_engine(POSTGRES_URL)
-    try:
-        with admin.connect():
-            pass
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.fail(f"these tests need PostgreSQL at {POSTGRES_URL}: {exc.orig}")
-    schema = f"loraplex_test_gateway_{os.getpid()}"
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    sep = "&" if "?" in POSTGRES_URL else "?"
-    try:
-        yield f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.dispose()
+    with postgres_schema("gateway") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import sqlalchemy as sa
 
 from loraplex.config import (
     CacheConfig,
@@ -39,11 +38,10 @@ from loraplex.registry.upload import UploadLimits
 from loraplex.testing import (
     bootstrap_admin,
     build_adapter,
-    postgres_url_for_tests,
+    postgres_schema,
     redis_url_for_tests,
 )
 
-POSTGRES_URL = postgres_url_for_tests()
 REDIS_URL = redis_url_for_tests()
 SERVED = "tiny-llama"
 MAX_UPLOAD = 512 * 1024
@@ -107,22 +105,8 @@ def tarred(folder: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def schema_url() -> Iterator[str]:
-    admin = sa.create_engine(POSTGRES_URL)
-    schema = f"loraplex_test_admin_{os.getpid()}"
-    try:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.fail(f"these tests need PostgreSQL at {POSTGRES_URL}: {exc.orig}")
-    sep = "&" if "?" in POSTGRES_URL else "?"
-    try:
-        yield f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.dispose()
+    with postgres_schema("admin") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.registry import db
-from loraplex.testing import postgres_url_for_tests
+from loraplex.testing import postgres_schema_url, postgres_url_for_tests
 
 POSTGRES_URL = postgres_url_for_tests()
 TABLES_CHILD_FIRST = ("usage", "adapters", "api_keys", "tenants")
@@ -36,12 +36,6 @@ MODULE_SHAPES = {  # module -> (parent, in_features, out_features)
     "up_proj": ("mlp", HIDDEN, INTERMEDIATE),
     "down_proj": ("mlp", INTERMEDIATE, HIDDEN),
 }
-
-
-def postgres_schema_url(schema: str) -> str:
-    """The test database URL with ``schema`` first on the search path."""
-    sep = "&" if "?" in POSTGRES_URL else "?"
-    return f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
 
 
 def _postgres_admin() -> sa.Engine:
