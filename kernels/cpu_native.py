@@ -1,7 +1,7 @@
 """Native CPU kernels: built from ``csrc/cpu_kernels.c`` on first use, called via ctypes.
 
-The CPU fast path for what the PyTorch reference does with many small ops (decode
-attention over the paged cache). The reference stays the oracle and the fallback: when no
+The CPU fast path for what the PyTorch reference does with many small ops: decode
+attention over the paged cache, and LoRA for many short (decode) segments. The reference stays the oracle and the fallback: when no
 C compiler is found, the build fails, or ``LORAPLEX_CPU_KERNELS=0`` is set, ``available()``
 is False and the dispatcher uses the reference.
 
@@ -150,7 +150,7 @@ def paged_decode_attention(
     status = lib.paged_decode_attention_f32(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(),
-        tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0,
+        tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), seq_ids.data_ptr(), rows.data_ptr(),
         seq_ids.numel(), num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
         out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())

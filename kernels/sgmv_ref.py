@@ -55,6 +55,23 @@ def sgmv_expand_ref(
 PackedSlots = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
+def pack_slot(
+    lora_a: list[torch.Tensor],  # per slice: [num_slots, max_rank, hidden]
+    lora_b: list[torch.Tensor],  # per slice: [num_slots, slice_width, max_rank]
+    slot: int,
+    rank: int,
+    scale: float | torch.Tensor,
+    slice_offsets: list[int],  # [num_slices + 1] column offsets
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slot's weights as ``PackedSlots`` holds them: every slice's A stacked
+    ``[slices * rank, in]`` and a block-diagonal B ``[out, slices * rank]`` times ``scale``."""
+    a = torch.cat([la[slot, :rank] for la in lora_a])  # [slices * rank, in]
+    b = a.new_zeros(slice_offsets[-1], a.shape[0])  # [out, slices * rank]
+    for k, lb in enumerate(lora_b):
+        b[slice_offsets[k]:slice_offsets[k + 1], k * rank:(k + 1) * rank] = lb[slot, :, :rank] * scale
+    return a, b
+
+
 def add_lora_ref(
     out: torch.Tensor,  # [num_tokens, sum(slice widths)], accumulated into
     x: torch.Tensor,  # [num_tokens, hidden]

@@ -1,9 +1,10 @@
-/* Native CPU kernels (float32): paged decode attention straight from the block cache.
+/* Native CPU kernels (float32): paged decode attention straight from the block cache, and
+ * LoRA shrink + expand for many short segments (decode tokens) in one call.
  *
  * The PyTorch reference gathers every sequence's K/V into a padded tensor in every layer
  * and then runs SDPA over it: three passes over memory, most of it padding when context
- * lengths vary. Here each (sequence, KV head) pair reads its own blocks once for the
- * scores and once for the values, and nothing past a sequence's length is touched.
+ * lengths vary. Here each sequence reads its own blocks once for the scores and once for
+ * the values, and nothing past its length is touched.
  *
  * Compiled on first use by loraplex_kernels.cpu_native (gcc -O3 -march=native -fopenmp)
  * and called through ctypes; OpenMP is the runtime torch already loaded (libgomp.so.1).

@@ -16,6 +16,7 @@ from torch import nn
 from loraplex_kernels import cpu_native
 from loraplex_kernels.meta import SGMVMeta
 from loraplex_kernels.ops import Backend, add_lora, linear, pack_linear_weight
+from loraplex_kernels.sgmv_ref import pack_slot
 
 # PEFT module name -> (our packed module, slice index within it)
 MODULE_SLICES: dict[str, tuple[str, int]] = {
@@ -87,12 +88,8 @@ class LoRALinear(nn.Module):
             self.packed[slot] = None
             self.native.set(slot, None)
             return
-        a = torch.cat([la[slot, :rank] for la in self.lora_a])  # [slices * rank, in]
-        b = a.new_zeros(self.slice_offsets[-1], a.shape[0])  # [out, slices * rank]
-        for k, lb in enumerate(self.lora_b):
-            b[self.slice_offsets[k]:self.slice_offsets[k + 1],
-              k * rank:(k + 1) * rank] = lb[slot, :, :rank] * scale
-        self.packed[slot] = (a, b)
+        self.packed[slot] = pack_slot(self.lora_a, self.lora_b, slot, rank, scale,
+                                      self.slice_offsets)
         self.native.set(slot, self.packed[slot])
 
     def set_slot(self, slot: int, slice_idx: int, a: torch.Tensor | None,

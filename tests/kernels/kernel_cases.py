@@ -16,6 +16,7 @@ import torch
 
 from loraplex_kernels import cpu_native, ops
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
+from loraplex_kernels.sgmv_ref import pack_slot
 
 # (vs float64 oracle, vs reference) absolute/relative tolerance per dtype
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -187,15 +188,11 @@ def pack_slots(case: SGMVCase, inp: SGMVInputs,
     with the scale folded in; and the same in the native CPU kernel's layout."""
     packed: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     native = cpu_native.NativeLoRASlots(len(case.slot_ranks))
-    offsets = inp.slice_offsets
     for s, rank in enumerate(case.slot_ranks):
-        a = torch.cat([la[s, :rank] for la in inp.lora_a])  # [slices * rank, hidden]
-        b = a.new_zeros(offsets[-1], a.shape[0])  # [out, slices * rank]
-        for k, lb in enumerate(inp.lora_b):
-            b[offsets[k]:offsets[k + 1], k * rank:(k + 1) * rank] = (
-                lb[s, :, :rank] * inp.scales[s].to(lb.dtype))
-        packed.append((a, b))
-        native.set(s, (a, b))
+        pair = pack_slot(inp.lora_a, inp.lora_b, s, rank, inp.scales[s].to(inp.x.dtype),
+                         inp.slice_offsets)
+        packed.append(pair)
+        native.set(s, pair)
     return packed, native
 
 
