@@ -35,6 +35,7 @@ from loraplex.errors import (
     UploadTooLargeError,
 )
 from loraplex.gateway.errors import AdapterRejectedError, ClientDisconnected
+from loraplex.gateway.generation import declared_length
 from loraplex.registry import upload
 from loraplex.registry.archive import ALLOWED_FILES
 from loraplex.registry.models import VISIBILITIES, Adapter
@@ -242,16 +243,11 @@ class AdapterService:
         (422, the reason in the message), ConflictError (409).
         """
         max_body = self.max_upload_bytes + BODY_SLACK_BYTES
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
-                raise InvalidRequestError("Content-Length is not an integer") from None
-            if size > max_body:
-                raise UploadTooLargeError(
-                    f"upload too large: {size} bytes, over the limit of "
-                    f"{self.max_upload_bytes} bytes", self.max_upload_bytes)
+        size = declared_length(request)
+        if size is not None and size > max_body:
+            raise UploadTooLargeError(
+                f"upload too large: {size} bytes, over the limit of "
+                f"{self.max_upload_bytes} bytes", self.max_upload_bytes)
         reader = MultipartReader(request, max_body)
         fields: dict[str, str] = {}
         try:

@@ -52,17 +52,23 @@ logger = logging.getLogger("loraplex.gateway")
 BASE_LABEL = "base"
 
 
+def declared_length(request: Request) -> int | None:
+    """The request's Content-Length, if it sent one (400 when it is not an integer)."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return None
+    try:
+        return int(declared)
+    except ValueError:
+        raise InvalidRequestError("Content-Length is not an integer") from None
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refused with 413 once it passes ``max_bytes`` (declared or counted)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise InvalidRequestError("Content-Length is not an integer") from None
-        if size > max_bytes:
-            raise PayloadTooLargeError(f"the request body ({size} bytes) is over the limit "
-                                       f"of {max_bytes} bytes")
+    size = declared_length(request)
+    if size is not None and size > max_bytes:
+        raise PayloadTooLargeError(f"the request body ({size} bytes) is over the limit "
+                                   f"of {max_bytes} bytes")
     chunks, total = [], 0
     try:
         async for chunk in request.stream():
