@@ -11,6 +11,8 @@ Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"t
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -92,27 +94,57 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
     sgmv_expand(y, lora_b, meta, out, slice_offsets, backend)
 
 
-# MKL's packed-weight GEMM beats the plain one on CPU for small batches (decode) and not
-# for large ones (prefill); weights smaller than this gain nothing from packing.
-_MKL_PACK_MIN_ELEMENTS = 1 << 16
+# Packed base weights for the CPU GEMMs. oneDNN's packed weight runs every batch size
+# through its own AVX-512 / AMX kernels, which do not depend on the CPU's vendor (MKL's
+# sgemm takes its AVX2 path on AMD: measured 2.2-2.5x slower on an AVX-512 EPYC, prefill
+# and decode shapes alike). MKL's packed weight is the fallback for torch builds without
+# oneDNN; it pays for small batches (decode) only. Weights smaller than this gain nothing.
+_PACK_MIN_ELEMENTS = 1 << 16
 _MKL_PACK_MAX_ROWS = 128
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """MKL's packed copy of a float32 CPU linear weight ``[out, in]`` for ``linear``;
-    None where packing does not apply (another device or dtype, no MKL, a small weight)."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A GEMM-packed copy of a linear weight: ``kind`` is "onednn" or "mkl"."""
+
+    kind: str
+    data: torch.Tensor
+
+
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """A packed copy of a float32 CPU linear weight ``[out, in]`` for ``linear``; None
+    where packing does not apply (another device or dtype, a small weight, a torch build
+    with neither oneDNN nor MKL). ``LORAPLEX_CPU_GEMM=mkl`` or ``=plain`` picks MKL's
+    packing or none (for comparisons)."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32
-            or not torch.backends.mkl.is_available()
-            or weight.numel() < _MKL_PACK_MIN_ELEMENTS):
+            or weight.numel() < _PACK_MIN_ELEMENTS):
         return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_MAX_ROWS)
+    choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
+    if choice not in ("onednn", "mkl", "plain"):
+        raise ValueError(f"LORAPLEX_CPU_GEMM must be onednn, mkl or plain, not {choice!r}")
+    if choice == "onednn" and _onednn_linear_available():
+        return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
+            weight.contiguous(), None))
+    if choice != "plain" and torch.backends.mkl.is_available():
+        return PackedWeight("mkl", torch.ops.mkl._mkl_reorder_linear_weight(
+            weight, _MKL_PACK_MAX_ROWS))
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through the packed weight (``pack_linear_weight``) for small batches."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= _MKL_PACK_MAX_ROWS:
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _MKL_PACK_MAX_ROWS)
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """``F.linear``, through the packed weight (``pack_linear_weight``) where it applies."""
+    if packed is not None and x.dim() == 2:
+        if packed.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+        if x.shape[0] <= _MKL_PACK_MAX_ROWS:
+            return torch.ops.mkl._mkl_linear(x, packed.data, weight, bias,
+                                             _MKL_PACK_MAX_ROWS)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -141,5 +173,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 
 
-__all__ = ["AttentionMeta", "Backend", "SGMVMeta", "add_lora", "linear", "pack_linear_weight",
+__all__ = ["AttentionMeta", "Backend", "PackedWeight", "SGMVMeta", "add_lora", "linear", "pack_linear_weight",
            "paged_attention", "resolve_backend", "sgmv_expand", "sgmv_shrink", "store_kv"]

@@ -13,7 +13,14 @@ from torch import nn
 from loraplex.model.args import ModelArgs, rope_inv_freq
 from loraplex.model.lora import LoRALinear, LoRAStep
 from loraplex_kernels.meta import AttentionMeta
-from loraplex_kernels.ops import Backend, linear, pack_linear_weight, paged_attention, store_kv
+from loraplex_kernels.ops import (
+    Backend,
+    PackedWeight,
+    linear,
+    pack_linear_weight,
+    paged_attention,
+    store_kv,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -138,7 +145,7 @@ class LlamaModel(nn.Module):
             torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=device),
             requires_grad=False))
         self.rotary = Rotary(args, max_positions, device)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: PackedWeight | None = None
 
     def pack_weights(self) -> None:
         """GEMM-packed copies of the base weights where faster (float32 CPU); call once the

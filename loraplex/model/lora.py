@@ -15,7 +15,7 @@ from torch import nn
 
 from loraplex_kernels import cpu_native
 from loraplex_kernels.meta import SGMVMeta
-from loraplex_kernels.ops import Backend, add_lora, linear, pack_linear_weight
+from loraplex_kernels.ops import Backend, PackedWeight, add_lora, linear, pack_linear_weight
 from loraplex_kernels.sgmv_ref import pack_slot
 
 # PEFT module name -> (our packed module, slice index within it)
@@ -67,7 +67,7 @@ class LoRALinear(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
         # The same, laid out for the native CPU kernel (float32 on CPU only).
         self.native = cpu_native.NativeLoRASlots(num_slots)
-        self.packed_weight: torch.Tensor | None = None  # see pack_weight
+        self.packed_weight: PackedWeight | None = None  # see pack_weight
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         out = linear(x, self.weight, self.bias, self.packed_weight)  # [num_tokens, out]
@@ -78,7 +78,7 @@ class LoRALinear(nn.Module):
 
     def pack_weight(self) -> None:
         """Keeps a GEMM-packed copy of the (loaded, now fixed) base weight where that is
-        faster (float32 on CPU with MKL)."""
+        faster (float32 on CPU; see ``pack_linear_weight``)."""
         self.packed_weight = pack_linear_weight(self.weight)
 
     def pack_slot(self, slot: int, rank: int, scale: float) -> None:
