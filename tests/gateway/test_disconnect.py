@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,9 +56,21 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(live: LiveServer, path: s
 
 def test_disconnect_during_non_streaming_request_aborts(live: LiveServer) -> None:
     before = aborted_count(live, "carol")
-    with live.http() as http, pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json=long_request(live, stream=False),
-                  headers={"Authorization": f"Bearer {live.keys['carol']}"}, timeout=0.5)
+    body = json.dumps(long_request(live, stream=False) | {"n": 4}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+               f"Authorization: Bearer {live.keys['carol']}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(request.encode() + body)
+        # Hang up as soon as the engine runs it (no reply can have been sent yet: the
+        # reply of a non-streaming request comes when all 4 x 400 tokens are done).
+        deadline = time.monotonic() + 10
+        while live.engine_stats()["num_running"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(1)  # nothing has come back
     stats = live.wait_idle()
     assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0
     assert aborted_count(live, "carol") == before + 1
