@@ -23,6 +23,7 @@ the base model only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime as dt
 import json
@@ -31,7 +32,7 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,37 @@ class HFPeer:
         out = self.model.generate(input_ids=ids, attention_mask=mask, adapter_names=names,
                                   generation_config=self._config(num_new))
         return [out[row, width:width + w.max_tokens].tolist() for row, w in enumerate(items)]
+
+
+@contextlib.contextmanager
+def peer_gemm(kind: str) -> Iterator[None]:
+    """``"onednn"``: every float32 ``F.linear`` (transformers' and PEFT's ``nn.Linear``)
+    goes through the same oneDNN-packed weights as loraplex's base projections, packed
+    once per weight; a sensitivity check of how much of the gap is the GEMM library.
+    ``"torch"``: PyTorch's default, untouched."""
+    if kind == "torch":
+        yield
+        return
+    from loraplex_kernels import ops
+
+    plain = torch.nn.functional.linear
+    packed: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        entry = packed.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = packed[id(weight)] = (weight, ops.pack_linear_weight(weight))
+        if entry[1] is None or x.dim() < 2 or x.dtype != torch.float32:
+            return plain(x, weight, bias)
+        out = ops.linear(x.reshape(-1, x.shape[-1]), weight, bias, entry[1])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    torch.nn.functional.linear = linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = plain
 
 
 def run_hf_single(peer: HFPeer, items: Sequence[WorkItem], label: str) -> tuple[float, Any]:
@@ -287,6 +319,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-requests", type=int, default=200,
                    help="first K requests: the workload all three systems run")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of (b)")
+    p.add_argument("--peer-gemm", choices=("torch", "onednn"), default="torch",
+                   help="the float32 GEMM of (a) and (b): PyTorch's default, or loraplex's "
+                        "oneDNN-packed weights (a sensitivity check)")
     p.add_argument("--adapter-sweep", default="1,20,100",
                    help="adapter counts for (c) on the sweep workload ('' to skip)")
     p.add_argument("--sweep-requests", type=int, default=64,
@@ -369,13 +404,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "a" in args.systems or "b" in args.systems:
         log("loading HF + PEFT with all adapters")
         peer = HFPeer(model_dir, adapter_paths[:args.num_adapters], pad_id)
-        if "a" in args.systems:
-            secs, outs = run_hf_single(peer, subset, "(a)")
-            record("(a) " + SYSTEM_LABELS["a"], "a", subset, args.num_adapters, secs, outs)
-        if "b" in args.systems:
-            secs, outs = run_hf_batched(peer, subset, args.hf_batch_size, "(b)")
-            record(f"(b) {SYSTEM_LABELS['b']} (batch {args.hf_batch_size})", "b", subset,
-                   args.num_adapters, secs, outs)
+        gemm = "" if args.peer_gemm == "torch" else f", {args.peer_gemm} GEMM"
+        with peer_gemm(args.peer_gemm):
+            if "a" in args.systems:
+                secs, outs = run_hf_single(peer, subset, "(a)")
+                record(f"(a) {SYSTEM_LABELS['a']}{gemm}", "a", subset, args.num_adapters,
+                       secs, outs)
+            if "b" in args.systems:
+                secs, outs = run_hf_batched(peer, subset, args.hf_batch_size, "(b)")
+                record(f"(b) {SYSTEM_LABELS['b']} (batch {args.hf_batch_size}){gemm}", "b",
+                       subset, args.num_adapters, secs, outs)
         del peer
 
     if "c" in args.systems:
@@ -445,6 +483,7 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         "workload": {**asdict(spec), "peer_requests": args.peer_requests,
                      "length_distribution": "log-uniform", "greedy": True, "ignore_eos": True},
         "hf_batch_size": args.hf_batch_size,
+        "peer_gemm": args.peer_gemm,
         "loraplex": {"max_loras": args.max_loras, "max_lora_rank": 32,
                      "max_num_seqs": args.max_num_seqs,
                      "max_num_batched_tokens": args.max_num_batched_tokens},
@@ -486,8 +525,7 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     if subset:
         ax = axes[0]
         base = next((r.tokens_per_s for r in subset if r.system == "a"), None)
-        labels = [f"({r.system})\n{SYSTEM_LABELS[r.system].replace(', ', chr(10))}"
-                  for r in subset]
+        labels = [r.name.replace(" ", "\n", 1).replace(", ", "\n") for r in subset]
         bars = ax.bar(labels, [r.tokens_per_s for r in subset],
                       color=[colors[r.system] for r in subset])
         for bar, r in zip(bars, subset, strict=True):
