@@ -519,6 +519,8 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
 
     subset = [r for r in results if r.workload == "peer subset"]
     full = list(sweep_runs(results).values())
+    if len(full) < 2:
+        full = []  # no sweep: the full-workload run alone is not one
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[max(1, len(subset)),
                                                                     max(1, len(full))])
     colors = {"a": "#9e9e9e", "b": "#5b8bd0", "c": "#e0702a"}
