@@ -116,6 +116,14 @@ def _onednn_linear_available() -> bool:
         torch.ops.mkldnn, "_linear_pointwise")
 
 
+def cpu_gemm_choice() -> str:
+    """``LORAPLEX_CPU_GEMM``: "onednn" (the default), "mkl" or "plain"; ValueError else."""
+    choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
+    if choice not in ("onednn", "mkl", "plain"):
+        raise ValueError(f"LORAPLEX_CPU_GEMM must be onednn, mkl or plain, not {choice!r}")
+    return choice
+
+
 def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
     """A packed copy of a float32 CPU linear weight ``[out, in]`` for ``linear``; None
     where packing does not apply (another device or dtype, a small weight, a torch build
@@ -124,9 +132,7 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
     if (weight.device.type != "cpu" or weight.dtype != torch.float32
             or weight.numel() < _PACK_MIN_ELEMENTS):
         return None
-    choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
-    if choice not in ("onednn", "mkl", "plain"):
-        raise ValueError(f"LORAPLEX_CPU_GEMM must be onednn, mkl or plain, not {choice!r}")
+    choice = cpu_gemm_choice()
     if choice == "onednn" and _onednn_linear_available():
         return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
             weight.contiguous(), None))
@@ -173,5 +179,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 
 
-__all__ = ["AttentionMeta", "Backend", "PackedWeight", "SGMVMeta", "add_lora", "linear", "pack_linear_weight",
-           "paged_attention", "resolve_backend", "sgmv_expand", "sgmv_shrink", "store_kv"]
+__all__ = ["AttentionMeta", "Backend", "PackedWeight", "SGMVMeta", "add_lora", "cpu_gemm_choice",
+           "linear", "pack_linear_weight", "paged_attention", "resolve_backend", "sgmv_expand",
+           "sgmv_shrink", "store_kv"]

@@ -20,7 +20,7 @@ from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
 from loraplex.model.sampler import SampledToken, SamplingRow, sample
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
-from loraplex_kernels.ops import Backend
+from loraplex_kernels.ops import Backend, cpu_gemm_choice
 
 if TYPE_CHECKING:
     from loraplex.model.adapter_loader import LoRAAdapter
@@ -62,6 +62,10 @@ class ModelRunner:
         self.lora_config = lora_config
         self.block_size = cache_config.block_size
         self.kernel_backend = kernel_backend
+        try:
+            cpu_gemm_choice()  # refuse a bad LORAPLEX_CPU_GEMM before loading anything
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.model, self.args = load_model(
             model_config.model, model_config.dtype, self.device, lora_config.max_loras,
             lora_config.max_lora_rank, model_config.max_model_len, progress)

@@ -41,6 +41,14 @@ def test_kv_blocks_from_a_memory_budget(tiny_llama_dir: Path) -> None:
                     progress=False)
 
 
+def test_bad_cpu_gemm_setting_is_refused(tiny_llama_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "blas")
+    with pytest.raises(ConfigError, match="LORAPLEX_CPU_GEMM must be onednn, mkl or plain"):
+        ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=4), LORA,
+                    progress=False)
+
+
 def test_pickle_only_checkpoints_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, model)
