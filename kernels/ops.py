@@ -144,13 +144,14 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear``, through the packed weight (``pack_linear_weight``) where it applies."""
-    if packed is not None and x.dim() == 2:
-        if packed.kind == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
-        if x.shape[0] <= _MKL_PACK_MAX_ROWS:
-            return torch.ops.mkl._mkl_linear(x, packed.data, weight, bias,
-                                             _MKL_PACK_MAX_ROWS)
+    """``F.linear``, through the packed weight (``pack_linear_weight``) where it applies.
+    With a oneDNN-packed weight ``weight`` is not read, so its owner may release it."""
+    if packed is not None and packed.kind == "onednn":
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed.data, bias, "none", [], "")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+    if packed is not None and x.dim() == 2 and x.shape[0] <= _MKL_PACK_MAX_ROWS:
+        return torch.ops.mkl._mkl_linear(x, packed.data, weight, bias, _MKL_PACK_MAX_ROWS)
     return torch.nn.functional.linear(x, weight, bias)
 
 

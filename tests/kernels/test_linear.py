@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.model.lora import LoRALinear
 from loraplex_kernels import ops
 
 KINDS = {
@@ -37,6 +38,38 @@ def test_packed_linear_matches_plain(kind: str, rows: int,
                                    rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(ops.linear(x, weight, None, packed).double(),
                                    expected - bias.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not KINDS["onednn"], reason="torch built without onednn")
+def test_onednn_packed_weight_is_all_linear_reads() -> None:
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(320, 272, generator=g)
+    bias = torch.randn(320, generator=g)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "onednn"
+    x = torch.randn(2, 3, 272, generator=g)  # any leading dims
+    expected = x.double() @ weight.double().T + bias.double()
+    got = ops.linear(x, torch.empty(0), bias, packed)  # the plain weight released
+    assert got.shape == (2, 3, 320)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_lora_linear_releases_the_plain_weight_once_packed() -> None:
+    """The base projection computes the same after packing, holding only the packed copy
+    (oneDNN) or both (MKL, whose GEMM reads the plain weight too)."""
+    layer = LoRALinear(272, [192, 128], bias=True, num_slots=1, max_rank=8,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(6)
+    layer.weight.copy_(torch.randn(320, 272, generator=g))
+    assert layer.bias is not None
+    layer.bias.copy_(torch.randn(320, generator=g))
+    x = torch.randn(9, 272, generator=g)
+    expected = x.double() @ layer.weight.double().T + layer.bias.double()
+    layer.pack_weight()
+    assert layer.packed_weight is not None
+    assert layer.weight.numel() == (0 if layer.packed_weight.kind == "onednn" else 320 * 272)
+    layer.pack_weight()  # a no-op the second time
+    torch.testing.assert_close(layer(x, None).double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
