@@ -16,7 +16,7 @@ the headline ratios); (c) runs the whole workload a second time, and an adapter 
 (1, 20 and 100 adapters on the first ``--sweep-requests``, same prompts and lengths, and
 the base model only).
 
-    python benchmarks/offline_throughput.py            # the full run (~45 min on 2 cores)
+    python benchmarks/offline_throughput.py            # the full run (~32 min on 2 cores)
     python benchmarks/offline_throughput.py --quick    # a smoke run (a few minutes)
 """
 
