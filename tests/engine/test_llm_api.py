@@ -121,3 +121,19 @@ def test_bad_requests_are_refused(llm: LLM, tmp_path: Path,
         llm.generate([PROMPT], SamplingParams(max_tokens=2), LoRARequest("bad", str(bad)))
     assert not llm.engine.has_unfinished()
     assert llm.engine.kv.all_free_or_cached()
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused_at_admission(
+        tiny_llama_dir: Path) -> None:
+    small = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=8, num_kv_blocks=4,
+                progress=False)  # 4 blocks x 16 tokens: 64 token slots in all
+    try:
+        with pytest.raises(PromptTooLongError, match="can never fit the KV cache of 4 blocks"):
+            small.generate([[5] * 30], SamplingParams(max_tokens=35, ignore_eos=True))
+        assert not small.engine.has_unfinished()
+        # One that fits exactly still runs to the end on the same engine.
+        out = small.generate([[5] * 30], SamplingParams(max_tokens=34, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 34
+        assert small.engine.kv.all_free_or_cached()
+    finally:
+        small.close()
