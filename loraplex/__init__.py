@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from loraplex import openmp
+
+# Before anything of ours imports torch: libgomp reads its wait policy once, when loaded.
+openmp.apply_defaults()
+
 if TYPE_CHECKING:
     from loraplex.engine.sampling_params import SamplingParams
     from loraplex.llm import LLM, LoRARequest
