@@ -226,11 +226,11 @@ class AdapterService:
     """Uploads and deletes adapters for the HTTP routes; built once by ``create_app``."""
 
     def __init__(self, uploader: AdapterUploader, sessions: sessionmaker[Session],
-                 store: AdapterStore, engine: EngineBackend) -> None:
+                 store: AdapterStore, backend: EngineBackend) -> None:
         self.uploader = uploader
         self.sessions = sessions
         self.store = store
-        self.engine = engine
+        self.backend = backend
 
     @property
     def max_upload_bytes(self) -> int:
@@ -289,7 +289,7 @@ class AdapterService:
         try:
             for d in deleted:
                 # The same identity the gateway submits requests with (targets.py).
-                await self.engine.forget_adapter(str(d.id), d.digest)
+                await self.backend.forget_adapter(str(d.id), d.digest)
         except EngineDeadError:
             logger.warning("adapter %s deleted while the engine is not running", name)
         finally:

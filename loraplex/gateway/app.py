@@ -34,18 +34,18 @@ from loraplex.registry.upload import AdapterUploader, UploadLimits
 
 
 def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
-               engine: EngineBackend, *, metrics: GatewayMetrics | None = None,
+               backend: EngineBackend, *, metrics: GatewayMetrics | None = None,
                upload_limits: UploadLimits | None = None) -> Starlette:
-    """The gateway app for ``engine`` (not started yet: the lifespan starts it, and shuts
+    """The gateway app for ``backend`` (not started yet: the lifespan starts it, and shuts
     it down at exit). The registry database must already be migrated.
     ``upload_limits`` caps adapter uploads (default: ``UploadLimits()``)."""
     db_engine = db.make_engine(registry_config.database_url)
-    model = engine.description
+    model = backend.description
     served = server_config.served_model_name or os.path.basename(
         os.path.normpath(model.model))
     gw = Gateway(
         config=server_config, registry=registry_config, db_engine=db_engine,
-        sessions=db.make_session_factory(db_engine), engine=engine,
+        sessions=db.make_session_factory(db_engine), backend=backend,
         store=AdapterStore(registry_config.adapter_dir),
         metrics=metrics or GatewayMetrics(),
         meter=UsageMeter(db.make_session_factory(db_engine),
@@ -59,12 +59,12 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
         gw.limiter = make_rate_limiter(server_config.redis_url,
                                        key_prefix=server_config.rate_limit_key_prefix,
                                        window_s=server_config.rate_limit_window_s)
-        engine.start()
+        backend.start()
         gw.meter.start()
         try:
             yield
         finally:
-            await engine.shutdown()
+            await backend.shutdown()
             await gw.meter.stop()
             await gw.limiter.close()
             db_engine.dispose()
@@ -83,17 +83,17 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
     app = Starlette(routes=routes, exception_handlers=exception_handlers(),
                     lifespan=lifespan)
     app.state.gateway = gw
-    app.state.adapters = _adapter_service(gw, engine, upload_limits)
+    app.state.adapters = _adapter_service(gw, backend, upload_limits)
     return app
 
 
-def _adapter_service(gw: Gateway, engine: EngineBackend,
+def _adapter_service(gw: Gateway, backend: EngineBackend,
                      limits: UploadLimits | None) -> AdapterService:
-    model = engine.description
+    model = backend.description
     target, max_rank = model.target_shapes, model.max_lora_rank
     # Only the shapes are checked, not base_model_name_or_path (paths and hub ids of one
     # model rarely agree): the shapes decide whether the adapter can be served at all.
     uploader = AdapterUploader(gw.store, lambda path: validate_adapter_dir(path, target,
                                                                            max_rank),
                                base_model=model.model, limits=limits)
-    return AdapterService(uploader, gw.sessions, gw.store, engine)
+    return AdapterService(uploader, gw.sessions, gw.store, backend)

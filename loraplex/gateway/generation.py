@@ -80,7 +80,7 @@ class Job:
             raise DependencyUnavailableError(f"rate limiter: {exc}") from exc
         salt = (None if gw.config.allow_cross_tenant_cache_sharing
                 else cache_salt(gw.salt_secret, principal.tenant_id))
-        self._stream = gw.engine.generate(self.prompt_token_ids, self.params,
+        self._stream = gw.backend.generate(self.prompt_token_ids, self.params,
                                           self.target.ref, salt, self.request_id)
         try:
             self._first = await self._stream.__anext__()

@@ -75,7 +75,7 @@ class Gateway:
     registry: RegistryConfig
     db_engine: Engine
     sessions: sessionmaker[Session]
-    engine: EngineBackend
+    backend: EngineBackend
     store: AdapterStore
     metrics: GatewayMetrics
     meter: UsageMeter

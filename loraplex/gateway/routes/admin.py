@@ -50,7 +50,7 @@ def _slot_names(gw: Gateway, slots: list[str | None]) -> list[dict[str, Any] | N
 async def engine_stats(request: Request) -> Response:
     """The engine's figures: queue, running requests, KV blocks, adapter slots."""
     gw, _ = await admin_principal(request)
-    stats = await gw.engine.stats()
+    stats = await gw.backend.stats()
     slots = await run_in_threadpool(_slot_names, gw, list(stats.adapter_slots))
     return JSONResponse(asdict(stats) | {"slots": slots, "served_model": gw.served_model_name})
 

@@ -1,8 +1,9 @@
 """The tenant-facing, OpenAI-compatible routes: models, completions, chat, usage.
 
 Each handler parses, resolves the caller and the model, and hands a ``Job`` to the engine,
-which validates the prompt (``loraplex.engine.validation``); errors propagate to the one exception handler (``gateway/errors.py``). Every request to
-these routes is counted in the metrics exactly once, with its final status.
+which validates the prompt (``loraplex.engine.validation``); errors propagate to the one
+exception handler (``gateway/errors.py``). Every request to these routes is counted in the
+metrics exactly once, with its final status.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
     max_tokens = options.max_tokens
     if max_tokens is None:
         # As many as fit; the engine refuses a prompt that leaves room for none.
-        room = gw.engine.description.max_model_len - num_prompt
+        room = gw.backend.description.max_model_len - num_prompt
         max_tokens = max(1, min(default_max_tokens, gw.config.max_tokens_limit, room))
     return SamplingParams(
         n=options.n, temperature=options.temperature, top_p=options.top_p,

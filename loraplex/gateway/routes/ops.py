@@ -31,7 +31,7 @@ def _database_ok(gw: Gateway) -> bool:
 async def ready(request: Request) -> Response:
     """The engine is loaded and running, and the registry database answers."""
     gw = gateway(request)
-    engine_ok = gw.engine.is_ready
+    engine_ok = gw.backend.is_ready
     database_ok = await run_in_threadpool(_database_ok, gw)
     ok = engine_ok and database_ok
     return JSONResponse({"status": "ready" if ok else "not ready", "engine": engine_ok,
@@ -39,7 +39,7 @@ async def ready(request: Request) -> Response:
 
 
 async def _refresh_engine_metrics(gw: Gateway) -> None:
-    stats = await gw.engine.stats()
+    stats = await gw.backend.stats()
     gw.metrics.set_engine_gauges(
         queue_depth=stats.num_waiting, running=stats.num_running,
         kv_blocks_used=stats.kv_blocks_used, kv_blocks_free=stats.kv_blocks_free,
