@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -36,6 +36,8 @@ from loraplex.gateway.http import (
 from loraplex.gateway.metrics import Observation, status_for_http
 from loraplex.gateway.responses import Accumulator, ChunkWriter, dumps, usage
 from loraplex.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
     GenerationOptions,
     parse_chat_completion,
     parse_completion,
@@ -47,6 +49,7 @@ from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
 
 Handler = Callable[[Request, Gateway, Observation], Awaitable[Response]]
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -125,19 +128,18 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
 
 
 async def _prepare(request: Request, gw: Gateway, obs: Observation,
-                   ) -> tuple[Principal, dict[str, Any]]:
+                   parse: Callable[..., R]) -> tuple[Principal, R, Target]:
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
     body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
-    return principal, body
+    req = parse(body, max_tokens_limit=gw.config.max_tokens_limit, max_n=gw.config.max_n)
+    target = await resolve_target(gw, principal, req.options.model)
+    obs.adapter = target.label
+    return principal, req, target
 
 
 async def completions(request: Request, gw: Gateway, obs: Observation) -> Response:
-    principal, body = await _prepare(request, gw, obs)
-    req = parse_completion(body, max_tokens_limit=gw.config.max_tokens_limit,
-                           max_n=gw.config.max_n)
-    target = await resolve_target(gw, principal, req.options.model)
-    obs.adapter = target.label
+    principal, req, target = await _prepare(request, gw, obs, parse_completion)
     token_ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
                  else await gw.tokenizers.encode(req.prompt or ""))
     # OpenAI's default of 16 applies only when max_tokens is left out.
@@ -147,11 +149,7 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
 
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
-    principal, body = await _prepare(request, gw, obs)
-    req = parse_chat_completion(body, max_tokens_limit=gw.config.max_tokens_limit,
-                                max_n=gw.config.max_n)
-    target = await resolve_target(gw, principal, req.options.model)
-    obs.adapter = target.label
+    principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
     token_ids = await gw.tokenizers.encode_chat(
         [{"role": m.role, "content": m.content} for m in req.messages])
     params = _sampling_params(gw, req.options, len(token_ids),
