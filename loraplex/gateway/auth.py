@@ -76,6 +76,12 @@ async def admin_principal(conn: HTTPConnection) -> tuple[Gateway, Principal]:
     return gw, require_admin(await authenticate(conn, gw.sessions))
 
 
+def is_own(principal: Principal, tenant_id: int) -> bool:
+    """Whether a record of ``tenant_id`` belongs to the caller's tenant (its adapters are
+    named without the owner's prefix)."""
+    return tenant_id == principal.tenant_id
+
+
 def check_not_own_key(caller: Principal, key_id: int) -> None:
     """An admin may not revoke the key they are calling with (they would lock themselves
     out mid-session)."""
@@ -86,7 +92,7 @@ def check_not_own_key(caller: Principal, key_id: int) -> None:
 
 def check_not_own_tenant(caller: Principal, tenant_id: int) -> None:
     """An admin may not suspend the tenant of the key they are calling with."""
-    if tenant_id == caller.tenant_id:
+    if is_own(caller, tenant_id):
         raise InvalidRequestError("you cannot suspend the tenant of the admin key you "
                                   "are using", param="status")
 

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.errors import EngineDeadError
-from loraplex.gateway.auth import authenticate
+from loraplex.gateway.auth import authenticate, is_own
 from loraplex.gateway.errors import ClientDisconnected, describe
 from loraplex.gateway.generation import Job
 from loraplex.gateway.http import (
@@ -83,7 +83,7 @@ def _model_entries(gw: Gateway, principal: Principal) -> list[dict[str, Any]]:
         entries = [{"id": gw.served_model_name, "object": "model", "created": 0,
                     "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}]
         for row in rows:
-            own = row.tenant_id == principal.tenant_id
+            own = is_own(principal, row.tenant_id)
             entries.append({
                 "id": row.name if own else f"{row.tenant.name}/{row.name}",
                 "object": "model", "created": int(row.created_at.timestamp()),
@@ -249,7 +249,7 @@ def _usage_model(session: Session, gw: Gateway, principal: Principal,
         return gw.served_model_name
     row = service.get_adapter(session, adapter_id)
     name = f"{row.name}@v{row.version}"
-    return name if row.tenant_id == principal.tenant_id else f"{row.tenant.name}/{name}"
+    return name if is_own(principal, row.tenant_id) else f"{row.tenant.name}/{name}"
 
 
 async def get_usage(request: Request, gw: Gateway, obs: Observation) -> Response:
