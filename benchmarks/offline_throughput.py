@@ -258,9 +258,9 @@ class LoraplexSystem:
         after = self.llm.stats()
         keys = ("num_steps", "num_preemptions", "adapter_slot_loads", "adapter_slot_evictions",
                 "adapter_disk_loads")
-        delta = {k: after[k] - before[k] for k in keys}
-        delta["adapter_load_seconds"] = round(after["adapter_load_seconds"]
-                                              - before["adapter_load_seconds"], 3)
+        delta = {k: getattr(after, k) - getattr(before, k) for k in keys}
+        delta["adapter_load_seconds"] = round(after.adapter_load_seconds
+                                              - before.adapter_load_seconds, 3)
         delta["output_tokens_per_step"] = round(
             num_output_tokens(items) / max(1, delta["num_steps"]), 1)
         return seconds, [o.outputs[0].token_ids for o in outs], delta

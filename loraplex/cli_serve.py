@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, cast
+from typing import Any
 
+from loraplex.cli_engine import add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
 from loraplex.registry.upload import UploadLimits
 
@@ -22,7 +23,6 @@ ENV_CACHE_SALT_SECRET = "LORAPLEX_CACHE_SALT_SECRET"
 
 def add_serve_command(subparsers: Any) -> None:
     """Registers ``serve`` on the main parser's subparsers."""
-    from loraplex.cli import add_engine_args  # here: loraplex.cli imports this module
     from loraplex.config import ServerConfig
 
     defaults = ServerConfig()
@@ -54,15 +54,6 @@ def add_serve_command(subparsers: Any) -> None:
     p.set_defaults(func=_serve)
 
 
-def _model_dir(args: argparse.Namespace) -> str:
-    model = args.model or os.environ.get("LORAPLEX_MODEL")
-    if model:
-        return str(model)
-    from loraplex.model.demo import prepare_demo_model
-
-    return str(prepare_demo_model())
-
-
 def _prepare_registry(args: argparse.Namespace, admin_key: str | None) -> str | None:
     """Migrates (or checks) the database and bootstraps the admin key; returns a key that
     was just created."""
@@ -84,8 +75,7 @@ def _prepare_registry(args: argparse.Namespace, admin_key: str | None) -> str | 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from loraplex.cli import engine_config_from_args
-    from loraplex.config import EngineConfig, ServerConfig
+    from loraplex.config import ServerConfig
     from loraplex.engine.client import EngineClient
     from loraplex.gateway.app import create_app
     from loraplex.gateway.auth import ENV_ADMIN_KEY
@@ -97,12 +87,12 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
         cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None)
-    model = _model_dir(args)
+    model = model_arg(args.model)
     created = _prepare_registry(args, server_config.admin_key)
     if created is not None:
         print("loraplex: created the admin key; it is shown only this once:", file=sys.stderr)
         print(created, flush=True)
-    engine_config = cast(EngineConfig, engine_config_from_args(args, model))
+    engine_config = engine_config_from_args(args, model)
     client = EngineClient.from_config(engine_config, progress=True)
     try:
         limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,

@@ -20,6 +20,7 @@ from loraplex.engine.engine import LLMEngine
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.stats import EngineStats
 from loraplex.errors import AdapterError, InvalidRequestError
 
 
@@ -114,7 +115,7 @@ class LLM:
             raise
         return [outputs[rid] for rid in ids]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def close(self) -> None:

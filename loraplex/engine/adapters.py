@@ -16,10 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.engine.request import AdapterRef
+from loraplex.engine.request import AdapterKey, AdapterRef
 from loraplex.errors import AdapterError
-
-AdapterKey = tuple[str, str]  # (adapter_id, content digest)
 
 
 @dataclass(frozen=True)
@@ -110,15 +108,9 @@ class AdapterManager:
 
     # --- device slots -----------------------------------------------------------------
 
-    def slot_of(self, key: AdapterKey) -> int | None:
-        return self._slot_of.get(key)
-
     def can_acquire(self, key: AdapterKey) -> bool:
         """Resident already, or some slot is empty or unpinned."""
         return key in self._slot_of or any(p == 0 for p in self._pins)
-
-    def num_free_slots(self) -> int:
-        return sum(1 for p in self._pins if p == 0)
 
     def acquire(self, ref: AdapterRef) -> int:
         """Pins the adapter in a slot, installing it (host cache → device) if needed."""
@@ -158,10 +150,6 @@ class AdapterManager:
             del self._slot_of[key]
             self._slots[slot] = None
             self._install(slot, None)
-
-    def pinned_count(self, key: AdapterKey) -> int:
-        slot = self._slot_of.get(key)
-        return 0 if slot is None else self._pins[slot]
 
     def stats(self) -> AdapterStats:
         with self._lock:

@@ -1,4 +1,4 @@
-"""The async face of the engine, used by the gateway.
+"""The async face of the engine, used by the gateway: the in-process ``EngineBackend``.
 
 One background thread owns the :class:`LLMEngine` and runs its step loop; nothing else
 ever touches the engine. Coroutines (on any event loop) talk to that thread through a
@@ -19,15 +19,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
 
 from loraplex.config import EngineConfig
+from loraplex.engine.backend import ModelDescription
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.stats import EngineStats
 from loraplex.errors import AdapterError, EngineDeadError, InvalidRequestError
 
 T = TypeVar("T")
@@ -99,6 +101,8 @@ class EngineClient:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # Read once, here: the engine's attributes belong to its thread once it runs.
+        self._description = engine.describe()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         # Owned by the engine thread: the consumer of every request the engine holds.
         self._streams: dict[str, _Stream] = {}
@@ -132,7 +136,12 @@ class EngineClient:
             self._thread.start()
 
     @property
-    def is_running(self) -> bool:
+    def description(self) -> ModelDescription:
+        """The served model."""
+        return self._description
+
+    @property
+    def is_ready(self) -> bool:
         """Whether the step loop is up and accepting requests."""
         thread = self._thread
         return thread is not None and thread.is_alive() and not self._closed
@@ -229,9 +238,16 @@ class EngineClient:
         self._enqueue(_Abort(request_id, None, done))
         await asyncio.wrap_future(done)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         """The engine's figures, read on the engine thread between steps."""
-        return await self.run_in_engine(lambda engine: engine.stats())
+        # The client's own count of unfinished requests includes those still queued for
+        # the engine thread.
+        return await self.run_in_engine(
+            lambda engine: replace(engine.stats(), num_unfinished=self.num_unfinished))
+
+    async def forget_adapter(self, adapter_id: str, digest: str) -> None:
+        """Drops a deleted adapter version from the engine (see ``LLMEngine.forget_adapter``)."""
+        await self.run_in_engine(lambda engine: engine.forget_adapter(adapter_id, digest))
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread between two steps and returns its

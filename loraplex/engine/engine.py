@@ -11,12 +11,15 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine.adapters import AdapterManager
+from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.stats import EngineStats
+from loraplex.engine.validation import check_prompt
 from loraplex.errors import (
     AdapterError,
     EngineOverloadedError,
@@ -67,6 +70,14 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.runner.args.vocab_size
 
+    def describe(self) -> ModelDescription:
+        """The served model, as the engine boundary reports it."""
+        model = self.config.model.model
+        return ModelDescription(model=model, tokenizer=model, max_model_len=self.max_model_len,
+                                vocab_size=self.vocab_size,
+                                max_lora_rank=self.config.lora.max_lora_rank,
+                                target_shapes=self.target_shapes)
+
     def close(self) -> None:
         self.adapters.close()
 
@@ -88,19 +99,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
         prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        vocab = self.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
-                                      param="prompt")
+        check_prompt(prompt, params.max_tokens, vocab_size=self.vocab_size,
+                     max_model_len=self.max_model_len)
         total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{total}, over the model's context length of {self.max_model_len}",
-                param="max_tokens" if len(prompt) < self.max_model_len else "prompt")
         if not self.kv.can_fit(total):
             raise PromptTooLongError(
                 f"prompt plus max_tokens ({total} tokens) can never fit the KV cache of "
@@ -283,30 +284,32 @@ class LLMEngine:
 
     # --- figures -----------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         kv = self.kv.stats()
         ad = self.adapters.stats()
-        return {
-            "num_preemptions": kv.num_preemptions,
-            "num_swap_outs": self.scheduler.num_swap_outs,
-            "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
-            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "kv_blocks_total": kv.num_blocks_total,
-            "kv_blocks_used": kv.num_blocks_used,
-            "kv_blocks_free": kv.num_blocks_free,
-            "kv_blocks_cached_free": kv.num_blocks_cached_free,
-            "kv_utilization": kv.kv_utilization,
-            "host_blocks_total": kv.num_host_blocks_total,
-            "host_blocks_used": kv.num_host_blocks_used,
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_swapped": len(self.scheduler.swapped),
-            "num_steps": self.num_steps,
-            "adapter_slot_loads": ad.num_slot_loads,
-            "adapter_slot_evictions": ad.num_slot_evictions,
-            "adapter_disk_loads": ad.num_disk_loads,
-            "adapter_load_seconds": ad.total_load_seconds,
-            "adapter_slots": [None if k is None else f"{k[0]}@{k[1][:12]}" for k in ad.slots],
-        }
+        return EngineStats(
+            num_preemptions=kv.num_preemptions,
+            num_swap_outs=self.scheduler.num_swap_outs,
+            prefix_cache_queried_tokens=kv.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=kv.prefix_cache_hit_tokens,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            kv_blocks_total=kv.num_blocks_total,
+            kv_blocks_used=kv.num_blocks_used,
+            kv_blocks_free=kv.num_blocks_free,
+            kv_blocks_cached_free=kv.num_blocks_cached_free,
+            kv_utilization=kv.kv_utilization,
+            host_blocks_total=kv.num_host_blocks_total,
+            host_blocks_used=kv.num_host_blocks_used,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_swapped=len(self.scheduler.swapped),
+            num_unfinished=len(self._groups),
+            num_steps=self.num_steps,
+            adapter_slot_loads=ad.num_slot_loads,
+            adapter_slot_evictions=ad.num_slot_evictions,
+            adapter_disk_loads=ad.num_disk_loads,
+            adapter_load_seconds=ad.total_load_seconds,
+            adapter_slots=tuple(None if k is None else f"{k[0]}@{k[1][:12]}"
+                                for k in ad.slots),
+        )
 

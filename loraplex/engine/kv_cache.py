@@ -21,7 +21,6 @@ ExtraKey = tuple[str, ...]
 """A tagged field of a block's cache key, e.g. ``("adapter", id, digest)``, ``("salt", s)``."""
 
 _HASH_DOMAIN = b"loraplex.kv.block.v1"
-_TOKEN_FORMAT = "<q"
 
 
 def extra_keys_for(adapter: tuple[str, str] | None, cache_salt: str | None) -> tuple[ExtraKey, ...]:

@@ -31,6 +31,9 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
+AdapterKey = tuple[str, str]  # (adapter_id, content digest)
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     """Which adapter version a request runs: identity is ``adapter_id@digest``."""
@@ -40,7 +43,7 @@ class AdapterRef:
     path: str
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> AdapterKey:
         return (self.adapter_id, self.digest)
 
 
@@ -93,21 +96,8 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """Whether more than the newest token is still to be computed."""
-        return self.num_uncomputed_tokens > 1
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.params.max_tokens
-
-    @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:
         return extra_keys_for(self.adapter.key if self.adapter else None, self.cache_salt)
-
-    @property
-    def adapter_key(self) -> tuple[str, str] | None:
-        return self.adapter.key if self.adapter else None
 
     @property
     def ttft(self) -> float | None:

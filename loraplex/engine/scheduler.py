@@ -28,10 +28,8 @@ from typing import Protocol
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.request import AdapterRef, Request, RequestStatus
+from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.errors import AdapterError
-
-AdapterKey = tuple[str, str]
 
 
 class AdapterSlots(Protocol):

@@ -9,7 +9,8 @@ parser is fed from ``request.stream()`` and each file part goes straight into th
 pipeline's staging folder under its byte cap. A declared ``Content-Length`` over the cap is
 refused (413) before a byte is read.
 
-Shared by the admin routes (any tenant's adapters) and the tenant routes (one's own).
+Shared by the admin routes (any tenant's adapters) and the tenant routes (one's own): a
+service, not a route module.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
-from loraplex.engine.client import EngineClient
-from loraplex.engine.engine import LLMEngine
+from loraplex.engine.backend import EngineBackend
 from loraplex.errors import (
     AdapterError,
     EngineDeadError,
@@ -35,7 +35,7 @@ from loraplex.errors import (
     UploadTooLargeError,
 )
 from loraplex.gateway.errors import AdapterRejectedError, ClientDisconnected
-from loraplex.gateway.generation import declared_length
+from loraplex.gateway.http import declared_length
 from loraplex.registry import upload
 from loraplex.registry.archive import ALLOWED_FILES
 from loraplex.registry.models import VISIBILITIES, Adapter
@@ -226,11 +226,11 @@ class AdapterService:
     """Uploads and deletes adapters for the HTTP routes; built once by ``create_app``."""
 
     def __init__(self, uploader: AdapterUploader, sessions: sessionmaker[Session],
-                 store: AdapterStore, engine: EngineClient) -> None:
+                 store: AdapterStore, backend: EngineBackend) -> None:
         self.uploader = uploader
         self.sessions = sessions
         self.store = store
-        self.engine = engine
+        self.backend = backend
 
     @property
     def max_upload_bytes(self) -> int:
@@ -286,13 +286,10 @@ class AdapterService:
             upload.delete_adapter, self.sessions, self.store, tenant_id=tenant_id,
             name=name, version=version, remove_files=False)
 
-        def forget(engine: LLMEngine) -> None:
-            for d in deleted:
-                # The same identity the gateway submits requests with (generation.py).
-                engine.forget_adapter(str(d.id), d.digest)
-
         try:
-            await self.engine.run_in_engine(forget)
+            for d in deleted:
+                # The same identity the gateway submits requests with (targets.py).
+                await self.backend.forget_adapter(str(d.id), d.digest)
         except EngineDeadError:
             logger.warning("adapter %s deleted while the engine is not running", name)
         finally:

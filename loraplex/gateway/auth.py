@@ -1,4 +1,6 @@
-"""Who is calling: bearer keys checked against the registry on every request.
+"""Who is calling, and what they may do: every principal check of the gateway.
+
+Bearer keys are checked against the registry on every request.
 
 Keys are looked up by their sha256 in the registry, which compares in constant time and
 refuses revoked keys and suspended tenants; nothing is cached, so a revocation takes effect
@@ -19,9 +21,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import HTTPConnection
 
-from loraplex.errors import ConfigError
+from loraplex.errors import ConfigError, InvalidRequestError
 from loraplex.gateway.errors import AuthenticationError, PermissionDeniedError
 from loraplex.gateway.ratelimit import TenantLimits
+from loraplex.gateway.state import Gateway, gateway
 from loraplex.registry import service
 from loraplex.registry.api_keys import DISPLAY_PREFIX_LEN, KEY_PREFIX, Principal
 from loraplex.registry.db import transaction
@@ -65,6 +68,33 @@ def require_admin(principal: Principal) -> Principal:
     if not principal.is_admin:
         raise PermissionDeniedError("This route needs an admin key")
     return principal
+
+
+async def admin_principal(conn: HTTPConnection) -> tuple[Gateway, Principal]:
+    """The gateway and the caller, who must hold an admin key (401/403 otherwise)."""
+    gw = gateway(conn)
+    return gw, require_admin(await authenticate(conn, gw.sessions))
+
+
+def is_own(principal: Principal, tenant_id: int) -> bool:
+    """Whether a record of ``tenant_id`` belongs to the caller's tenant (its adapters are
+    named without the owner's prefix)."""
+    return tenant_id == principal.tenant_id
+
+
+def check_not_own_key(caller: Principal, key_id: int) -> None:
+    """An admin may not revoke the key they are calling with (they would lock themselves
+    out mid-session)."""
+    if key_id == caller.key_id:
+        raise InvalidRequestError("you cannot revoke the admin key you are using; sign in "
+                                  "with another admin key first")
+
+
+def check_not_own_tenant(caller: Principal, tenant_id: int) -> None:
+    """An admin may not suspend the tenant of the key they are calling with."""
+    if is_own(caller, tenant_id):
+        raise InvalidRequestError("you cannot suspend the tenant of the admin key you "
+                                  "are using", param="status")
 
 
 def tenant_limits(principal: Principal) -> TenantLimits:

@@ -23,6 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from loraplex.engine.outputs import RequestMetrics
+
 OTHER_LABEL: Final = "other"
 
 REQUEST_STATUSES: Final = (
@@ -223,3 +225,29 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class Observation:
+    """Labels of one request's metrics sample, recorded once."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+        self.tenant = "unauthenticated"
+        self.adapter = "none"
+        # Set once a Job owns the request: it records the sample when the request really
+        # ends, which for a stream is long after the handler returned.
+        self.delegated = False
+        self._done = False
+
+    def record(self, status: str, metrics: RequestMetrics | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._metrics.observe_request(
+            self.tenant, self.adapter, status,
+            ttft_s=metrics.ttft if metrics else None,
+            tpot_s=metrics.tpot if metrics else None,
+            e2e_s=metrics.e2e if metrics else None)
+
+    def record_http(self, status_code: int) -> None:
+        self.record(status_for_http(status_code))

@@ -12,11 +12,8 @@ ignored on purpose: the salt is derived by the server from the tenant.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Final
 
 from loraplex.engine.sampling_params import MAX_LOGPROBS
@@ -60,38 +57,6 @@ def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
     if unknown:
         raise InvalidRequestError(
             f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-
-
-def parse_time_param(params: Mapping[str, str], name: str) -> datetime | None:
-    """An ISO 8601 query parameter (UTC when it has no offset); 400 naming it if bad."""
-    raw = params.get(name)
-    if raw is None:
-        return None
-    try:
-        value = datetime.fromisoformat(raw)
-    except ValueError:
-        raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
-                                  param=name) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; InvalidRequestError (400) otherwise.
-
-    NaN and Infinity are refused: they are not JSON, though Python's parser accepts them.
-    """
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        data = json.loads(raw, parse_constant=no_constants)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
-        raise InvalidRequestError(
-            f"We could not parse the JSON body of your request: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return data
 
 
 # --- field readers -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import HTTPConnection
 
 from loraplex.config import RegistryConfig, ServerConfig
-from loraplex.engine.client import EngineClient
+from loraplex.engine.backend import EngineBackend
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.gateway.ratelimit import RateLimiter
@@ -23,11 +23,11 @@ from loraplex.registry.store import AdapterStore
 
 
 class Tokenizers:
-    """The gateway's own copies of the engine's tokenizer.
+    """The gateway's own copies of the served model's tokenizer.
 
-    The engine thread decodes with its tokenizer while the gateway encodes: a fast
-    tokenizer shared across threads can fail with "Already borrowed", so the gateway never
-    touches the engine's. Encoding (maybe a long prompt) runs in worker threads under a
+    The engine decodes with its tokenizer while the gateway encodes: a fast tokenizer
+    shared across threads can fail with "Already borrowed", so the gateway loads its own
+    from the model description's tokenizer source. Encoding (maybe a long prompt) runs in worker threads under a
     lock; per-token decoding for logprobs runs on the event loop with a second copy.
     """
 
@@ -75,15 +75,13 @@ class Gateway:
     registry: RegistryConfig
     db_engine: Engine
     sessions: sessionmaker[Session]
-    engine: EngineClient
+    backend: EngineBackend
     store: AdapterStore
     metrics: GatewayMetrics
     meter: UsageMeter
     tokenizers: Tokenizers
     served_model_name: str
     salt_secret: bytes
-    max_model_len: int
-    vocab_size: int
     limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
     # Cumulative engine counters already exported, to turn totals into counter increments.
     exported: dict[str, float] = field(default_factory=dict)

@@ -7,7 +7,7 @@ LoRA slot weights. What to run comes in as ``BatchInputs``; the engine decides i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +44,6 @@ class SeqInput:
 @dataclass(frozen=True)
 class BatchInputs:
     seqs: Sequence[SeqInput]
-    block_copies: Sequence[tuple[int, int]] = field(default_factory=tuple)  # (src, dst)
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -184,7 +183,6 @@ class ModelRunner:
     def forward_logits(self, batch: BatchInputs) -> torch.Tensor:
         """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token,
         in the batch's order."""
-        self.copy_blocks(batch.block_copies)
         # Sequences of one adapter side by side: each slot's tokens form one contiguous run,
         # which the LoRA step slices instead of gathering and scattering.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].lora_slot)

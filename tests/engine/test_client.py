@@ -158,11 +158,11 @@ def test_100_concurrent_streams_some_aborted(model_dir: Path,
         await wait_until_retired(client)
         await client.run_in_engine(check_engine_drained)
         stats = await client.stats()
-        assert stats["prefix_cache_hit_tokens"] > 0
+        assert stats.prefix_cache_hit_tokens > 0
         await client.shutdown()
 
     run(main)
-    assert not client.is_running
+    assert not client.is_ready
     assert len(completed) == 80 and len(aborted) == 20
     for rid, deltas in completed.items():
         ids = [t for d in deltas for t in d.new_token_ids]
@@ -298,14 +298,14 @@ def test_shutdown_with_requests_in_flight(model_dir: Path) -> None:
 
     async def main() -> list[list[SequenceDelta]]:
         client.start()
-        assert client.is_running
+        assert client.is_ready
         streams = [client.generate([5, 6, 7 + i], long_run) for i in range(8)]
         firsts = [await anext(agen) for agen in streams]
         tasks = [asyncio.create_task(collect(agen)) for agen in streams]
         assert client.num_unfinished == 8
         await client.shutdown()
         rests = await asyncio.gather(*tasks)
-        assert not client.is_running and client._thread is not None
+        assert not client.is_ready and client._thread is not None
         assert not client._thread.is_alive()
         with pytest.raises(EngineDeadError):
             await collect(client.generate([5], long_run))
@@ -347,7 +347,7 @@ def test_step_crash_is_engine_dead_for_everyone(model_dir: Path,
         for result in results:
             assert isinstance(result, EngineDeadError)
             assert isinstance(result.__cause__, RuntimeError)
-        assert not client.is_running
+        assert not client.is_ready
         with pytest.raises(EngineDeadError, match="boom"):
             await collect(client.generate([5], long_run))
         with pytest.raises(EngineDeadError):
@@ -406,6 +406,6 @@ def test_idle_loop_blocks_instead_of_spinning(model_dir: Path) -> None:
             assert end - start < 0.05
             with pytest.raises(ZeroDivisionError):
                 await client.run_in_engine(lambda _: 1 / 0)
-            assert client.is_running  # a failing call does not kill the loop
+            assert client.is_ready  # a failing call does not kill the loop
 
     run(main)

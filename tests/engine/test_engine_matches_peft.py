@@ -84,7 +84,7 @@ def test_chunked_prefill_budget_limited(tiny_llama_dir: Path, llama_adapters: di
                                         workload: Workload) -> None:
     llm, _ = _run(tiny_llama_dir, llama_adapters, workload, max_num_batched_tokens=7,
                   block_size=4, num_kv_blocks=400)
-    assert llm.stats()["num_preemptions"] == 0
+    assert llm.stats().num_preemptions == 0
 
 
 def test_chunk_of_one_token(tiny_llama_dir: Path, llama_adapters: dict[str, Path],
@@ -97,8 +97,8 @@ def test_prefix_cache_hits_across_adapters_and_tenants(
         tiny_llama_dir: Path, llama_adapters: dict[str, Path], workload: Workload) -> None:
     llm, _ = _run(tiny_llama_dir, llama_adapters, workload, block_size=4, num_kv_blocks=400)
     stats = llm.stats()
-    assert stats["prefix_cache_hit_tokens"] > 0
-    assert stats["prefix_cache_queried_tokens"] >= sum(len(p) for p in workload.prompts)
+    assert stats.prefix_cache_hit_tokens > 0
+    assert stats.prefix_cache_queried_tokens >= sum(len(p) for p in workload.prompts)
 
 
 def test_forced_preemptions(tiny_llama_dir: Path, llama_adapters: dict[str, Path],
@@ -109,7 +109,7 @@ def test_forced_preemptions(tiny_llama_dir: Path, llama_adapters: dict[str, Path
     preempted = sum(1 for o in outs if o.metrics[0] is not None
                     and o.metrics[0].num_preemptions > 0)
     assert preempted > NUM_REQUESTS // 2, f"only {preempted} requests were preempted"
-    assert llm.stats()["num_preemptions"] >= preempted
+    assert llm.stats().num_preemptions >= preempted
 
 
 def test_swap_preemption_matches_recompute(tiny_llama_dir: Path,
@@ -119,8 +119,8 @@ def test_swap_preemption_matches_recompute(tiny_llama_dir: Path,
                      num_kv_blocks=18, max_num_batched_tokens=16, preemption_mode="swap",
                      swap_space_blocks=40)
     stats = llm.stats()
-    assert stats["num_swap_outs"] > NUM_REQUESTS // 2  # the host pool really carried KV
-    assert stats["host_blocks_used"] == 0 and stats["host_blocks_total"] == 40
+    assert stats.num_swap_outs > NUM_REQUESTS // 2  # the host pool really carried KV
+    assert stats.host_blocks_used == 0 and stats.host_blocks_total == 40
 
 
 def test_fewer_slots_than_adapters(tiny_llama_dir: Path, llama_adapters: dict[str, Path],
@@ -128,8 +128,8 @@ def test_fewer_slots_than_adapters(tiny_llama_dir: Path, llama_adapters: dict[st
     llm, _ = _run(tiny_llama_dir, llama_adapters, workload, max_loras=2, max_cpu_loras=2,
                   num_kv_blocks=200)
     stats = llm.stats()
-    assert stats["adapter_slot_evictions"] > 0
-    assert stats["adapter_disk_loads"] > len(llama_adapters)  # host cache of 2 churned too
+    assert stats.adapter_slot_evictions > 0
+    assert stats.adapter_disk_loads > len(llama_adapters)  # host cache of 2 churned too
 
 
 def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: Path,

@@ -103,7 +103,7 @@ def test_bad_requests_are_refused(llm: LLM, tmp_path: Path,
         llm.generate([[]], SamplingParams())
     with pytest.raises(InvalidRequestError, match="out of range"):
         llm.generate([[10**6]], SamplingParams())
-    with pytest.raises(PromptTooLongError, match="context length of 512"):
+    with pytest.raises(PromptTooLongError, match="maximum context length is 512"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=50))
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         SamplingParams(max_tokens=0)

@@ -138,7 +138,7 @@ def test_unknown_model_is_404(live: LiveServer) -> None:
 
 
 def test_prompt_over_the_context_length_is_413(live: LiveServer) -> None:
-    max_len = live.client.engine.max_model_len
+    max_len = live.client.description.max_model_len
     body = {"model": live.served_name, "prompt": [5] * max_len, "max_tokens": 1}
     error = error_of(post(live, "/v1/completions", body), 413)
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"

@@ -1,33 +1,24 @@
-"""Operator routes under ``/admin/api``; every one needs an admin key (403 otherwise).
-
-This module has the engine and usage views and gathers the others: tenants and keys in
-``admin_tenants``, adapters in ``admin_adapters``.
+"""Operator views under ``/admin/api``: the engine and usage. Every one needs an admin key
+(403 otherwise); tenants and keys are in ``admin_tenants``, adapters in ``admin_adapters``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any, Final
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
-from starlette.types import Scope
+from starlette.routing import Route
 
 from loraplex.errors import AdapterNotFoundError, InvalidRequestError
-from loraplex.gateway import admin_adapters, admin_tenants
-from loraplex.gateway.admin_tenants import MAX_INT32, admin_principal
-from loraplex.gateway.schemas import parse_time_param
+from loraplex.gateway.auth import admin_principal
+from loraplex.gateway.http import MAX_INT32, parse_time_param
 from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.db import transaction
-
-logger = logging.getLogger("loraplex.gateway")
 
 DEFAULT_USAGE_WINDOW: Final = timedelta(hours=48)
 MAX_USAGE_WINDOW: Final = timedelta(days=366)
@@ -59,10 +50,9 @@ def _slot_names(gw: Gateway, slots: list[str | None]) -> list[dict[str, Any] | N
 async def engine_stats(request: Request) -> Response:
     """The engine's figures: queue, running requests, KV blocks, adapter slots."""
     gw, _ = await admin_principal(request)
-    stats = await gw.engine.stats()
-    slots = await run_in_threadpool(_slot_names, gw, list(stats["adapter_slots"]))
-    return JSONResponse(stats | {"num_unfinished": gw.engine.num_unfinished, "slots": slots,
-                                 "served_model": gw.served_model_name})
+    stats = await gw.backend.stats()
+    slots = await run_in_threadpool(_slot_names, gw, list(stats.adapter_slots))
+    return JSONResponse(asdict(stats) | {"slots": slots, "served_model": gw.served_model_name})
 
 
 def _usage(gw: Gateway, tenant: str | None, since: datetime,
@@ -114,44 +104,8 @@ async def usage(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    """The routes of every admin API module, for ``create_app``."""
+    """The routes of this module, for ``create_app``."""
     return [
         Route("/admin/api/engine", engine_stats, methods=["GET"]),
         Route("/admin/api/usage", usage, methods=["GET"]),
-        *admin_tenants.routes(),
-        *admin_adapters.routes(),
     ]
-
-
-# --- the admin UI ------------------------------------------------------------------------
-
-# The pages' folder in a checkout (or an editable install, as the Docker image has).
-ADMIN_UI_DIR: Final = Path(__file__).resolve().parents[2] / "admin_ui"
-_UI_HEADERS: Final = {
-    # Only the pages' own scripts and styles run, and no other site may frame them: the
-    # admin key lives in this tab's sessionStorage.
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
-                               "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-cache",
-}
-
-
-class AdminUIFiles(StaticFiles):
-    """The admin pages, served with headers that keep the admin key in the page."""
-
-    def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result,
-                      scope: Scope, status_code: int = 200) -> Response:
-        response = super().file_response(full_path, stat_result, scope, status_code)
-        response.headers.update(_UI_HEADERS)
-        return response
-
-
-def admin_ui_mount(directory: Path = ADMIN_UI_DIR) -> Mount | None:
-    """``/admin`` serving the admin pages, or None when the folder is not there (a wheel
-    install: the pages ship with the source tree)."""
-    if not (directory / "index.html").is_file():
-        logger.warning("admin UI not served: %s has no index.html", directory)
-        return None
-    return Mount("/admin", app=AdminUIFiles(directory=directory, html=True), name="admin_ui")

@@ -1,8 +1,9 @@
 """The tenant-facing, OpenAI-compatible routes: models, completions, chat, usage.
 
-Each handler parses, resolves the caller and the model, and hands a ``Job`` to the engine;
-errors propagate to the one exception handler (``gateway/errors.py``). Every request to
-these routes is counted in the metrics exactly once, with its final status.
+Each handler parses, resolves the caller and the model, and hands a ``Job`` to the engine,
+which validates the prompt (``loraplex.engine.validation``); errors propagate to the one
+exception handler (``gateway/errors.py``). Every request to these routes is counted in the
+metrics exactly once, with its final status.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -19,35 +20,36 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
-from loraplex.gateway.auth import authenticate
+from loraplex.errors import EngineDeadError
+from loraplex.gateway.auth import authenticate, is_own
 from loraplex.gateway.errors import ClientDisconnected, describe
-from loraplex.gateway.generation import (
+from loraplex.gateway.generation import Job
+from loraplex.gateway.http import (
     EventStreamResponse,
-    Job,
-    Observation,
-    Target,
+    parse_json_body,
+    parse_time_param,
     read_body,
-    resolve_target,
     run_until_disconnect,
     shielded,
     sse,
 )
-from loraplex.gateway.metrics import status_for_http
+from loraplex.gateway.metrics import Observation, status_for_http
 from loraplex.gateway.responses import Accumulator, ChunkWriter, dumps, usage
 from loraplex.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
     GenerationOptions,
     parse_chat_completion,
     parse_completion,
-    parse_json_body,
-    parse_time_param,
 )
 from loraplex.gateway.state import Gateway, gateway
+from loraplex.gateway.targets import Target, resolve_target
 from loraplex.registry import service
 from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
 
 Handler = Callable[[Request, Gateway, Observation], Awaitable[Response]]
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -56,7 +58,7 @@ def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 
     async def endpoint(request: Request) -> Response:
         gw = gateway(request)
-        obs = Observation(gw)
+        obs = Observation(gw.metrics)
         try:
             response = await handler(request, gw, obs)
         except Exception as exc:
@@ -81,7 +83,7 @@ def _model_entries(gw: Gateway, principal: Principal) -> list[dict[str, Any]]:
         entries = [{"id": gw.served_model_name, "object": "model", "created": 0,
                     "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}]
         for row in rows:
-            own = row.tenant_id == principal.tenant_id
+            own = is_own(principal, row.tenant_id)
             entries.append({
                 "id": row.name if own else f"{row.tenant.name}/{row.name}",
                 "object": "model", "created": int(row.created_at.timestamp()),
@@ -111,31 +113,13 @@ async def get_model(request: Request, gw: Gateway, obs: Observation) -> Response
 # --- generation --------------------------------------------------------------------------
 
 
-def _check_prompt(gw: Gateway, token_ids: list[int]) -> None:
-    if not token_ids:
-        raise InvalidRequestError("the prompt is empty once tokenized", param="prompt")
-    bad = [t for t in token_ids if not 0 <= t < gw.vocab_size]
-    if bad:
-        raise InvalidRequestError(f"prompt token ids out of range [0, {gw.vocab_size}): "
-                                  f"{bad[:5]}", param="prompt")
-    if len(token_ids) >= gw.max_model_len:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {gw.max_model_len} tokens, and your "
-            f"prompt has {len(token_ids)} tokens, leaving no room for a completion",
-            param="prompt")
-
-
 def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
                      default_max_tokens: int) -> SamplingParams:
-    room = gw.max_model_len - num_prompt
     max_tokens = options.max_tokens
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, gw.config.max_tokens_limit, room)
-    elif max_tokens > room:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {gw.max_model_len} tokens. However, you "
-            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-            f"{max_tokens} for the completion)", param="max_tokens")
+        # As many as fit; the engine refuses a prompt that leaves room for none.
+        room = gw.backend.description.max_model_len - num_prompt
+        max_tokens = max(1, min(default_max_tokens, gw.config.max_tokens_limit, room))
     return SamplingParams(
         n=options.n, temperature=options.temperature, top_p=options.top_p,
         top_k=options.top_k, min_p=options.min_p, seed=options.seed, max_tokens=max_tokens,
@@ -144,22 +128,20 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
 
 
 async def _prepare(request: Request, gw: Gateway, obs: Observation,
-                   ) -> tuple[Principal, dict[str, Any]]:
+                   parse: Callable[..., R]) -> tuple[Principal, R, Target]:
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
     body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
-    return principal, body
+    req = parse(body, max_tokens_limit=gw.config.max_tokens_limit, max_n=gw.config.max_n)
+    target = await resolve_target(gw, principal, req.options.model)
+    obs.adapter = target.label
+    return principal, req, target
 
 
 async def completions(request: Request, gw: Gateway, obs: Observation) -> Response:
-    principal, body = await _prepare(request, gw, obs)
-    req = parse_completion(body, max_tokens_limit=gw.config.max_tokens_limit,
-                           max_n=gw.config.max_n)
-    target = await resolve_target(gw, principal, req.options.model)
-    obs.adapter = target.label
+    principal, req, target = await _prepare(request, gw, obs, parse_completion)
     token_ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
                  else await gw.tokenizers.encode(req.prompt or ""))
-    _check_prompt(gw, token_ids)
     # OpenAI's default of 16 applies only when max_tokens is left out.
     params = _sampling_params(gw, req.options, len(token_ids), default_max_tokens=16)
     return await _generate(request, gw, obs, principal, target, token_ids, params,
@@ -167,14 +149,9 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
 
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
-    principal, body = await _prepare(request, gw, obs)
-    req = parse_chat_completion(body, max_tokens_limit=gw.config.max_tokens_limit,
-                                max_n=gw.config.max_n)
-    target = await resolve_target(gw, principal, req.options.model)
-    obs.adapter = target.label
+    principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
     token_ids = await gw.tokenizers.encode_chat(
         [{"role": m.role, "content": m.content} for m in req.messages])
-    _check_prompt(gw, token_ids)
     params = _sampling_params(gw, req.options, len(token_ids),
                               default_max_tokens=gw.config.max_tokens_limit)
     return await _generate(request, gw, obs, principal, target, token_ids, params,
@@ -272,7 +249,7 @@ def _usage_model(session: Session, gw: Gateway, principal: Principal,
         return gw.served_model_name
     row = service.get_adapter(session, adapter_id)
     name = f"{row.name}@v{row.version}"
-    return name if row.tenant_id == principal.tenant_id else f"{row.tenant.name}/{name}"
+    return name if is_own(principal, row.tenant_id) else f"{row.tenant.name}/{name}"
 
 
 async def get_usage(request: Request, gw: Gateway, obs: Observation) -> Response:

@@ -11,28 +11,11 @@ from starlette.routing import Route
 
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.adapter_uploads import adapter_json, adapter_service, deleted_json
-from loraplex.gateway.admin_tenants import MAX_INT32, admin_principal, json_object
+from loraplex.gateway.auth import admin_principal
+from loraplex.gateway.http import query_flag, query_version, read_json_object
 from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.db import transaction
-
-
-def query_flag(request: Request, name: str) -> bool:
-    raw = request.query_params.get(name, "false").lower()
-    if raw not in ("true", "false", "1", "0"):
-        raise InvalidRequestError(f"{name} must be true or false, got {raw!r}", param=name)
-    return raw in ("true", "1")
-
-
-def query_version(request: Request) -> int | None:
-    """The ``version`` query parameter: one version of an adapter, or None for all."""
-    raw = request.query_params.get("version")
-    if raw is None:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_INT32:
-        raise InvalidRequestError(f"version must be a positive integer, got {raw!r}",
-                                  param="version")
-    return int(raw)
 
 
 def list_versions(gw: Gateway, tenant: str | None, include_deleted: bool,
@@ -81,7 +64,7 @@ def _set_visibility(gw: Gateway, tenant: str, name: str, visibility: Any,
 async def update_adapter(request: Request) -> Response:
     """``{"visibility": "public"|"private"}`` for every active version of the adapter."""
     gw, _ = await admin_principal(request)
-    body = await json_object(request, gw, ("visibility",))
+    body = await read_json_object(request, gw.config.max_body_bytes, ("visibility",))
     data = await run_in_threadpool(_set_visibility, gw, request.path_params["tenant"],
                                    request.path_params["name"], body.get("visibility"))
     return JSONResponse({"object": "list", "data": data})

@@ -15,34 +15,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.gateway.auth import authenticate, require_admin
-from loraplex.gateway.generation import read_body
-from loraplex.gateway.schemas import parse_json_body
-from loraplex.gateway.state import Gateway, gateway
+from loraplex.gateway.auth import admin_principal, check_not_own_key, check_not_own_tenant
+from loraplex.gateway.http import MAX_INT32, read_json_object
+from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
 from loraplex.registry.models import ApiKey, Tenant
 
 LIMITS: Final = ("max_requests_per_minute", "max_tokens_per_minute", "max_concurrent_requests")
-# Ids and limits are 32-bit integer columns: a larger number is not looked up or stored.
-MAX_INT32: Final = 2**31 - 1
-
-
-async def admin_principal(request: Request) -> tuple[Gateway, Principal]:
-    """The gateway and the caller, who must hold an admin key (401/403 otherwise)."""
-    gw = gateway(request)
-    return gw, require_admin(await authenticate(request, gw.sessions))
-
-
-async def json_object(request: Request, gw: Gateway, allowed: tuple[str, ...]) -> dict[str, Any]:
-    """The JSON object body; unknown fields are refused so a typo is not silently dropped."""
-    body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        raise InvalidRequestError(f"unknown field {unknown[0]!r}; expected one of "
-                                  f"{', '.join(allowed)}", param=unknown[0])
-    return body
 
 
 def _limit(body: dict[str, Any], field: str) -> int | None:
@@ -115,7 +96,7 @@ def _create_tenant(gw: Gateway, body: dict[str, Any]) -> dict[str, Any]:
 
 async def create_tenant(request: Request) -> Response:
     gw, _ = await admin_principal(request)
-    body = await json_object(request, gw, ("name", *LIMITS))
+    body = await read_json_object(request, gw.config.max_body_bytes, ("name", *LIMITS))
     return JSONResponse(await run_in_threadpool(_create_tenant, gw, body), status_code=201)
 
 
@@ -136,9 +117,8 @@ def _update_tenant(gw: Gateway, caller: Principal, name: str,
     status = _string(body, "status") if "status" in body else None
     with transaction(gw.sessions) as session:
         tenant = service.get_tenant_by_name(session, name)
-        if status == "suspended" and tenant.id == caller.tenant_id:
-            raise InvalidRequestError("you cannot suspend the tenant of the admin key you "
-                                      "are using", param="status")
+        if status == "suspended":
+            check_not_own_tenant(caller, tenant.id)
         if limits:
             service.update_tenant_limits(session, tenant.id, **limits)
         if status is not None:
@@ -149,7 +129,7 @@ def _update_tenant(gw: Gateway, caller: Principal, name: str,
 async def update_tenant(request: Request) -> Response:
     """Changes limits (null removes one) and/or ``status`` (``active``/``suspended``)."""
     gw, caller = await admin_principal(request)
-    body = await json_object(request, gw, (*LIMITS, "status"))
+    body = await read_json_object(request, gw.config.max_body_bytes, (*LIMITS, "status"))
     data = await run_in_threadpool(_update_tenant, gw, caller, request.path_params["tenant"],
                                    body)
     return JSONResponse(data)
@@ -185,15 +165,13 @@ def _create_key(gw: Gateway, tenant_name: str, body: dict[str, Any]) -> dict[str
 async def create_key(request: Request) -> Response:
     """A new key for the tenant; the plaintext ``key`` is in this response only."""
     gw, _ = await admin_principal(request)
-    body = await json_object(request, gw, ("name", "role"))
+    body = await read_json_object(request, gw.config.max_body_bytes, ("name", "role"))
     data = await run_in_threadpool(_create_key, gw, request.path_params["tenant"], body)
     return JSONResponse(data, status_code=201, headers={"Cache-Control": "no-store"})
 
 
 def _revoke_key(gw: Gateway, caller: Principal, key_id: int) -> dict[str, Any]:
-    if key_id == caller.key_id:
-        raise InvalidRequestError("you cannot revoke the admin key you are using; sign in "
-                                  "with another admin key first")
+    check_not_own_key(caller, key_id)
     if key_id > MAX_INT32:
         raise NotFoundError(f"no API key with id {key_id}")
     with transaction(gw.sessions) as session:

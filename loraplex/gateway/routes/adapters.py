@@ -14,8 +14,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.gateway.adapter_uploads import adapter_json, adapter_service, deleted_json
-from loraplex.gateway.admin_adapters import query_flag, query_version
 from loraplex.gateway.auth import authenticate
+from loraplex.gateway.http import query_flag, query_version
 from loraplex.gateway.state import Gateway, gateway
 from loraplex.registry import service
 from loraplex.registry.api_keys import Principal

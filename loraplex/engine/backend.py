@@ -1,0 +1,76 @@
+"""The engine boundary: everything the gateway may use of an engine, and nothing more.
+
+``EngineClient`` (the engine in this process, on its own thread) is the embedded default;
+an implementation across a process boundary satisfies the same protocol. Only plain data
+crosses it: prompt token ids, frozen sampling params, the tenant's cache salt as an opaque
+string, the adapter's identity, a request id; back come ``SequenceDelta`` and
+``EngineStats``. Refusals are domain errors from ``loraplex.errors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from loraplex.engine.outputs import SequenceDelta
+from loraplex.engine.request import AdapterRef
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from loraplex.model.adapter_loader import TargetShapes
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """The served base model as every engine of a deployment must agree on it."""
+
+    model: str  # the model folder (or id) the engine loaded
+    tokenizer: str  # where the tokenizer loads from (a folder)
+    max_model_len: int  # context length: prompt plus completion
+    vocab_size: int
+    max_lora_rank: int
+    target_shapes: TargetShapes  # the LoRA-able modules an adapter must match
+
+
+class EngineBackend(Protocol):
+    """What the gateway needs from an engine."""
+
+    @property
+    def description(self) -> ModelDescription:
+        """The served model; fixed for the backend's lifetime."""
+        ...
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether generation requests are accepted now."""
+        ...
+
+    def start(self) -> None:
+        """Starts serving (called once, from the gateway's lifespan)."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stops serving: in-flight requests end with finish_reason "abort". Idempotent."""
+        ...
+
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 lora: AdapterRef | None, cache_salt: str | None,
+                 request_id: str) -> AsyncGenerator[SequenceDelta, None]:
+        """Streams the request's outputs, one delta per new token of each sequence.
+
+        The first iteration raises what admission refuses (InvalidRequestError,
+        PromptTooLongError, EngineOverloadedError...); closing the stream before its end
+        aborts the request and frees what it holds.
+        """
+        ...
+
+    async def stats(self) -> EngineStats:
+        """The engine's figures now."""
+        ...
+
+    async def forget_adapter(self, adapter_id: str, digest: str) -> None:
+        """Drops a deleted adapter version: cached prefix blocks, host copy, idle slot.
+        Requests already running on it finish unchanged."""
+        ...

@@ -1,0 +1,37 @@
+"""The checks a prompt must pass before any engine admits it, in one place.
+
+Pure Python: the engine calls ``check_prompt`` at admission, and whatever sits in front of
+an engine (the gateway, the offline ``LLM``) gets these errors through it, so the rules and
+their wording exist once. The messages follow OpenAI's, since the gateway shows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loraplex.errors import InvalidRequestError, PromptTooLongError
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, vocab_size: int,
+                 max_model_len: int) -> None:
+    """Raises InvalidRequestError for an empty prompt or a token id outside the vocabulary,
+    PromptTooLongError (``param="prompt"``) for a prompt that leaves no room for a single
+    token, and PromptTooLongError (``param="max_tokens"``) when the prompt plus
+    ``max_tokens`` is over the context length."""
+    num_prompt = len(prompt_token_ids)
+    if not num_prompt:
+        raise InvalidRequestError("the prompt is empty once tokenized", param="prompt")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): "
+                                  f"{bad[:5]}", param="prompt")
+    if num_prompt >= max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens, and your "
+            f"prompt has {num_prompt} tokens, leaving no room for a completion",
+            param="prompt")
+    if num_prompt + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} for the completion)", param="max_tokens")

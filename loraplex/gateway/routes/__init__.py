@@ -1,0 +1,1 @@
+"""The route modules of the gateway, one per concern; none imports another."""

@@ -1,0 +1,78 @@
+"""Operations routes: liveness, readiness, Prometheus metrics, the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.gateway.auth import admin_principal
+from loraplex.gateway.state import Gateway, gateway
+
+
+async def health(request: Request) -> Response:
+    """The process is up and serving HTTP."""
+    return JSONResponse({"status": "ok"})
+
+
+def _database_ok(gw: Gateway) -> bool:
+    try:
+        with gw.db_engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+    except sa.exc.SQLAlchemyError:
+        return False
+    return True
+
+
+async def ready(request: Request) -> Response:
+    """The engine is loaded and running, and the registry database answers."""
+    gw = gateway(request)
+    engine_ok = gw.backend.is_ready
+    database_ok = await run_in_threadpool(_database_ok, gw)
+    ok = engine_ok and database_ok
+    return JSONResponse({"status": "ready" if ok else "not ready", "engine": engine_ok,
+                         "database": database_ok}, status_code=200 if ok else 503)
+
+
+async def _refresh_engine_metrics(gw: Gateway) -> None:
+    stats = await gw.backend.stats()
+    gw.metrics.set_engine_gauges(
+        queue_depth=stats.num_waiting, running=stats.num_running,
+        kv_blocks_used=stats.kv_blocks_used, kv_blocks_free=stats.kv_blocks_free,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate)
+    # The engine keeps running totals; the counters get what happened since the last scrape.
+    seen = gw.exported
+    loads = stats.adapter_slot_loads - int(seen.get("loads", 0))
+    seconds = stats.adapter_load_seconds - seen.get("load_seconds", 0.0)
+    evictions = stats.adapter_slot_evictions - int(seen.get("evictions", 0))
+    for _ in range(max(loads, 0)):
+        # Only the total time is known: each load of the interval gets the mean.
+        gw.metrics.record_adapter_load(max(seconds, 0.0) / loads)
+    for _ in range(max(evictions, 0)):
+        gw.metrics.record_adapter_eviction()
+    seen.update(loads=stats.adapter_slot_loads, load_seconds=stats.adapter_load_seconds,
+                evictions=stats.adapter_slot_evictions)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    """Prometheus exposition. Admin only: labels name tenants and their adapters."""
+    gw, _ = await admin_principal(request)
+    await _refresh_engine_metrics(gw)
+    body, content_type = gw.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+def routes(openapi_document: dict[str, Any]) -> list[Route]:
+    """The routes of this module, for ``create_app``; ``openapi_document`` is served as
+    ``/openapi.json``."""
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", lambda request: JSONResponse(openapi_document),
+              methods=["GET"]),
+    ]
