@@ -1,0 +1,141 @@
+"""OpenMP wait policy: offline generation on a quiet and on a busy machine, before/after.
+
+Each cell is a fresh child process that loads the demo model with ``loraplex.LLM``, warms
+up, then times ``generate`` (one prompt, greedy, ``--tokens`` tokens, ``--repeats`` times,
+median) on the main thread or on a worker thread. Policies:
+
+- ``spin``: libgomp's own default (``GOMP_SPINCOUNT=300000``), what loraplex ran with before;
+- ``passive``: loraplex's default now (``OMP_WAIT_POLICY=PASSIVE``, set by ``import loraplex``).
+
+"busy" runs one pure-Python busy loop per core beside the child for the whole cell, the
+shape of a machine shared with other work (the case where the main thread took 40 s for
+what took 3 s elsewhere). Prints a table; writes JSON and a PNG.
+
+    python benchmarks/openmp_wait.py [--tokens 32] [--repeats 3] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+POLICIES = {"spin": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+CHILD = r"""
+import json, statistics, sys, threading, time
+import loraplex
+from loraplex.model.demo import default_demo_dir, prepare_demo_model
+model = str(prepare_demo_model(default_demo_dir(), progress=False))
+llm = loraplex.LLM(model, progress=False)
+params = loraplex.SamplingParams(max_tokens=int(sys.argv[1]), temperature=0.0, ignore_eos=True)
+prompt = "Write a short note about the sea."
+llm.generate([prompt], params)
+times = []
+def run():
+    for _ in range(int(sys.argv[2])):
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - start)
+if sys.argv[3] == "main":
+    run()
+else:
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+print(json.dumps({"seconds": statistics.median(times), "all": times}))
+"""
+
+SPINNER = "import time, sys\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end: pass\n"
+
+
+def run_cell(policy: str, load: str, caller: str, args: argparse.Namespace) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
+    env.update(POLICIES[policy])
+    spinners = []
+    if load == "busy":
+        spinners = [subprocess.Popen([sys.executable, "-c", SPINNER, "1200"])
+                    for _ in range(os.cpu_count() or 2)]
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD, str(args.tokens), str(args.repeats),
+                              caller], env=env, capture_output=True, text=True, check=True,
+                             timeout=1800)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"policy": policy, "load": load, "caller": caller, **result}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="docs/benchmarks/openmp_wait")
+    args = parser.parse_args(argv)
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    cells = []
+    for load in ("quiet", "busy"):
+        for caller in ("main", "worker"):
+            for policy in POLICIES:
+                cell = run_cell(policy, load, caller, args)
+                cells.append(cell)
+                print(f"{load:5} {caller:6} {policy:7} {cell['seconds']:8.2f} s", flush=True)
+    by = {(c["load"], c["caller"], c["policy"]): c["seconds"] for c in cells}
+    print(f"\n{'machine':7} {'thread':6} {'spin s':>8} {'passive s':>9} {'spin/passive':>12}")
+    ratios = {}
+    for load in ("quiet", "busy"):
+        for caller in ("main", "worker"):
+            spin, passive = by[(load, caller, "spin")], by[(load, caller, "passive")]
+            ratios[f"{load}/{caller}"] = spin / passive
+            print(f"{load:7} {caller:6} {spin:8.2f} {passive:9.2f} {spin / passive:11.2f}x")
+    report = {"command": "python benchmarks/openmp_wait.py " + " ".join(argv or sys.argv[1:]),
+              "tokens": args.tokens, "repeats": args.repeats, "cpus": os.cpu_count(),
+              "load_average_at_start": load_before,
+              "elapsed_s": time.time() - started, "cells": cells,
+              "spin_over_passive": ratios}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(by, out.with_suffix(".png"), args.tokens)
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(load, caller) for load in ("quiet", "busy") for caller in ("main", "worker")]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.38
+    for i, (policy, color) in enumerate((("spin", "#9e9e9e"), ("passive", "#e0702a"))):
+        xs = [g + (i - 0.5) * width for g in range(len(groups))]
+        values = [by[(load, caller, policy)] for load, caller in groups]
+        bars = ax.bar(xs, values, width, color=color,
+                      label="libgomp default (spin)" if policy == "spin"
+                      else "loraplex default (passive)")
+        for bar, v in zip(bars, values, strict=True):
+            ax.annotate(f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"{load} machine\n{caller} thread"
+                                       for load, caller in groups])
+    ax.set_ylabel(f"seconds for {tokens} tokens (median)")
+    ax.set_yscale("log")
+    ax.set_title("LLM.generate, demo model, 2 torch threads", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
