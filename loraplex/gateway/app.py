@@ -1,7 +1,7 @@
 """``create_app``: the Starlette application of the gateway, wired to one engine.
 
-The app's lifespan starts the engine's step loop, the rate limiter (Redis or in-process)
-and the usage flusher, and stops them in the reverse order: the engine first, so requests
+The app's lifespan starts the engine's step loop, the rate limiter (Redis or in-process),
+the usage flusher and the adapter store's sweeper, and stops them in the reverse order: the engine first, so requests
 cut short by the shutdown are still metered by the last flush.
 """
 
@@ -32,6 +32,7 @@ from loraplex.gateway.usage import UsageMeter
 from loraplex.model.adapter_loader import validate_adapter_dir
 from loraplex.registry import db
 from loraplex.registry.store import AdapterStore
+from loraplex.registry.sweep import StoreSweeper
 from loraplex.registry.upload import AdapterUploader, UploadLimits
 
 
@@ -111,6 +112,8 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
     )
     document = openapi_document(server_config)
     adapters = _adapter_service(gw, engine_client, upload_limits)
+    sweeper = StoreSweeper(gw.sessions, gw.store, grace_s=registry_config.sweep_grace_s,
+                           interval_s=registry_config.sweep_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -119,9 +122,11 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
                                        window_s=server_config.rate_limit_window_s)
         engine_client.start()
         gw.meter.start()
+        sweeper.start()  # crash leftovers of any process sharing the store
         try:
             yield
         finally:
+            await sweeper.stop()
             await engine_client.shutdown()
             await gw.meter.stop()
             await gw.limiter.close()
