@@ -35,6 +35,8 @@ from pathlib import Path
 import sqlalchemy as sa
 from alembic import context, op
 
+from loraplex.errors import ConfigError
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -72,7 +74,7 @@ def _store_root(num_rows: int) -> Path | None:
     if configured:
         return Path(configured).expanduser().resolve()
     if num_rows:
-        raise RuntimeError("migration 0002 moves stored adapter files: pass the adapter "
+        raise ConfigError("migration 0002 moves stored adapter files: pass the adapter "
                            "store (--adapter-dir, -x adapter_dir=..., or "
                            "LORAPLEX_ADAPTER_DIR)")
     return None
@@ -117,7 +119,7 @@ def _rewrite(*, to_content: bool) -> None:
         first = placed.setdefault(new, folder)
         if not to_content and first != folder and \
                 (first / CONFIG_FILE).read_bytes() != (folder / CONFIG_FILE).read_bytes():
-            raise RuntimeError(f"cannot downgrade: adapter rows share the weights {new[:12]} "
+            raise ConfigError(f"cannot downgrade: adapter rows share the weights {new[:12]} "
                                "but differ in adapter_config.json, which revision 0001's "
                                "store cannot hold")
         relative = _place(root, folder, new)
