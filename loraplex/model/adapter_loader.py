@@ -313,8 +313,8 @@ def _read_config(config_path: Path) -> tuple[dict[str, Any], bytes]:
     config = parse_adapter_config(raw)
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
-        raise AdapterError(f"peft_type {_short(peft_type)} is not supported; only LORA "
-                           "adapters are")
+        shown = "None" if peft_type is None else _short(peft_type)  # _short bounds a repr
+        raise AdapterError(f"peft_type {shown} is not supported; only LORA adapters are")
     return config, raw
 
 

@@ -76,7 +76,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 # The upload pipeline in a process of its own, stopped at a stage by the parent's SIGKILL.
 DRIVER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from loraplex.registry import db
     from loraplex.registry.store import AdapterStore
@@ -92,7 +92,8 @@ DRIVER = textwrap.dedent("""
                                base_model="tiny")
 
     def stop(session, row):  # inside the row's transaction: flushed, not committed
-        Path(marker).write_text(row.digest)
+        Path(marker + ".part").write_text(row.digest)
+        os.replace(marker + ".part", marker)  # the parent never reads half of it
         time.sleep(600)
 
     engine = db.make_engine(url)
