@@ -170,14 +170,16 @@ def _sessions(args: argparse.Namespace) -> Iterator[sessionmaker[Session]]:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    url = registry_config_from_args(args).database_url
-    db.upgrade(url, args.revision)
+    config = registry_config_from_args(args)
+    url = config.database_url
+    db.upgrade(url, args.revision, adapter_dir=config.adapter_dir)
     return _db_report(args, url, "upgraded")
 
 
 def _db_downgrade(args: argparse.Namespace) -> int:
-    url = registry_config_from_args(args).database_url
-    db.downgrade(url, args.revision)
+    config = registry_config_from_args(args)
+    url = config.database_url
+    db.downgrade(url, args.revision, adapter_dir=config.adapter_dir)
     return _db_report(args, url, "downgraded")
 
 

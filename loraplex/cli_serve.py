@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 from loraplex.cli_engine import add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
+from loraplex.config import RegistryConfig
 from loraplex.registry.upload import UploadLimits
 
 ENV_REDIS_URL = "LORAPLEX_REDIS_URL"
@@ -48,6 +50,10 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--no-migrate", action="store_true",
                    help="do not migrate the registry database; refuse to start if it is "
                         "not at the newest revision")
+    p.add_argument("--sweep-grace-s", type=float, default=RegistryConfig.sweep_grace_s,
+                   help="crash leftovers in the adapter store older than this are removed")
+    p.add_argument("--sweep-interval-s", type=float, default=RegistryConfig.sweep_interval_s,
+                   help="how often the adapter store is swept after the start")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
@@ -60,9 +66,10 @@ def _prepare_registry(args: argparse.Namespace, admin_key: str | None) -> str | 
     from loraplex.gateway.auth import ensure_admin_key
     from loraplex.registry import db
 
-    url = registry_config_from_args(args).database_url
+    config = registry_config_from_args(args)
+    url = config.database_url
     if not args.no_migrate:
-        db.upgrade(url)
+        db.upgrade(url, adapter_dir=config.adapter_dir)
     engine = db.make_engine(url)
     try:
         db.check_schema(engine)
@@ -97,8 +104,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
                               max_unpacked_bytes=args.max_upload_bytes)
-        app = create_app(server_config, registry_config_from_args(args), client,
-                         upload_limits=limits)
+        registry = replace(registry_config_from_args(args), sweep_grace_s=args.sweep_grace_s,
+                           sweep_interval_s=args.sweep_interval_s)
+        app = create_app(server_config, registry, client, upload_limits=limits)
         uvicorn.run(app, host=server_config.host, port=server_config.port,
                     log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=10)
     finally:

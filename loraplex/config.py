@@ -109,10 +109,22 @@ def default_home() -> str:
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    """Where tenants, keys and adapters are recorded, and where adapter files live."""
+    """Where tenants, keys and adapters are recorded, and where adapter files live.
+
+    ``sweep_grace_s``: crash leftovers in the adapter store (staging folders, folders no row
+    names) are removed only once older than this, and staging folders only when no live
+    process holds them; it must exceed the longest pause between an upload's store rename
+    and its registry commit. ``sweep_interval_s``: how often a server sweeps after its start.
+    """
 
     database_url: str
     adapter_dir: str
+    sweep_grace_s: float = 3600.0
+    sweep_interval_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _require(self.sweep_grace_s >= 0, "sweep_grace_s must be >= 0")
+        _require(self.sweep_interval_s > 0, "sweep_interval_s must be positive")
 
     @classmethod
     def default(cls) -> RegistryConfig:

@@ -32,12 +32,12 @@ class LoRARequest:
     path: str
 
     def to_ref(self) -> AdapterRef:
-        from loraplex.model.adapter_loader import WEIGHTS_NAME, file_digest
+        from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE, folder_digest
 
-        weights = os.path.join(self.path, WEIGHTS_NAME)
-        if not os.path.isfile(weights):
-            raise AdapterError(f"missing {WEIGHTS_NAME} in {self.path}")
-        return AdapterRef(self.name, file_digest(weights), self.path)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            if not os.path.isfile(os.path.join(self.path, name)):
+                raise AdapterError(f"missing {name} in {self.path}")
+        return AdapterRef(self.name, folder_digest(self.path), self.path)
 
 
 class LLM:

@@ -1,8 +1,8 @@
 """``create_app``: the Starlette application of the gateway, wired to one engine backend.
 
-The app's lifespan starts the engine, the rate limiter (Redis or in-process) and the usage
-flusher, and stops them in the reverse order: the engine first, so requests cut short by
-the shutdown are still metered by the last flush.
+The app's lifespan starts the engine, the rate limiter (Redis or in-process), the usage
+flusher and the adapter store's sweeper, and stops them in the reverse order: the engine
+first, so requests cut short by the shutdown are still metered by the last flush.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from loraplex.model.adapter_loader import validate_adapter_dir
 from loraplex.model.loader import load_tokenizer
 from loraplex.registry import db
 from loraplex.registry.store import AdapterStore
+from loraplex.registry.sweep import StoreSweeper
 from loraplex.registry.upload import AdapterUploader, UploadLimits
 
 
@@ -53,6 +54,8 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
         tokenizers=Tokenizers(load_tokenizer(model.tokenizer)), served_model_name=served,
         salt_secret=salt_secret(server_config.cache_salt_secret),
     )
+    sweeper = StoreSweeper(gw.sessions, gw.store, grace_s=registry_config.sweep_grace_s,
+                           interval_s=registry_config.sweep_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -61,9 +64,11 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
                                        window_s=server_config.rate_limit_window_s)
         backend.start()
         gw.meter.start()
+        sweeper.start()  # crash leftovers of any process sharing the store
         try:
             yield
         finally:
+            await sweeper.stop()
             await backend.shutdown()
             await gw.meter.stop()
             await gw.limiter.close()

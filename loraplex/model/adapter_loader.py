@@ -21,10 +21,18 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplex.adapter_format import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    combine_digests,
+    file_sha256,
+    parse_adapter_config,
+)
 from loraplex.errors import AdapterError, ModelLoadError
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = CONFIG_FILE
+WEIGHTS_NAME = WEIGHTS_FILE
 
 # Module short name -> its parent inside a decoder layer, in the order the engine uses.
 LORA_MODULE_PARENTS: dict[str, str] = {
@@ -42,8 +50,6 @@ SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
 # Suffixes of files that may hold pickles; their mere presence refuses the folder.
 PICKLE_SUFFIXES: frozenset[str] = frozenset({".bin", ".pt", ".pth", ".pkl", ".ckpt"})
 
-_MAX_CONFIG_BYTES = 1 << 20
-_DIGEST_CHUNK = 1 << 20
 _MAX_NAMES_IN_MESSAGE = 8
 _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 _UNSERVABLE_TARGETS = frozenset({"lm_head", "embed_tokens"})
@@ -198,8 +204,9 @@ class LoRAModuleWeights:
 class LoRAAdapter:
     """A validated LoRA adapter, ready to be copied into an engine slot.
 
-    `digest` is the sha256 of adapter_model.safetensors: together with the adapter's id it
-    is the adapter's identity, so re-uploaded weights never reuse anything cached.
+    `digest` is the content digest of the weights and config files together
+    (`loraplex.adapter_format`): with the adapter's id it is the adapter's identity, so a
+    re-upload that changes either file never reuses anything cached.
     """
 
     name: str
@@ -221,15 +228,6 @@ class LoRAAdapter:
             for w in self.weights.values()
             for t in (w.lora_a, w.lora_b)
         )
-
-
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """Returns the sha256 hex digest of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_DIGEST_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def validate_adapter_dir(
@@ -260,7 +258,7 @@ def load_adapter(
     if not weights_path.is_file():
         raise AdapterError(f"missing {WEIGHTS_NAME} in {adapter_dir}")
 
-    config = _read_config(adapter_dir / CONFIG_NAME)
+    config, config_raw = _read_config(adapter_dir / CONFIG_NAME)
     _check_options(config)
     rank = _config_rank(config, max_lora_rank)
     alpha = _config_alpha(config)
@@ -270,7 +268,8 @@ def load_adapter(
     base_name = config.get("base_model_name_or_path")
 
     before = _file_identity(weights_path)
-    digest = file_digest(weights_path)
+    # The config's bytes are the ones parsed above, so the digest names what is served.
+    digest = combine_digests(file_sha256(weights_path), hashlib.sha256(config_raw).digest())
     weights = _read_weights(weights_path, config, target, rank)
     # The digest names these exact bytes; a file swapped while we read would give an
     # adapter whose identity does not match its weights.
@@ -306,21 +305,17 @@ def _refuse_pickles(adapter_dir: Path) -> None:
         )
 
 
-def _read_config(config_path: Path) -> dict[str, Any]:
+def _read_config(config_path: Path) -> tuple[dict[str, Any], bytes]:
     if not config_path.is_file():
         raise AdapterError(f"missing {CONFIG_NAME} in {config_path.parent}")
-    if config_path.stat().st_size > _MAX_CONFIG_BYTES:
-        raise AdapterError(f"{CONFIG_NAME} is larger than {_MAX_CONFIG_BYTES} bytes")
-    try:
-        config = json.loads(config_path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{CONFIG_NAME} is not valid JSON: {_one_line(e)}") from e
-    if not isinstance(config, dict):
-        raise AdapterError(f"{CONFIG_NAME} must hold a JSON object, got {type(config).__name__}")
+    with open(config_path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    config = parse_adapter_config(raw)
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
-        raise AdapterError(f"peft_type {peft_type!r} is not supported; only LORA adapters are")
-    return config
+        shown = "None" if peft_type is None else _short(peft_type)  # _short bounds a repr
+        raise AdapterError(f"peft_type {shown} is not supported; only LORA adapters are")
+    return config, raw
 
 
 def _check_options(config: dict[str, Any]) -> None:

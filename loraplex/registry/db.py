@@ -100,39 +100,42 @@ def migrations_dir() -> Path:
                       f"{', '.join(str(p) for p in candidates)}); set LORAPLEX_MIGRATIONS_DIR")
 
 
-def alembic_config(engine: Engine) -> Any:
+def alembic_config(engine: Engine, adapter_dir: str | None = None) -> Any:
     """An Alembic ``Config`` built in code: no alembic.ini, no dependence on the cwd.
 
-    ``migrations/env.py`` picks the engine up from ``config.attributes``.
+    ``migrations/env.py`` picks the engine up from ``config.attributes``; migrations that
+    rewrite stored adapter files (0002) find the adapter store there too.
     """
     from alembic.config import Config
 
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
     config.attributes["engine"] = engine
+    config.attributes["adapter_dir"] = adapter_dir
     return config
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Migrates the database at ``url`` up to ``revision``."""
-    _migrate(url, revision, up=True)
+def upgrade(url: str, revision: str = "head", *, adapter_dir: str | None = None) -> None:
+    """Migrates the database at ``url`` up to ``revision``. ``adapter_dir`` is the adapter
+    store whose folders the rows name (needed once rows exist: 0002 moves files)."""
+    _migrate(url, revision, up=True, adapter_dir=adapter_dir)
 
 
-def downgrade(url: str, revision: str) -> None:
+def downgrade(url: str, revision: str, *, adapter_dir: str | None = None) -> None:
     """Migrates the database at ``url`` down to ``revision`` (``base`` drops everything)."""
-    _migrate(url, revision, up=False)
+    _migrate(url, revision, up=False, adapter_dir=adapter_dir)
 
 
-def _migrate(url: str, revision: str, *, up: bool) -> None:
+def _migrate(url: str, revision: str, *, up: bool, adapter_dir: str | None) -> None:
     from alembic import command
     from alembic.util.exc import CommandError
 
     engine = make_engine(url)
     try:
         if up:
-            command.upgrade(alembic_config(engine), revision)
+            command.upgrade(alembic_config(engine, adapter_dir), revision)
         else:
-            command.downgrade(alembic_config(engine), revision)
+            command.downgrade(alembic_config(engine, adapter_dir), revision)
     except CommandError as exc:  # e.g. an unknown revision: the user's input, not a bug
         raise ConfigError(f"migration failed: {exc}") from exc
     finally:

@@ -1,37 +1,55 @@
 """Content-addressed store of adapter files on disk.
 
 Layout: ``<root>/<digest[:2]>/<digest>/{adapter_config.json, adapter_model.safetensors}``
-where ``digest`` is the sha256 of the weights file. A folder appears under its final name
-only by one ``rename`` of a complete, fsynced temporary folder, so a reader (or a crash)
-never sees half an adapter. Identical weights are stored once.
+where ``digest`` is the content digest of both files together
+(``loraplex.adapter_format``): two uploads share a folder only when both files are
+byte-identical, so sharing it tells nobody anything and changes nothing for anybody. A
+folder appears under its final name only by one ``rename`` of a complete, fsynced
+temporary folder, so a reader (or a crash) never sees half an adapter.
+
+Crash leftovers and concurrent writers (several gateway processes may share one store):
+
+- Every temporary folder under ``.tmp`` is ``flock``-ed by its writer for as long as the
+  writer lives; the kernel drops the lock when the process dies (``kill -9`` included).
+  ``sweep_tmp`` removes only folders nobody holds and that are older than the grace
+  period (the age alone guards filesystems without working ``flock``).
+- Putting a folder in place (or finding it there) and removing one happen under the
+  ``flock`` of its ``<digest[:2]>`` shard folder, shared for writers and exclusive for the
+  remover, and a writer refreshes the folder's mtime: a removal that checked "no row needs
+  it and it is older than the grace period" cannot interleave with an upload that is about
+  to commit a row for it. An uploader re-checks after its commit (``ensure``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
-from loraplex.errors import AdapterError, ConflictError
+from loraplex.adapter_format import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    combine_digests,
+    parse_adapter_config,
+)
+from loraplex.errors import AdapterError
 from loraplex.files import fsync_dir
 
-CONFIG_FILE: Final = "adapter_config.json"
-WEIGHTS_FILE: Final = "adapter_model.safetensors"
+__all__ = ["CONFIG_FILE", "MAX_CONFIG_BYTES", "PICKLE_SUFFIXES", "WEIGHTS_FILE",
+           "AdapterStore", "StoredAdapter", "TmpDir"]
+
 # Pickle-based formats run code when loaded; a folder holding any of them is refused whole.
 PICKLE_SUFFIXES: Final = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-# Config keys that change what the adapter computes; two uploads of the same weights must
-# agree on them, or one stored copy would serve the other's scaling.
-SEMANTIC_CONFIG_KEYS: Final = ("r", "lora_alpha", "use_rslora", "target_modules",
-                               "rank_pattern", "alpha_pattern", "use_dora", "fan_in_fan_out",
-                               "peft_type", "bias", "modules_to_save", "layers_to_transform")
-MAX_CONFIG_BYTES: Final = 1 << 20
 _CHUNK: Final = 1 << 20
 _DIGEST_RE: Final = re.compile(r"^[0-9a-f]{64}$")
 _TMP_DIR: Final = ".tmp"
@@ -44,7 +62,7 @@ class StoredAdapter:
 
     ``path`` is absolute; ``relative_path`` is what the registry records, so the store can
     be mounted at another path (a container) without rewriting rows. ``created`` is False
-    when identical weights were already stored.
+    when identical content was already stored.
     """
 
     digest: str
@@ -52,7 +70,6 @@ class StoredAdapter:
     size: int
     relative_path: str
     created: bool = True
-
 
 
 def _copy_stream(src: BinaryIO, dst: BinaryIO, hasher: Any) -> int:
@@ -64,21 +81,68 @@ def _copy_stream(src: BinaryIO, dst: BinaryIO, hasher: Any) -> int:
     return size
 
 
-def _semantic_config(raw: bytes, origin: str) -> dict[str, Any]:
+def _try_flock(fd: int, flags: int) -> bool:
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{origin}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise AdapterError(f"{origin}: {CONFIG_FILE} must hold a JSON object")
-    out = {key: data.get(key) for key in SEMANTIC_CONFIG_KEYS}
-    if isinstance(out["target_modules"], list):
-        out["target_modules"] = sorted(out["target_modules"])
-    return out
+        fcntl.flock(fd, flags | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextmanager
+def _dir_lock(path: Path, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+    """Holds a ``flock`` on the folder ``path``; yields False (holding nothing) when
+    ``wait`` is False and another process or thread holds a conflicting lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if wait:
+            fcntl.flock(fd, flags)
+            yield True
+        else:
+            yield _try_flock(fd, flags)
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+class TmpDir:
+    """A private folder under the store's ``.tmp``, locked while its writer holds it.
+
+    Use as a context manager: the folder is removed at exit. The lock is taken right after
+    ``mkdir``; the grace period covers that instant.
+    """
+
+    def __init__(self, store_root: Path, prefix: str = "") -> None:
+        tmp_root = store_root / _TMP_DIR
+        tmp_root.mkdir(parents=True, exist_ok=True)
+        self.path = tmp_root / f"{prefix}{uuid.uuid4().hex}"
+        self.path.mkdir()
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __enter__(self) -> TmpDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def touch(self) -> None:
+        """Refreshes the folder's mtime, the age a sweep without ``flock`` goes by."""
+        os.utime(self.path)
+
+    def close(self) -> None:
+        """Removes the folder (if still here) and releases the lock."""
+        if self._fd is None:
+            return
+        try:
+            shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
 
 
 class AdapterStore:
-    """Adapter folders under ``root``, addressed by the sha256 of their weights."""
+    """Adapter folders under ``root``, addressed by their content digest."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().resolve()
@@ -106,25 +170,33 @@ class AdapterStore:
         path = self.path_for(digest)
         return (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file()
 
+    def tmp_dir(self, prefix: str = "") -> TmpDir:
+        """A fresh private folder under ``.tmp`` that no sweep touches while it is held."""
+        return TmpDir(self.root, prefix)
+
+    @contextmanager
+    def _shard_lock(self, digest: str, *, exclusive: bool,
+                    wait: bool = True) -> Iterator[bool]:
+        shard = self.path_for(digest).parent
+        shard.mkdir(parents=True, exist_ok=True)  # shard folders are never removed
+        with _dir_lock(shard, exclusive=exclusive, wait=wait) as locked:
+            yield locked
+
     def put_dir(self, src_dir: str | os.PathLike[str]) -> StoredAdapter:
         """Copies a PEFT adapter folder into the store, atomically.
 
         Only ``adapter_config.json`` and ``adapter_model.safetensors`` are copied; a folder
-        holding pickle files is refused. The weights are hashed while they are copied, so
-        the digest names exactly the bytes stored even if the source changes meanwhile.
-        Raises AdapterError for a bad folder, ConflictError when the same weights are
-        already stored with a config that computes something else (alpha, rslora...).
+        holding pickle files is refused. Both files are hashed as they are copied, so the
+        digest names exactly the bytes stored even if the source changes meanwhile.
+        Raises AdapterError for a bad folder (a config that is no JSON object included).
         """
         src = Path(src_dir)
         self._check_source(src)
-        tmp_root = self.root / _TMP_DIR
-        tmp_root.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_root / uuid.uuid4().hex
-        tmp.mkdir()
-        try:
+        with self.tmp_dir() as tmp:
             hasher = hashlib.sha256()
             try:
-                with open(src / WEIGHTS_FILE, "rb") as fin, open(tmp / WEIGHTS_FILE, "xb") as fout:
+                with (open(src / WEIGHTS_FILE, "rb") as fin,
+                      open(tmp.path / WEIGHTS_FILE, "xb") as fout):
                     weights_size = _copy_stream(fin, fout, hasher)
                     fout.flush()
                     os.fsync(fout.fileno())
@@ -133,64 +205,105 @@ class AdapterStore:
             except FileNotFoundError as exc:
                 raise AdapterError(f"{src}: {Path(exc.filename or '').name} vanished while "
                                    "it was being copied") from exc
-            if len(config_raw) > MAX_CONFIG_BYTES:
-                raise AdapterError(f"{src}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} "
-                                   "bytes")
-            new_config = _semantic_config(config_raw, str(src))
-            with open(tmp / CONFIG_FILE, "xb") as fout:
+            try:
+                parse_adapter_config(config_raw)
+            except AdapterError as exc:
+                raise AdapterError(f"{src}: {exc}") from None
+            with open(tmp.path / CONFIG_FILE, "xb") as fout:
                 fout.write(config_raw)
                 fout.flush()
                 os.fsync(fout.fileno())
             for name in (WEIGHTS_FILE, CONFIG_FILE):
-                os.chmod(tmp / name, 0o444)  # content-addressed files never change
-            fsync_dir(tmp)
+                os.chmod(tmp.path / name, 0o444)  # content-addressed files never change
+            fsync_dir(tmp.path)
 
-            digest = hasher.hexdigest()
+            digest = combine_digests(hasher.digest(), hashlib.sha256(config_raw).digest())
             final = self.path_for(digest)
             stored = StoredAdapter(digest=digest, path=final,
                                    size=weights_size + len(config_raw),
                                    relative_path=self.relative_path_for(digest))
-            if self.exists(digest):
-                self._check_same_config(final, new_config, digest)
-                return replace(stored, created=False)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                # Another writer renamed the same content in first: theirs is as good.
-                if not self.exists(digest):
-                    raise
-                self._check_same_config(final, new_config, digest)
-                return replace(stored, created=False)
-            fsync_dir(final.parent)
+            with self._shard_lock(digest, exclusive=False):
+                if self._refresh(digest):
+                    return replace(stored, created=False)
+                try:
+                    os.rename(tmp.path, final)
+                except OSError:
+                    # Another writer renamed the same content in first: theirs is as good.
+                    if not self._refresh(digest):
+                        raise
+                    return replace(stored, created=False)
+                os.utime(final)  # the grace period counts from now, not from the copy
+                fsync_dir(final.parent)
             return stored
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
 
-    def remove(self, digest: str) -> bool:
-        """Deletes the stored copy of ``digest``; False if there was none.
-
-        The folder is first renamed out of its addressable name, so a concurrent reader
-        sees the whole adapter or nothing. The caller checks no registry row needs it.
-        """
-        final = self.path_for(digest)
-        if not final.exists():
+    def _refresh(self, digest: str) -> bool:
+        """Under the shard lock: whether ``digest`` is stored; if so its mtime is renewed,
+        so a sweep does not take it for an old orphan before our row is committed."""
+        if not self.exists(digest):
             return False
-        tmp_root = self.root / _TMP_DIR
-        tmp_root.mkdir(parents=True, exist_ok=True)
-        trash = tmp_root / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
         try:
-            os.rename(final, trash)
+            os.utime(self.path_for(digest))
         except FileNotFoundError:
             return False
+        return True
+
+    def ensure(self, digest: str, src_dir: str | os.PathLike[str]) -> None:
+        """After a row naming ``digest`` is committed: makes sure its files are stored,
+        putting ``src_dir`` again if a concurrent removal took them before the commit."""
+        with self._shard_lock(digest, exclusive=False):
+            if self.exists(digest):
+                return
+        again = self.put_dir(src_dir)
+        if again.digest != digest:
+            raise AdapterError(f"the files of {digest[:12]} changed while being stored")
+
+    def remove(self, digest: str, *, unless: Callable[[], bool] | None = None,
+               older_than_s: float | None = None, wait: bool = True) -> bool:
+        """Deletes the stored copy of ``digest``; True if this call removed it.
+
+        Under the shard's exclusive lock the copy is kept if it is younger than
+        ``older_than_s`` or if ``unless()`` is true (the registry still needs it; the caller
+        passes that check), then renamed out of its addressable name, so a concurrent
+        reader sees the whole adapter or nothing. With ``wait`` False a busy shard is left
+        for the next sweep.
+        """
+        final = self.path_for(digest)
+        if not final.parent.is_dir():
+            return False
+        with self._shard_lock(digest, exclusive=True, wait=wait) as locked:
+            if not locked:
+                return False
+            try:
+                mtime = final.stat().st_mtime
+            except FileNotFoundError:
+                return False
+            if older_than_s is not None and mtime >= time.time() - older_than_s:
+                return False
+            if unless is not None and unless():
+                return False
+            tmp_root = self.root / _TMP_DIR
+            tmp_root.mkdir(parents=True, exist_ok=True)
+            trash = tmp_root / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
+            try:
+                os.rename(final, trash)
+            except FileNotFoundError:
+                return False
         shutil.rmtree(trash, ignore_errors=True)
         return True
 
-    def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
-        """Removes temporary folders left by crashed writers; returns how many.
+    def stored_digests(self) -> list[str]:
+        """Digests with a folder in the store (complete or not), sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.glob("??/*")
+                      if p.is_dir() and p.parent.name == p.name[:2]
+                      and _DIGEST_RE.match(p.name))
 
-        Only folders older than ``older_than_s`` go, so uploads in progress are safe.
+    def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
+        """Removes what crashed writers left under ``.tmp``; returns how many entries.
+
+        A folder goes only if no live writer holds its lock and it is older than
+        ``older_than_s``, so uploads in progress, in any process, are never touched.
         """
         tmp_root = self.root / _TMP_DIR
         if not tmp_root.is_dir():
@@ -199,9 +312,16 @@ class AdapterStore:
         removed = 0
         for entry in tmp_root.iterdir():
             try:
-                if entry.stat().st_mtime < cutoff:
-                    shutil.rmtree(entry, ignore_errors=True)
+                if entry.lstat().st_mtime >= cutoff:
+                    continue
+                if entry.is_symlink() or not entry.is_dir():
+                    entry.unlink()
                     removed += 1
+                    continue
+                with _dir_lock(entry, exclusive=True, wait=False) as free:
+                    if free:
+                        shutil.rmtree(entry, ignore_errors=True)
+                        removed += 1
             except FileNotFoundError:
                 continue
         return removed
@@ -218,11 +338,3 @@ class AdapterStore:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (src / name).is_file():
                 raise AdapterError(f"{src}: missing {name}")
-
-    @staticmethod
-    def _check_same_config(final: Path, new_config: dict[str, Any], digest: str) -> None:
-        stored_raw = (final / CONFIG_FILE).read_bytes()
-        if _semantic_config(stored_raw, str(final)) != new_config:
-            raise ConflictError(f"weights {digest[:12]} are already stored with a different "
-                                f"{CONFIG_FILE} (rank, alpha or targets differ)")
-

@@ -4,7 +4,8 @@ admin UI and the CLI.
 receive → unpack → validate → store → commit:
 
 1. Received bytes stream into a private staging folder under the store's ``.tmp`` (same
-   filesystem, swept by ``AdapterStore.sweep_tmp`` after a crash), under a running byte
+   filesystem, locked while this process lives, swept by ``AdapterStore.sweep_tmp`` after
+   a crash; see ``registry.sweep``), under a running byte
    cap. Only ``adapter_config.json`` + ``adapter_model.safetensors`` (+ ``README.md``), or
    one ``.zip`` / ``.tar.gz`` of them, are accepted; pickle files are refused by name.
 2. An archive is unpacked by ``archive.unpack_archive``, member by member, into a flat
@@ -13,7 +14,7 @@ receive → unpack → validate → store → commit:
 3. The staged folder is checked by the engine's own loader, injected as ``validate`` so the
    registry never imports the engine.
 4. ``AdapterStore.put_dir`` hashes, fsyncs and renames the files into the content-addressed
-   store (identical weights are stored once).
+   store (identical content, both files byte for byte, is stored once).
 5. The row is registered and committed in a short transaction the pipeline owns: only then
    can it promise that a failure at any step, the commit included, leaves neither a file
    (that this upload created) nor a row. ``on_registered`` runs inside that transaction.
@@ -21,12 +22,10 @@ receive → unpack → validate → store → commit:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import time
-import uuid
 from collections.abc import (
     AsyncIterable,
     Callable,
@@ -43,6 +42,7 @@ from typing import IO, BinaryIO, Final, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.adapter_format import read_adapter_config
 from loraplex.errors import (
     AdapterError,
     ConflictError,
@@ -65,7 +65,6 @@ from loraplex.registry.models import VISIBILITIES, Adapter
 from loraplex.registry.names import check_adapter_name
 from loraplex.registry.store import (
     CONFIG_FILE,
-    MAX_CONFIG_BYTES,
     PICKLE_SUFFIXES,
     WEIGHTS_FILE,
     AdapterStore,
@@ -79,10 +78,9 @@ __all__ = [
 ]
 
 _CHUNK: Final = 1 << 20
-_TMP_DIR: Final = ".tmp"  # the store's; sweep_tmp clears what a crashed upload left there
 _UPLOAD_PREFIX: Final = "upload-"
-# sweep_tmp removes folders whose mtime is older than an hour; a slow upload touches its
-# folder now and then so it is never taken for a crashed one.
+# The staging folder's lock keeps sweeps away while this process lives; where flock does
+# not work (some network filesystems) only its age does, so a slow upload renews it.
 _TOUCH_EVERY_S: Final = 60.0
 _MAX_VERSION_ATTEMPTS: Final = 3
 
@@ -173,10 +171,9 @@ class UploadStaging:
         self.limits = limits
         self.num_bytes = 0
         self._progress = progress
-        tmp_root = store.root / _TMP_DIR
-        tmp_root.mkdir(parents=True, exist_ok=True)
-        self.path = tmp_root / f"{_UPLOAD_PREFIX}{uuid.uuid4().hex}"
-        self.path.mkdir()
+        # Locked while this process lives: a sweep in any process leaves it alone.
+        self._dir = store.tmp_dir(_UPLOAD_PREFIX)
+        self.path = self._dir.path
         self._inbox = self.path / "in"
         self._inbox.mkdir()
         self._received: list[str] = []
@@ -189,7 +186,7 @@ class UploadStaging:
         self.close()
 
     def close(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        self._dir.close()
 
     @property
     def received(self) -> list[str]:
@@ -243,7 +240,7 @@ class UploadStaging:
             self._progress(self.num_bytes)
         now = time.monotonic()
         if now - self._touched > _TOUCH_EVERY_S:
-            os.utime(self.path)
+            self._dir.touch()
             self._touched = now
 
     def adapter_dir(self) -> Path:
@@ -384,10 +381,9 @@ class AdapterUploader:
             if stored.created:
                 discard_unreferenced(factory, self.store, stored.digest)
             raise
-        if not self.store.exists(stored.digest):
-            # The content was already stored, and a concurrent delete removed it between
-            # put_dir and our commit: our row needs it, and the staged copy is still here.
-            self.store.put_dir(adapter_dir)
+        # A concurrent delete or sweep may have removed the files between put_dir and our
+        # commit (it saw no row yet): our row needs them, and the staged copy is still here.
+        self.store.ensure(stored.digest, adapter_dir)
         return UploadResult(adapter=row, created=stored.created, size_bytes=stored.size)
 
     def _validate(self, adapter_dir: Path) -> ValidatedAdapter:
@@ -411,9 +407,9 @@ class AdapterUploader:
         if not self.base_model_names:
             return None
         try:
-            with open(adapter_dir / CONFIG_FILE, "rb") as f:
-                declared = json.loads(f.read(MAX_CONFIG_BYTES + 1)).get("base_model_name_or_path")
-        except (OSError, ValueError, AttributeError):
+            declared = read_adapter_config(adapter_dir / CONFIG_FILE)[0].get(
+                "base_model_name_or_path")
+        except (OSError, AdapterError):
             return None
         if not isinstance(declared, str) or not declared.strip():
             return None
@@ -435,19 +431,23 @@ def _check_request(name: str, visibility: str) -> None:
 
 
 def discard_unreferenced(factory: sessionmaker[Session], store: AdapterStore,
-                         digest: str) -> bool:
+                         digest: str, *, older_than_s: float | None = None,
+                         wait: bool = True) -> bool:
     """Removes the stored copy of ``digest`` unless an active row needs it; True if removed.
 
-    A database failure keeps the files: an orphan copy is harmless, a missing one is not.
-    An upload that raced with this and committed a row for ``digest`` stores it again.
+    The registry is asked under the store's lock for ``digest``, so an upload that is
+    putting the same content in place waits, then finds it gone and stores it again. A
+    database failure keeps the files: an orphan copy is harmless, a missing one is not.
     """
-    try:
-        with transaction(factory) as session:
-            if service.is_digest_referenced(session, digest):
-                return False
-    except Exception:
-        return False
-    return store.remove(digest)
+
+    def referenced() -> bool:
+        try:
+            with transaction(factory) as session:
+                return service.is_digest_referenced(session, digest)
+        except Exception:
+            return True
+
+    return store.remove(digest, unless=referenced, older_than_s=older_than_s, wait=wait)
 
 
 def delete_adapter(factory: sessionmaker[Session], store: AdapterStore, *, tenant_id: int,
@@ -477,25 +477,14 @@ def delete_adapter(factory: sessionmaker[Session], store: AdapterStore, *, tenan
 
 def stored_digests(store: AdapterStore) -> list[str]:
     """Digests with a folder in the store (complete or not), sorted."""
-    if not store.root.is_dir():
-        return []
-    return sorted(p.name for p in store.root.glob("??/*")
-                  if p.is_dir() and p.parent.name == p.name[:2])
+    return store.stored_digests()
 
 
 def remove_unreferenced(factory: sessionmaker[Session], store: AdapterStore, *,
                         older_than_s: float = 3600.0) -> list[str]:
     """Removes stored copies no active row needs (deleted adapters, or a crash between
     store and commit); returns their digests. Copies younger than ``older_than_s`` stay:
-    an upload in flight has stored its files but not yet committed its row."""
-    cutoff = time.time() - older_than_s
-    removed = []
-    for digest in stored_digests(store):
-        try:
-            if store.path_for(digest).stat().st_mtime >= cutoff:
-                continue
-        except (FileNotFoundError, ValueError):
-            continue
-        if discard_unreferenced(factory, store, digest):
-            removed.append(digest)
-    return removed
+    an upload in flight has stored (or found) its files but not yet committed its row."""
+    return [digest for digest in stored_digests(store)
+            if discard_unreferenced(factory, store, digest, older_than_s=older_than_s,
+                                    wait=False)]

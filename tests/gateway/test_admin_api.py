@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 import threading
 import uuid
@@ -23,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from loraplex.adapter_format import folder_digest
 from loraplex.config import (
     CacheConfig,
     EngineConfig,
@@ -470,3 +472,54 @@ def test_admin_ui_is_served(api: Admin) -> None:
         assert anonymous.get("/admin/app.js").status_code == 200
         missing = anonymous.get("/admin/nothing.js")
         assert missing.status_code == 404 and "error" in missing.json()
+
+
+def _with_config(src: Path, out: Path, **changes: Any) -> Path:
+    shutil.copytree(src, out)
+    config = json.loads((out / FILES[0]).read_text())
+    config.update(changes)
+    (out / FILES[0]).write_text(json.dumps(config))
+    return out
+
+
+def test_one_tenants_upload_changes_nothing_for_another(
+        api: Admin, llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Another tenant's upload of the same weights (any config) neither blocks an upload
+    nor tells whether the content was stored: the same status and the same answer."""
+    owner, owner_key = api.tenant("owner")
+    _, squatter_key = api.tenant("squatter")
+    src = llama_adapters["r8qv"]
+    alpha = json.loads((src / FILES[0]).read_text())["lora_alpha"]
+    squat = upload(api, "/v1/adapters", "mine", folder_files(
+        _with_config(src, tmp_path / "other", lora_alpha=alpha * 4)), key=squatter_key)
+    real = upload(api, "/v1/adapters", "real", folder_files(src), key=owner_key)  # not 409
+    assert real["digest"] == folder_digest(src) != squat["digest"]
+    assert (real["alpha"], squat["alpha"]) == (alpha, alpha * 4)
+
+    # The same content again by the squatter: stored already, answered exactly alike.
+    again = upload(api, "/v1/adapters", "copy", folder_files(src), key=squatter_key)
+    who = {"id", "tenant", "name", "model", "identity", "created_at"}
+    assert set(again) == set(real)
+    assert {k: v for k, v in again.items() if k not in who} == \
+        {k: v for k, v in real.items() if k not in who}
+    # Each is served its own scaling; identical content gives identical output.
+    assert complete(api, owner_key, "real").choices[0].text == \
+        complete(api, squatter_key, "copy").choices[0].text
+    assert squat["identity"] != again["identity"]
+    assert owner and complete(api, squatter_key, "mine").choices[0].text
+
+
+@pytest.mark.parametrize("config", [
+    b'{"peft_type": "LORA", "r": 8, "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    b'{"peft_type": "LORA", "r": 8, "lora_alpha": 1' + b"0" * 400 + b"}",
+    b'{"peft_type": "LORA", "r": 8, "lora_alpha": NaN}',
+    b'\xff\xfe{"peft_type": "LORA"}',
+], ids=["deep", "400-digits", "nan", "not-utf8"])
+def test_malformed_config_is_422_with_a_message(api: Admin, llama_adapters: dict[str, Path],
+                                                config: bytes) -> None:
+    _, key = api.tenant("cfg")
+    files = folder_files(llama_adapters["r8qv"])
+    files[FILES[0]] = (FILES[0], config)
+    error = upload(api, "/v1/adapters", "bad", files, 422, key=key)["error"]
+    assert error["code"] == "invalid_adapter" and FILES[0] in error["message"]
+    assert not list(api.store.joinpath(".tmp").iterdir())

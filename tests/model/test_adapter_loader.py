@@ -16,12 +16,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from loraplex.adapter_format import file_sha256, folder_digest
 from loraplex.errors import AdapterError, ModelLoadError
 from loraplex.model.adapter_loader import (
     SUPPORTED_MODULES,
     LoRAAdapter,
     TargetShapes,
-    file_digest,
     load_adapter,
     validate_adapter_dir,
 )
@@ -177,7 +177,7 @@ def test_good_adapter_loads_exactly_what_peft_saved(
     weights_file = path / "adapter_model.safetensors"
     assert adapter.name == "tenant-a/" + spec
     assert adapter.path == str(path)
-    assert adapter.digest == hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    assert adapter.digest == folder_digest(weights_file.parent)
     assert adapter.rank == kwargs["rank"]
     assert adapter.alpha == kwargs["alpha"]
     assert adapter.use_rslora == kwargs.get("use_rslora", False)
@@ -269,10 +269,10 @@ def test_extra_supported_tensors_beyond_config_targets_are_served(
     assert (1, "k_proj") not in adapter.weights
 
 
-def test_file_digest_streams_large_files(tmp_path: Path) -> None:
+def test_file_sha256_streams_large_files(tmp_path: Path) -> None:
     data = bytes(range(256)) * 10_000  # > 2 chunks of 1 MiB
     (tmp_path / "blob").write_bytes(data)
-    assert file_digest(tmp_path / "blob") == hashlib.sha256(data).hexdigest()
+    assert file_sha256(tmp_path / "blob") == hashlib.sha256(data).digest()
 
 
 # ---------------------------------------------------------------- refused: files

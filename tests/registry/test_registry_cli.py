@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.adapter_format import folder_digest
 from loraplex.cli_registry import run_registry_cli
 from loraplex.registry import db, service
 from loraplex.registry import store as store_module
@@ -82,8 +82,8 @@ def _stored_digests(adapter_dir: Path) -> list[str]:
 
 def test_end_to_end(cli: Cli, make_adapter: Callable[..., Path],
                     server_view: Callable[[str], sessionmaker[Session]]) -> None:
-    assert cli("db", "upgrade")["revision"] == "0001"
-    assert cli("db", "current")["head"] == "0001"
+    assert cli("db", "upgrade")["revision"] == "0002"
+    assert cli("db", "current")["head"] == "0002"
 
     acme = cli("tenants", "create", "acme", "--rpm", "60", "--tpm", "1000",
                "--max-concurrency", "2")
@@ -116,7 +116,7 @@ def test_end_to_end(cli: Cli, make_adapter: Callable[..., Path],
 
     src = make_adapter("helper", seed=1, rank=4, alpha=8.0)
     v1 = cli("adapters", "add", "--tenant", "acme", "--name", "helper", str(src))
-    digest = hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest()
+    digest = folder_digest(src)
     assert (v1["version"], v1["digest"], v1["visibility"], v1["rank"], v1["alpha"]) == (
         1, digest, "private", 4, 8.0)
     assert v1["target_modules"] == ["q_proj", "v_proj"]

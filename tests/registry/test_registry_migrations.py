@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,9 +14,12 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
+from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE, folder_digest
 from loraplex.errors import ConfigError
 from loraplex.registry import db
 from loraplex.registry.models import Base
+from loraplex.registry.store import AdapterStore
+from loraplex.registry.sweep import sweep_store
 
 TABLES = {"tenants", "api_keys", "adapters", "usage"}
 
@@ -36,7 +43,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0001"
+        assert db.current_revision(engine) == db.head_revision() == "0002"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -100,3 +107,110 @@ def test_migrations_dir_does_not_depend_on_cwd(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     assert (db.migrations_dir() / "versions" / "0001_initial.py").is_file()
     db.upgrade(f"sqlite:///{tmp_path / 'r.db'}")
+
+
+# --- 0002: the content digest ------------------------------------------------------------
+
+
+def _put_as_0001(root: Path, src: Path, folder: str | None = None) -> tuple[str, str]:
+    """Stores ``src`` as revision 0001's store did: one folder per sha256 of the weights
+    (the first config kept); returns (weights digest, relative path)."""
+    digest = hashlib.sha256((src / WEIGHTS_FILE).read_bytes()).hexdigest()
+    relative = folder or f"{digest[:2]}/{digest}"
+    final = root / relative
+    if not final.exists():
+        final.mkdir(parents=True)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            shutil.copyfile(src / name, final / name)
+            os.chmod(final / name, 0o444)
+    return digest, relative
+
+
+def _insert_row(url: str, tenant_id: int, name: str, digest: str, path: str,
+                status: str = "active") -> int:
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            return int(conn.execute(sa.text(
+                "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
+                "use_rslora, target_modules, digest, size_bytes, storage_path, visibility, "
+                "status, created_at) VALUES (:t, :n, 1, 'tiny', 4, 8.0, false, "
+                "'[\"q_proj\"]', :d, 1, :p, 'private', :s, CURRENT_TIMESTAMP) RETURNING id"),
+                {"t": tenant_id, "n": name, "d": digest, "p": path, "s": status}).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _row_digests(url: str) -> dict[str, tuple[str, str]]:
+    engine = db.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return {n: (d, p) for n, d, p in conn.execute(sa.text(
+                "SELECT name, digest, storage_path FROM adapters"))}
+    finally:
+        engine.dispose()
+
+
+def test_0002_recomputes_digests_and_moves_folders(
+        empty_db_url: str, tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
+    url, root = empty_db_url, tmp_path / "store"
+    db.upgrade(url, "0001")
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            tenants = [conn.execute(sa.text(
+                "INSERT INTO tenants (name, status, created_at, updated_at) VALUES "
+                "(:n, 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP) RETURNING id"),
+                {"n": n}).scalar_one() for n in ("a", "b")]
+    finally:
+        engine.dispose()
+    w1 = make_adapter("w1", seed=1)
+    w1_other = make_adapter("w1-other", seed=1, alpha=16.0)  # same weights, another config
+    w2 = make_adapter("w2", seed=2)
+    gone = make_adapter("gone", seed=3)
+    d1, p1 = _put_as_0001(root, w1)
+    _insert_row(url, tenants[0], "x", d1, p1)
+    _insert_row(url, tenants[1], "y", *_put_as_0001(root, w1))  # 0001 shared the folder
+    _insert_row(url, tenants[1], "w", d1, _put_as_0001(root, w1_other, "legacy/w")[1])
+    _insert_row(url, tenants[0], "z", *_put_as_0001(root, w2))
+    d_gone = hashlib.sha256((gone / WEIGHTS_FILE).read_bytes()).hexdigest()
+    _insert_row(url, tenants[0], "old", d_gone, f"{d_gone[:2]}/{d_gone}", status="deleted")
+
+    with pytest.raises(ConfigError, match="adapter store"):
+        db.upgrade(url)  # rows exist, and nobody said where their files are
+    db.upgrade(url, adapter_dir=str(root))
+
+    rows = _row_digests(url)
+    store = AdapterStore(root)
+    assert rows["x"][0] == rows["y"][0] == folder_digest(w1) != rows["w"][0]
+    assert rows["w"][0] == folder_digest(w1_other) and rows["z"][0] == folder_digest(w2)
+    assert rows["old"] == (d_gone, f"{d_gone[:2]}/{d_gone}")  # nothing to recompute
+    for name in ("x", "y", "w", "z"):
+        digest, path = rows[name]
+        assert path == store.relative_path_for(digest)
+        assert folder_digest(root / path) == digest  # the engine's check will pass
+    # The 0001 folders are orphans now: the sweep collects them, the new ones stay.
+    engine = db.make_engine(url)
+    try:
+        sweep_store(db.make_session_factory(engine), store, grace_s=0)
+    finally:
+        engine.dispose()
+    assert set(store.stored_digests()) == {rows[n][0] for n in ("x", "w", "z")}
+
+    # Down again: the weights-only layout cannot hold "w" next to "x".
+    with pytest.raises(ConfigError, match="differ in adapter_config"):
+        db.downgrade(url, "0001", adapter_dir=str(root))
+    _delete_row(url, "w")
+    db.downgrade(url, "0001", adapter_dir=str(root))
+    rows = _row_digests(url)
+    assert rows["x"] == rows["y"] == (d1, p1)
+    assert (root / p1 / WEIGHTS_FILE).is_file()
+
+
+def _delete_row(url: str, name: str) -> None:
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM adapters WHERE name = :n"), {"n": name})
+    finally:
+        engine.dispose()

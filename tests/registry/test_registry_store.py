@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 import pytest
 
-from loraplex.errors import AdapterError, ConflictError
+from loraplex.errors import AdapterError
 from loraplex.registry import store as store_module
 from loraplex.registry.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
 
@@ -37,7 +37,11 @@ def test_put_dir(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
     store = AdapterStore(tmp_path / "store")
     stored = store.put_dir(src)
     weights = (src / WEIGHTS_FILE).read_bytes()
-    assert stored.digest == hashlib.sha256(weights).hexdigest()
+    config = (src / CONFIG_FILE).read_bytes()
+    # The definition of the content digest (docs/registry.md), restated independently.
+    assert stored.digest == hashlib.sha256(
+        b"loraplex-adapter-v1\0" + hashlib.sha256(weights).digest()
+        + hashlib.sha256(config).digest()).hexdigest()
     assert stored.path == store.path_for(stored.digest)
     assert stored.path == tmp_path / "store" / stored.digest[:2] / stored.digest
     assert stored.relative_path == f"{stored.digest[:2]}/{stored.digest}"
@@ -54,10 +58,7 @@ def test_put_dir(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
 def test_identical_content_stored_once(tmp_path: Path,
                                        make_adapter: Callable[..., Path]) -> None:
     first = make_adapter("one", seed=1)
-    second = make_adapter("two", seed=1)  # same bytes, another folder
-    cfg = json.loads((second / CONFIG_FILE).read_text())
-    cfg["base_model_name_or_path"] = "/elsewhere"  # harmless difference
-    (second / CONFIG_FILE).write_text(json.dumps(cfg))
+    second = make_adapter("two", seed=1)  # the same bytes in both files, another folder
     store = AdapterStore(tmp_path / "store")
     a = store.put_dir(first)
     b = store.put_dir(second)
@@ -69,12 +70,21 @@ def test_identical_content_stored_once(tmp_path: Path,
     assert _tmp_entries(store.root) == []
 
 
-def test_same_weights_other_scaling_conflicts(tmp_path: Path,
-                                              make_adapter: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("change", [{"lora_alpha": 16.0}, {"base_model_name_or_path": "x"}])
+def test_same_weights_other_config_is_other_content(
+        tmp_path: Path, make_adapter: Callable[..., Path], change: dict[str, object]) -> None:
+    """Any byte of the config is part of the identity: the second upload neither conflicts
+    with the first nor is served the first's config."""
     store = AdapterStore(tmp_path / "store")
-    store.put_dir(make_adapter("one", seed=1, alpha=8.0))
-    with pytest.raises(ConflictError, match="different"):
-        store.put_dir(make_adapter("two", seed=1, alpha=16.0))
+    one = store.put_dir(make_adapter("one", seed=1))
+    src = make_adapter("two", seed=1)
+    config = json.loads((src / CONFIG_FILE).read_text())
+    config.update(change)
+    (src / CONFIG_FILE).write_text(json.dumps(config))
+    two = store.put_dir(src)
+    assert one.created and two.created and one.digest != two.digest
+    assert (two.path / CONFIG_FILE).read_bytes() == (src / CONFIG_FILE).read_bytes()
+    assert (one.path / WEIGHTS_FILE).read_bytes() == (two.path / WEIGHTS_FILE).read_bytes()
     assert _tmp_entries(store.root) == []
 
 

@@ -4,7 +4,6 @@ and leaves nothing behind (no stored copy, no staging folder, no row)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import json
 import os
@@ -23,6 +22,7 @@ import sqlalchemy as sa
 from safetensors.numpy import load_file, save_file
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.adapter_format import folder_digest
 from loraplex.errors import (
     AdapterError,
     AdapterNotFoundError,
@@ -94,8 +94,8 @@ def assert_nothing_left(store: AdapterStore, factory: sessionmaker[Session]) -> 
     assert _rows(factory) == []
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _sha(folder: Path) -> str:
+    return folder_digest(folder)
 
 
 # --- building bad inputs -----------------------------------------------------------------
@@ -389,7 +389,7 @@ def test_folder_upload(uploader: AdapterUploader, store: AdapterStore, model_dir
     assert result.created
     assert (row.version, row.rank, row.alpha, row.visibility, row.status) == (
         1, 4, 8.0, "public", "active")
-    assert row.digest == _sha(src / WEIGHTS_FILE)
+    assert row.digest == _sha(src)
     assert row.identity == f"{row.id}@{row.digest}"
     assert row.target_modules == ["q_proj", "v_proj"]
     assert row.base_model == str(model_dir)
@@ -422,7 +422,7 @@ def test_archive_upload(layout: str, tmp_path: Path, uploader: AdapterUploader,
     archive = ARCHIVE_LAYOUTS[layout](src, tmp_path)
     result = uploader.upload_path(session_factory, tenant_id=tenant_id, name="x",
                                   path=archive)
-    assert result.adapter.digest == _sha(src / WEIGHTS_FILE)
+    assert result.adapter.digest == _sha(src)
     assert stored_digests(store) == [result.adapter.digest]
     assert list((store.root / ".tmp").iterdir()) == []
 
@@ -439,7 +439,7 @@ def test_multipart_files(uploader: AdapterUploader, make_adapter: MakeAdapter,
             f"C:\\Users\\me\\{WEIGHTS_FILE}": iter(chunks),
             "README.md": io.BytesIO(b"# notes"),
         })
-    assert result.adapter.digest == _sha(src / WEIGHTS_FILE)
+    assert result.adapter.digest == _sha(src)
 
 
 def test_async_streaming(uploader: AdapterUploader, store: AdapterStore,
@@ -462,7 +462,7 @@ def test_async_streaming(uploader: AdapterUploader, store: AdapterStore,
         return result.adapter
 
     row = asyncio.run(handler())
-    assert row.digest == _sha(src / WEIGHTS_FILE)
+    assert row.digest == _sha(src)
     total = sum((src / n).stat().st_size for n in (CONFIG_FILE, WEIGHTS_FILE))
     assert seen == sorted(seen) and seen[-1] == total and len(seen) > 2
     assert list((store.root / ".tmp").iterdir()) == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from loraplex.adapter_format import folder_digest
 from loraplex.cli_registry import _ByteCounter, run_registry_cli
 from loraplex.registry.store import CONFIG_FILE, WEIGHTS_FILE
 
@@ -71,7 +71,7 @@ def test_upload_folder_zip_tgz_and_delete(cli: Cli, tmp_path: Path,
     one, two = make_adapter("one", seed=1), make_adapter("two", seed=2)
     v1 = cli(*up, str(one))
     assert (v1["version"], v1["created"]) == (1, True)
-    assert v1["digest"] == hashlib.sha256((one / WEIGHTS_FILE).read_bytes()).hexdigest()
+    assert v1["digest"] == folder_digest(one)
     v2 = cli(*up, "--public", str(_zip(tmp_path / "two.zip", two)))
     assert (v2["version"], v2["visibility"], v2["created"]) == (2, "public", True)
     tgz = tmp_path / "one.tar.gz"
