@@ -5,7 +5,9 @@ up, then times ``generate`` (one prompt, greedy, ``--tokens`` tokens, ``--repeat
 median) on the main thread or on a worker thread. Policies:
 
 - ``spin``: libgomp's own default (``GOMP_SPINCOUNT=300000``), what loraplex ran with before;
-- ``passive``: loraplex's default now (``OMP_WAIT_POLICY=PASSIVE``, set by ``import loraplex``).
+- ``brief``: loraplex's default now (``GOMP_SPINCOUNT=1000``, set by ``import loraplex``), the
+  spin libgomp itself uses when it sees more of its threads than cores;
+- ``passive``: no spin at all (``OMP_WAIT_POLICY=PASSIVE``).
 
 "busy" runs one pure-Python busy loop per core beside the child for the whole cell, the
 shape of a machine shared with other work (the case where the main thread took 40 s for
@@ -25,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-POLICIES = {"spin": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+POLICIES = {"spin": {"GOMP_SPINCOUNT": "300000"}, "brief": {"GOMP_SPINCOUNT": "1000"},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 CHILD = r"""
@@ -90,18 +93,21 @@ def main(argv: list[str] | None = None) -> None:
                 cells.append(cell)
                 print(f"{load:5} {caller:6} {policy:7} {cell['seconds']:8.2f} s", flush=True)
     by = {(c["load"], c["caller"], c["policy"]): c["seconds"] for c in cells}
-    print(f"\n{'machine':7} {'thread':6} {'spin s':>8} {'passive s':>9} {'spin/passive':>12}")
+    print(f"\n{'machine':7} {'thread':6} {'spin s':>8} {'brief s':>8} {'passive s':>9} "
+          f"{'spin/brief':>10} {'passive/brief':>13}")
     ratios = {}
     for load in ("quiet", "busy"):
         for caller in ("main", "worker"):
-            spin, passive = by[(load, caller, "spin")], by[(load, caller, "passive")]
-            ratios[f"{load}/{caller}"] = spin / passive
-            print(f"{load:7} {caller:6} {spin:8.2f} {passive:9.2f} {spin / passive:11.2f}x")
+            spin, brief, passive = (by[(load, caller, p)] for p in ("spin", "brief", "passive"))
+            ratios[f"{load}/{caller}"] = {"spin/brief": spin / brief,
+                                          "passive/brief": passive / brief}
+            print(f"{load:7} {caller:6} {spin:8.2f} {brief:8.2f} {passive:9.2f} "
+                  f"{spin / brief:9.2f}x {passive / brief:12.2f}x")
     report = {"command": "python benchmarks/openmp_wait.py " + " ".join(argv or sys.argv[1:]),
               "tokens": args.tokens, "repeats": args.repeats, "cpus": os.cpu_count(),
               "load_average_at_start": load_before,
               "elapsed_s": time.time() - started, "cells": cells,
-              "spin_over_passive": ratios}
+              "ratios": ratios}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -117,13 +123,14 @@ def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int) -> None
 
     groups = [(load, caller) for load in ("quiet", "busy") for caller in ("main", "worker")]
     fig, ax = plt.subplots(figsize=(7.5, 4))
-    width = 0.38
-    for i, (policy, color) in enumerate((("spin", "#9e9e9e"), ("passive", "#e0702a"))):
-        xs = [g + (i - 0.5) * width for g in range(len(groups))]
+    width = 0.27
+    labels = {"spin": "libgomp default (spin 300,000)", "brief": "loraplex default (spin 1,000)",
+              "passive": "passive (no spin)"}
+    colors = {"spin": "#9e9e9e", "brief": "#e0702a", "passive": "#5b8bd0"}
+    for i, policy in enumerate(POLICIES):
+        xs = [g + (i - 1) * width for g in range(len(groups))]
         values = [by[(load, caller, policy)] for load, caller in groups]
-        bars = ax.bar(xs, values, width, color=color,
-                      label="libgomp default (spin)" if policy == "spin"
-                      else "loraplex default (passive)")
+        bars = ax.bar(xs, values, width, color=colors[policy], label=labels[policy])
         for bar, v in zip(bars, values, strict=True):
             ax.annotate(f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
                         va="bottom", fontsize=8)

@@ -343,11 +343,13 @@ def test_entrypoint_script_is_strict_and_execs_the_server() -> None:
     subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True)
 
 
-def test_entrypoint_passes_shellcheck() -> None:
+@pytest.mark.parametrize("script", [ENTRYPOINT, ROOT / "scripts" / "test", ROOT / ".ci" / "run"],
+                         ids=["entrypoint", "scripts/test", ".ci/run"])
+def test_shell_scripts_pass_shellcheck(script: Path) -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed")
-    result = subprocess.run([shellcheck, str(ENTRYPOINT)], capture_output=True, text=True)
+    result = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 

@@ -34,12 +34,13 @@ def _runtime_wait(code: str, **env: str) -> tuple[str, str, str]:
 ])
 def test_idle_openmp_threads_sleep_instead_of_spinning(code: str) -> None:
     # libgomp's own default spins 300,000 times: under load that starved the caller.
-    assert _runtime_wait(code)[:2] == ("PASSIVE", "0")
+    assert _runtime_wait(code)[:2] == ("PASSIVE", "1000")
 
 
 @pytest.mark.parametrize(("env", "expected"), [
     ({"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", "30000000000")),
-    ({"GOMP_SPINCOUNT": "1000"}, ("PASSIVE", "1000")),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, ("PASSIVE", "0")),
+    ({"GOMP_SPINCOUNT": "50"}, ("PASSIVE", "50")),
 ])
 def test_a_wait_the_user_chose_is_kept(env: dict[str, str], expected: tuple[str, str]) -> None:
     assert _runtime_wait("import loraplex.llm", **env)[:2] == expected
@@ -56,4 +57,4 @@ def test_apply_defaults_leaves_a_chosen_wait_alone() -> None:
     assert apply_defaults(chosen, loaded=()) is False and chosen == {"GOMP_SPINCOUNT": "10"}
     fresh: dict[str, str] = {}
     assert apply_defaults(fresh, loaded=()) is True
-    assert fresh == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert fresh == {"GOMP_SPINCOUNT": "1000"}
