@@ -29,7 +29,7 @@ from loraplex.errors import InvalidRequestError
 from loraplex.gateway.auth import cache_salt, tenant_limits
 from loraplex.gateway.errors import DependencyUnavailableError
 from loraplex.gateway.metrics import Observation
-from loraplex.gateway.ratelimit import Lease
+from loraplex.gateway.ratelimit import Lease, TenantLimits
 from loraplex.gateway.state import Gateway
 from loraplex.gateway.targets import Target
 from loraplex.registry.api_keys import Principal
@@ -79,9 +79,10 @@ class Job:
         gw.meter.open_request()
         self._metering = True
         reserved = self.num_prompt_tokens + self.params.n * self.params.max_tokens
+        limits = tenant_limits(principal)
         try:
-            self._lease = await gw.rate_limiter.acquire(
-                str(principal.tenant_id), tenant_limits(principal), reserved)
+            self._lease = await gw.rate_limiter.acquire(str(principal.tenant_id), limits,
+                                                        reserved)
         except InvalidRequestError as exc:
             raise InvalidRequestError(
                 f"the prompt ({self.num_prompt_tokens} tokens) plus n * max_tokens "
@@ -89,7 +90,14 @@ class Job:
                 f"your limit of {principal.max_tokens_per_minute} tokens per window",
                 param="max_tokens") from exc
         except (RedisError, OSError) as exc:
-            raise DependencyUnavailableError(f"rate limiter: {exc}") from exc
+            # The details (they name internal hosts) go to the log, never to the tenant.
+            logger.warning("rate limiter unavailable for tenant %s: %s", principal.tenant_id,
+                           exc)
+            if limits != TenantLimits():
+                raise DependencyUnavailableError(
+                    "the rate limiter is unavailable; retry later") from None
+            # A tenant without limits has nothing to check: it is served, with no lease.
+            self._lease = None
         salt = (None if gw.config.allow_cross_tenant_cache_sharing
                 else cache_salt(gw.salt_secret, principal.tenant_id))
         self._stream = gw.backend.generate(self.prompt_token_ids, self.params,
