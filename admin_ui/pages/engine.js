@@ -32,9 +32,11 @@ export async function render(container) {
       stats.replaceChildren(
         stat("Queue", fmtInt(s.num_waiting), `${s.num_running} running · ${s.num_swapped} ` +
              `swapped · ${s.num_unfinished} unfinished`),
-        stat("KV cache", pct(s.kv_utilization), `${fmtInt(s.kv_blocks_used)} of ` +
+        // The headline is how much of the pool is taken; the fill of the blocks held
+        // (padding of their last blocks aside) is a different figure, named as such.
+        stat("KV cache in use", pct(s.kv_pool_usage), `${fmtInt(s.kv_blocks_used)} of ` +
              `${fmtInt(s.kv_blocks_total)} blocks used · ${fmtInt(s.kv_blocks_cached_free)} ` +
-             "cached", s.kv_utilization),
+             `cached · ${pct(s.kv_utilization)} fill of held blocks`, s.kv_pool_usage),
         stat("Prefix-cache hit rate", pct(s.prefix_cache_hit_rate),
              `${fmtInt(s.prefix_cache_hit_tokens)} of ${fmtInt(s.prefix_cache_queried_tokens)} ` +
              "prompt tokens", s.prefix_cache_hit_rate),

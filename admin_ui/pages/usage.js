@@ -116,20 +116,24 @@ export async function render(container) {
       : (r) => (r.version ? `${r.model} v${r.version}` : `${r.model} (base)`);
     chartArea.replaceChildren(report.data.length ? chart(report.data, seriesOf, start, end)
       : h("p", { class: "muted empty" }, "No usage in this window."));
-    const byModel = new Map();
+    // One row per series: by tenant, a tenant's row sums all its models and lists them;
+    // by adapter, a row is one tenant's use of one model.
+    const byTenant = groupBy.value === "tenant";
+    const modelOf = (r) => (r.version ? `${r.model} v${r.version}` : `${r.model} (base)`);
+    const rows = new Map();
     for (const r of report.data) {
-      const k = `${r.tenant}\u0000${seriesOf(r)}`;
-      const acc = byModel.get(k) || { tenant: r.tenant, model: groupBy.value === "tenant"
-        ? (r.version ? `${r.model} v${r.version}` : `${r.model} (base)`) : seriesOf(r),
-        requests: 0, prompt: 0, completion: 0 };
+      const k = byTenant ? r.tenant : `${r.tenant}\u0000${seriesOf(r)}`;
+      const acc = rows.get(k) || { tenant: r.tenant, models: new Set(), requests: 0,
+                                   prompt: 0, completion: 0 };
+      acc.models.add(modelOf(r));
       acc.requests += r.requests; acc.prompt += r.prompt_tokens; acc.completion += r.completion_tokens;
-      byModel.set(k, acc);
+      rows.set(k, acc);
     }
-    totalsArea.replaceChildren(table(["Tenant", "Model", "Requests", "Prompt tokens",
-                                      "Completion tokens", "Total tokens"],
-      [...byModel.values()].sort((a, b) => (b.prompt + b.completion) - (a.prompt + a.completion))
-        .map((r) => [r.tenant, r.model, fmtInt(r.requests), fmtInt(r.prompt),
-                     fmtInt(r.completion), fmtInt(r.prompt + r.completion)]),
+    totalsArea.replaceChildren(table(["Tenant", byTenant ? "Models" : "Model", "Requests",
+                                      "Prompt tokens", "Completion tokens", "Total tokens"],
+      [...rows.values()].sort((a, b) => (b.prompt + b.completion) - (a.prompt + a.completion))
+        .map((r) => [r.tenant, [...r.models].sort().join(", "), fmtInt(r.requests),
+                     fmtInt(r.prompt), fmtInt(r.completion), fmtInt(r.prompt + r.completion)]),
       "No usage in this window."));
   }
 

@@ -297,6 +297,8 @@ class LLMEngine:
             kv_blocks_used=kv.num_blocks_used,
             kv_blocks_free=kv.num_blocks_free,
             kv_blocks_cached_free=kv.num_blocks_cached_free,
+            kv_pool_usage=(kv.num_blocks_used / kv.num_blocks_total
+                           if kv.num_blocks_total else 0.0),
             kv_utilization=kv.kv_utilization,
             host_blocks_total=kv.num_host_blocks_total,
             host_blocks_used=kv.num_host_blocks_used,

@@ -19,6 +19,9 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_cached_free: int
+    kv_pool_usage: float  # kv_blocks_used / kv_blocks_total: how full the pool is
+    # Tokens stored / token slots of the blocks live requests hold (1 minus the padding of
+    # their last blocks): the fill of held blocks, not how much of the pool is in use.
     kv_utilization: float
     host_blocks_total: int
     host_blocks_used: int

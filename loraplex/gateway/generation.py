@@ -5,6 +5,13 @@ first output before any HTTP status is sent, so admission errors (queue full, pr
 long) still get their own status even when streaming. ``Job.finish`` is the single exit:
 it aborts the engine request if it is still running, settles the lease with the real token
 count, meters usage and records metrics, exactly once, whatever ended the request.
+
+Usage is what the tenant got: the prompt tokens of an admitted request, plus the
+completion tokens that were sent (``Job.sent``): for a stream, those of every chunk written
+to the connection before it ended, however it ended (hang-up, engine abort, shutdown); for
+a whole response, all of them once the response is handed over, none if the client left
+before it was ready. The rate limiter is charged with every token the engine produced: that
+is the load the tenant caused.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from loraplex.errors import InvalidRequestError
 from loraplex.gateway.auth import cache_salt, tenant_limits
 from loraplex.gateway.errors import DependencyUnavailableError
 from loraplex.gateway.metrics import Observation
-from loraplex.gateway.ratelimit import Lease
+from loraplex.gateway.ratelimit import Lease, TenantLimits
 from loraplex.gateway.state import Gateway
 from loraplex.gateway.targets import Target
 from loraplex.registry.api_keys import Principal
@@ -47,12 +54,14 @@ class Job:
         observation.delegated = True
         self.created = int(time.time())
         self.num_completion_tokens = 0
+        self.num_sent_tokens = 0
         self.metrics: RequestMetrics | None = None
         self._lease: Lease | None = None
         self._stream: AsyncGenerator[SequenceDelta, None] | None = None
         self._first: SequenceDelta | None = None
         self._finished = False
         self._admitted = False
+        self._metering = False
         # The metrics status of a stream that ended with an error event (its HTTP status,
         # 200, was already sent).
         self.stream_status = "ok"
@@ -66,10 +75,14 @@ class Job:
         (RateLimitExceeded, EngineOverloadedError, PromptTooLongError...), leaving nothing
         held behind."""
         gw, principal = self.gw, self.principal
+        # From here the meter's final flush (at shutdown) waits for this request's record.
+        gw.meter.open_request()
+        self._metering = True
         reserved = self.num_prompt_tokens + self.params.n * self.params.max_tokens
+        limits = tenant_limits(principal)
         try:
-            self._lease = await gw.rate_limiter.acquire(
-                str(principal.tenant_id), tenant_limits(principal), reserved)
+            self._lease = await gw.rate_limiter.acquire(str(principal.tenant_id), limits,
+                                                        reserved)
         except InvalidRequestError as exc:
             raise InvalidRequestError(
                 f"the prompt ({self.num_prompt_tokens} tokens) plus n * max_tokens "
@@ -77,7 +90,14 @@ class Job:
                 f"your limit of {principal.max_tokens_per_minute} tokens per window",
                 param="max_tokens") from exc
         except (RedisError, OSError) as exc:
-            raise DependencyUnavailableError(f"rate limiter: {exc}") from exc
+            # The details (they name internal hosts) go to the log, never to the tenant.
+            logger.warning("rate limiter unavailable for tenant %s: %s", principal.tenant_id,
+                           exc)
+            if limits != TenantLimits():
+                raise DependencyUnavailableError(
+                    "the rate limiter is unavailable; retry later") from None
+            # A tenant without limits has nothing to check: it is served, with no lease.
+            self._lease = None
         salt = (None if gw.config.allow_cross_tenant_cache_sharing
                 else cache_salt(gw.salt_secret, principal.tenant_id))
         self._stream = gw.backend.generate(self.prompt_token_ids, self.params,
@@ -100,6 +120,11 @@ class Job:
             self._count(delta)
             yield delta
 
+    def sent(self) -> None:
+        """Every token received so far has reached the client (a chunk carrying it was
+        written, or the whole response was handed over)."""
+        self.num_sent_tokens = self.num_completion_tokens
+
     def _count(self, delta: SequenceDelta) -> None:
         self.num_completion_tokens += len(delta.new_token_ids)
         if delta.finished and delta.index == 0 and delta.metrics is not None:
@@ -112,6 +137,13 @@ class Job:
         if self._finished:
             return
         self._finished = True
+        if self._metering:
+            # Metered first, before anything that awaits: nothing more reaches the client,
+            # and the shutdown's final flush must not miss it.
+            self.gw.meter.close_request(UsageRecord(
+                tenant_id=self.principal.tenant_id, adapter_id=self.target.adapter_id,
+                at=datetime.now(UTC), requests=1, prompt_tokens=self.num_prompt_tokens,
+                completion_tokens=self.num_sent_tokens) if self._admitted else None)
         if self._stream is not None:
             await self._stream.aclose()  # aborts the engine request if it is unfinished
         used = self.num_prompt_tokens + self.num_completion_tokens if self._admitted else 0
@@ -122,9 +154,4 @@ class Job:
                 # The lease expires on its own (its TTL); the request itself went fine.
                 logger.warning("could not release rate-limit lease %s", self._lease.lease_id,
                                exc_info=True)
-        if self._admitted:
-            self.gw.meter.add(UsageRecord(
-                tenant_id=self.principal.tenant_id, adapter_id=self.target.adapter_id,
-                at=datetime.now(UTC), requests=1, prompt_tokens=self.num_prompt_tokens,
-                completion_tokens=self.num_completion_tokens))
         self.obs.record(status, self.metrics)

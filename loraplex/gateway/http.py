@@ -171,8 +171,9 @@ class EventStreamResponse(Response):
 
     Unlike Starlette's StreamingResponse (which, on ASGI 2.4 servers, notices a gone client
     only at its next write), this watches for ``http.disconnect`` the whole time, so a
-    request still queued or prefilling is aborted at once. ``on_close(disconnected)`` runs
-    exactly once, shielded from cancellation, after the iterator is closed.
+    request still queued or prefilling is aborted at once. ``on_close(cut_short)`` runs
+    exactly once, shielded from cancellation, after the iterator is closed; ``cut_short``
+    is false only when the whole response was sent.
     """
 
     media_type = "text/event-stream"
@@ -186,15 +187,10 @@ class EventStreamResponse(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnected = False
+        completed = False
         try:
             async with anyio.create_task_group() as group:
-
-                async def watch() -> None:
-                    nonlocal disconnected
-                    disconnected = await _watch_disconnect(receive, group.cancel_scope)
-
-                group.start_soon(watch)
+                group.start_soon(_watch_disconnect, receive, group.cancel_scope)
                 try:
                     await send({"type": "http.response.start", "status": self.status_code,
                                 "headers": self.raw_headers})
@@ -203,13 +199,17 @@ class EventStreamResponse(Response):
                                     "more_body": True})
                     await send({"type": "http.response.body", "body": b"",
                                 "more_body": False})
+                    completed = True
                 except OSError:  # ASGI 2.4: a write to a closed connection
-                    disconnected = True
+                    pass
                 group.cancel_scope.cancel()
         finally:
+            # Only a response that did not reach its end was cut short. Once it is complete
+            # the server reports http.disconnect too, which is no hang-up; a stream the
+            # server cancels (shutdown) is cut short like one whose client left.
             with anyio.CancelScope(shield=True):
                 await self.events.aclose()
-                await self.on_close(disconnected)
+                await self.on_close(not completed)
 
 
 def sse(data: str) -> bytes:

@@ -15,6 +15,12 @@ and settled on release with the real count: unused tokens are refunded to the or
 entry if it is still in the window, extra tokens are charged as a new entry at release
 time. Concurrency slots are leases that expire after ``lease_ttl_s``, so a dead gateway
 process cannot hold its slots for ever.
+
+Talking to Redis is bounded: every socket operation times out after ``timeout_s``, a
+connection idle for ``HEALTH_CHECK_INTERVAL_S`` is pinged before use, and a command that
+fails on a broken connection (a pooled one left stale by a Redis restart) is retried on a
+fresh one, twice at most, with a short backoff. Both scripts are idempotent per lease, so
+a retried call never counts a request twice.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from loraplex.errors import ConfigError, InvalidRequestError, LoraplexError
 LimitName = Literal["requests", "tokens", "concurrency"]
 
 DEFAULT_KEY_PREFIX = "loraplex:rl:"
+DEFAULT_REDIS_TIMEOUT_S = 1.0
+HEALTH_CHECK_INTERVAL_S = 10
+REDIS_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,10 @@ class RateLimiter(Protocol):
         """
         ...
 
+    async def ping(self) -> bool:
+        """Whether the limiter's store answers now (for readiness)."""
+        ...
+
     async def close(self) -> None:
         """Releases connections; the limiter cannot be used afterwards."""
         ...
@@ -140,6 +153,9 @@ local reserved = tonumber(ARGV[7])
 local concurrency_retry = tonumber(ARGV[8])
 local log_ttl_ms = ARGV[9]
 local lease_ttl_ms = ARGV[10]
+
+-- Run again for a lease it already admitted (a client retry after a lost reply): no-op.
+if redis.call('ZSCORE', lease_key, lease_id) then return {1, '', 0} end
 
 local function fmt(x) return string.format('%.0f', x) end
 local t = redis.call('TIME')
@@ -285,12 +301,23 @@ class RedisRateLimiter(RateLimiter):
         lease_ttl_s: float = 600.0,
         *,
         concurrency_retry_s: float = 1.0,
+        timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
     ) -> None:
         _check_window(window_s, lease_ttl_s, concurrency_retry_s)
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         # Imported here so the embedded default never needs redis importable.
         from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
 
-        self._redis = Redis.from_url(url)
+        self._redis = Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            health_check_interval=HEALTH_CHECK_INTERVAL_S,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), REDIS_RETRIES),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self._prefix = key_prefix
         self._window_us = round(window_s * 1_000_000)
         self._lease_ttl_us = round(lease_ttl_s * 1_000_000)
@@ -347,6 +374,15 @@ class RedisRateLimiter(RateLimiter):
             keys=[tok, amount, total, leases],
             args=[lease.lease_id, lease.reserved_tokens, actual_tokens, self._log_ttl_ms],
         )
+
+    async def ping(self) -> bool:
+        """See ``RateLimiter.ping``."""
+        from redis.exceptions import RedisError
+
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, OSError):
+            return False
 
     async def close(self) -> None:
         """Closes the connection pool."""
@@ -502,6 +538,10 @@ class InProcessRateLimiter(RateLimiter):
             state.tokens.append((key, extra))
             state.token_entries[key] = extra
             state.num_tokens += delta
+
+    async def ping(self) -> bool:
+        """See ``RateLimiter.ping``: always, the state is in this process."""
+        return True
 
     async def close(self) -> None:
         """Forgets all state."""

@@ -4,6 +4,10 @@ A request adds one ``UsageRecord`` to an in-memory buffer (no I/O); a background
 writes the whole buffer in one transaction every ``interval_s`` and once more at shutdown,
 so the database sees one upsert per (tenant, adapter, hour) per interval, never one write
 per request or token. A failed write keeps its records for the next attempt.
+
+Requests in flight are counted (``open_request``/``close_request``): at shutdown the last
+flush waits, up to ``close_grace_s``, for those still ending (streams cut by the shutdown
+are closed after the server stops waiting for them), so what they delivered is kept.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ logger = logging.getLogger("loraplex.gateway.usage")
 class UsageMeter:
     """Buffers usage records and flushes them to the registry in batches."""
 
-    def __init__(self, factory: sessionmaker[Session], interval_s: float = 1.0) -> None:
+    def __init__(self, factory: sessionmaker[Session], interval_s: float = 1.0,
+                 close_grace_s: float = 10.0) -> None:
         self._factory = factory
         self._interval_s = interval_s
+        self._close_grace_s = close_grace_s
+        self._num_open = 0
+        self._all_closed = asyncio.Event()
+        self._all_closed.set()
         self._lock = threading.Lock()
         self._pending: list[UsageRecord] = []
         # One flush at a time: a periodic flush and a read-your-writes flush must not
@@ -40,6 +49,19 @@ class UsageMeter:
         """Queues one record; never blocks on I/O."""
         with self._lock:
             self._pending.append(record)
+
+    def open_request(self) -> None:
+        """A request that will end with ``close_request`` began (event loop only)."""
+        self._num_open += 1
+        self._all_closed.clear()
+
+    def close_request(self, record: UsageRecord | None) -> None:
+        """The request ended; ``record`` is its usage (None when nothing is owed)."""
+        if record is not None:
+            self.add(record)
+        self._num_open -= 1
+        if self._num_open == 0:
+            self._all_closed.set()
 
     @property
     def num_pending(self) -> int:
@@ -79,12 +101,18 @@ class UsageMeter:
                                                                 name="loraplex-usage")
 
     async def stop(self) -> None:
-        """Stops the flusher and writes what is left."""
+        """Stops the flusher and writes what is left, once the requests still open have
+        ended (or ``close_grace_s`` has passed)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        try:
+            await asyncio.wait_for(self._all_closed.wait(), self._close_grace_s)
+        except TimeoutError:
+            logger.warning("%d requests still open at the final usage flush; their usage "
+                           "is lost", self._num_open)
         try:
             await self.flush()
         except Exception:

@@ -114,13 +114,13 @@ class LiveServer:
 
 
 class _ThreadedUvicorn:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, graceful_s: float = 5) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=graceful_s)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run,
                                        kwargs={"sockets": [self.sock]}, daemon=True)
@@ -170,8 +170,8 @@ def redis_prefix() -> Iterator[str]:
         yield prefix
 
 
-def _start(app: Any) -> _ThreadedUvicorn:
-    server = _ThreadedUvicorn(app)
+def _start(app: Any, graceful_s: float = 5) -> _ThreadedUvicorn:
+    server = _ThreadedUvicorn(app, graceful_s)
     server.start()
     return server
 
@@ -252,8 +252,8 @@ def fuzz_live(tiny_llama_dir: Path,
 
 
 @contextlib.contextmanager
-def _serving(app: Any) -> Iterator[str]:
-    server = _start(app)
+def _serving(app: Any, graceful_s: float = 5) -> Iterator[str]:
+    server = _start(app, graceful_s)
     try:
         yield f"http://127.0.0.1:{server.port}"
     finally:
@@ -261,8 +261,9 @@ def _serving(app: Any) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def serve_app() -> Callable[[Any], contextlib.AbstractContextManager[str]]:
-    """``with serve_app(app) as url:`` runs another app on a live uvicorn."""
+def serve_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """``with serve_app(app) as url:`` runs another app on a live uvicorn; at the end it
+    waits ``graceful_s`` (keyword, default 5) for open requests, then cancels them."""
     return _serving
 
 

@@ -54,8 +54,16 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(live: LiveServer, path: s
     assert aborted_count(live, "carol") == before + 1
 
 
+def metered(live: LiveServer, tenant: str) -> dict[str, int]:
+    with live.http() as http:
+        response = http.get("/v1/usage", headers={"Authorization": f"Bearer {live.keys[tenant]}"})
+    totals: dict[str, int] = response.json()["totals"]
+    return totals
+
+
 def test_disconnect_during_non_streaming_request_aborts(live: LiveServer) -> None:
     before = aborted_count(live, "carol")
+    usage_before = metered(live, "carol")
     body = json.dumps(long_request(live, stream=False) | {"n": 4}).encode()
     host, port = live.url.removeprefix("http://").split(":")
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
@@ -74,6 +82,10 @@ def test_disconnect_during_non_streaming_request_aborts(live: LiveServer) -> Non
     stats = live.wait_idle()
     assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0
     assert aborted_count(live, "carol") == before + 1
+    # The engine made tokens, but the answer never left: only the prompt is owed.
+    usage = metered(live, "carol")
+    assert {k: usage[k] - usage_before[k] for k in usage} == {
+        "requests": 1, "prompt_tokens": 20, "completion_tokens": 0, "total_tokens": 20}
 
 
 def test_stream_format(live: LiveServer) -> None:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.config import (
@@ -34,7 +39,8 @@ def test_health_and_ready_need_no_key(live: LiveServer) -> None:
         assert http.get("/health").json() == {"status": "ok"}
         ready = http.get("/ready")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "engine": True, "database": True}
+    assert ready.json() == {"status": "ready", "engine": True, "database": True,
+                            "redis": True}
 
 
 def test_openapi_document_describes_the_routes(live: LiveServer) -> None:
@@ -147,19 +153,101 @@ def test_full_engine_queue_is_503_with_retry_after(tiny_queue: tuple[str, str, s
         assert exc.body["code"] == "engine_overloaded"  # type: ignore[index]
 
 
-def test_unreachable_redis_is_503_not_500(tiny_llama_dir: Path, tmp_path: Path,
-                                          serve_app: Any) -> None:
-    with socket.socket() as sock:  # a port with nobody listening
+def free_port() -> int:
+    with socket.socket() as sock:  # a port with nobody listening, once closed
         sock.bind(("127.0.0.1", 0))
-        dead = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
-    config = ServerConfig(served_model_name="tiny", redis_url=dead)
-    with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, key, _), \
-            openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
-        with pytest.raises(openai.APIStatusError) as refused:
-            client.completions.create(model="tiny", prompt="hi", max_tokens=1)
-        assert refused.value.status_code == 503
-        assert refused.value.body["code"] == "dependency_unavailable"  # type: ignore[index]
-        assert [m.id for m in client.models.list()] == ["tiny"]  # what needs no limiter
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RedisProcess:
+    """A redis-server of the test's own on ``port``, to kill and restart under a server."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(10)
+            self._proc = None
+
+
+def add_tenant(root: Path, name: str, **limits: int) -> str:
+    engine = db.make_engine(f"sqlite:///{root / 'registry.db'}")
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            tenant = service.create_tenant(session, name, **limits)
+            _, key = service.create_key(session, tenant.id)
+    finally:
+        engine.dispose()
+    return key
+
+
+def call(url: str, key: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=30)
+
+
+def test_unreachable_redis_is_503_for_limited_tenants_only(
+        tiny_llama_dir: Path, tmp_path: Path, serve_app: Any) -> None:
+    port = free_port()
+    config = ServerConfig(served_model_name="tiny", redis_url=f"redis://127.0.0.1:{port}/0")
+    with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, key, limited):
+        refused = call(url, limited)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "dependency_unavailable"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert str(port) not in refused.text and "127.0.0.1" not in refused.text
+        assert call(url, key).status_code == 200  # no limits: nothing to check
+
+
+def test_redis_restart_under_a_live_server(tiny_llama_dir: Path, tmp_path: Path,
+                                           serve_app: Any) -> None:
+    store = RedisProcess(free_port())
+    store.start()
+    config = ServerConfig(served_model_name="tiny", redis_url=store.url)
+    try:
+        with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, free, _):
+            capped = add_tenant(tmp_path, "capped", max_requests_per_minute=100_000)
+            with ThreadPoolExecutor(8) as pool:
+                # Fill the pool with connections that the restart will leave stale.
+                assert [r.status_code for r in pool.map(lambda _: call(url, capped),
+                                                        range(16))] == [200] * 16
+                assert httpx.get(f"{url}/ready").json()["redis"] is True
+
+                store.kill()
+                ready = httpx.get(f"{url}/ready", timeout=30)
+                assert ready.status_code == 503 and ready.json()["redis"] is False
+                down = list(pool.map(lambda _: call(url, capped), range(8)))
+                assert [r.status_code for r in down] == [503] * 8
+                for response in [ready, *down]:
+                    assert str(store.port) not in response.text
+                    assert "127.0.0.1" not in response.text
+                assert all(r.headers["retry-after"] for r in down)
+                assert call(url, free).status_code == 200
+
+                store.start()
+                after = list(pool.map(lambda _: call(url, capped), range(60)))
+                assert [r.status_code for r in after] == [200] * 60
+                assert httpx.get(f"{url}/ready").status_code == 200
+    finally:
+        store.kill()
 
 
 def test_in_process_limiter_without_redis(tiny_queue: tuple[str, str, str]) -> None:

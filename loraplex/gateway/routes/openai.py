@@ -177,6 +177,7 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
     except BaseException as exc:
         await shielded(job.finish(_failure_status(exc)))
         raise
+    job.sent()  # the whole answer is handed over: all of it is metered
     await shielded(job.finish("ok"))
     return JSONResponse(body)
 
@@ -212,6 +213,8 @@ async def _events(gw: Gateway, job: Job, options: GenerationOptions,
             chunk_ = writer.delta_chunk(delta)
             if chunk_ is not None:
                 yield sse(chunk_)
+                # Resumed only once the chunk was written: its tokens reached the client.
+                job.sent()
         final = writer.usage_chunk(usage(job.num_prompt_tokens, job.num_completion_tokens))
         if final is not None:
             yield sse(final)

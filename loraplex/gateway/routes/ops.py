@@ -29,13 +29,16 @@ def _database_ok(gw: Gateway) -> bool:
 
 
 async def ready(request: Request) -> Response:
-    """The engine is loaded and running, and the registry database answers."""
+    """The engine is loaded and running, the registry database answers, and so does the
+    rate limiter's Redis when one is configured (``redis`` is null otherwise)."""
     gw = gateway(request)
     engine_ok = gw.backend.is_ready
     database_ok = await run_in_threadpool(_database_ok, gw)
-    ok = engine_ok and database_ok
+    redis_ok = await gw.rate_limiter.ping() if gw.config.redis_url else None
+    ok = engine_ok and database_ok and redis_ok is not False
     return JSONResponse({"status": "ready" if ok else "not ready", "engine": engine_ok,
-                         "database": database_ok}, status_code=200 if ok else 503)
+                         "database": database_ok, "redis": redis_ok},
+                        status_code=200 if ok else 503)
 
 
 async def _refresh_engine_metrics(gw: Gateway) -> None:

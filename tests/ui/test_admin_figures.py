@@ -1,0 +1,133 @@
+"""The figures the admin pages show, read in a real browser against a live server: the
+Engine page's KV cache headline, and the Usage page's totals when stacked by tenant."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.browser
+
+UIServer = Any  # tests/ui/conftest.py
+SERVED = "tiny-llama"
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def admin(server: UIServer) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=60,
+                        headers={"Authorization": f"Bearer {server.admin_key}"})
+
+
+def new_tenant(server: UIServer) -> tuple[str, str]:
+    name = f"fig-{uuid.uuid4().hex[:6]}"
+    with admin(server) as http:
+        assert http.post("/admin/api/tenants", json={"name": name}).status_code == 201
+        response = http.post(f"/admin/api/tenants/{name}/keys", json={})
+        assert response.status_code == 201
+    key: str = response.json()["key"]
+    return name, key
+
+
+def complete(server: UIServer, key: str, model: str, max_tokens: int) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": model, "prompt": "Hello", "max_tokens": max_tokens})
+    assert response.status_code == 200, response.text
+
+
+def signed_in_page(browser: Any, server: UIServer, page_name: str) -> Any:
+    page = browser.new_page()
+    page.goto(f"{server.url}/admin")
+    page.fill("#admin-key", server.admin_key)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#page[data-page=tenants]")
+    page.click(f"#nav a[data-page={page_name}]")
+    page.wait_for_selector(f"#page[data-page={page_name}]")
+    return page
+
+
+@pytest.fixture
+def busy_engine(ui_server: UIServer) -> Iterator[None]:
+    """Streams run back to back until the test ends, so live requests hold KV blocks."""
+    _, key = new_tenant(ui_server)
+    stop = threading.Event()
+
+    def run() -> None:
+        body = {"model": SERVED, "prompt": [5] * 21, "max_tokens": 400, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client(base_url=ui_server.url, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"}) as http:
+            while not stop.is_set():
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        if stop.is_set():
+                            break
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+
+
+def test_engine_page_headline_is_pool_use(browser: Any, ui_server: UIServer,
+                                          busy_engine: None) -> None:
+    page = signed_in_page(browser, ui_server, "engine")
+    card = page.locator("#engine-stats .stat", has_text="KV cache")
+    # Refreshed every 2 s: wait for a render taken while requests held blocks.
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('#engine-stats .stat')]
+              .some(c => /KV cache/.test(c.textContent)
+                         && /^[1-9][\\d,]* of /.test(c.querySelector('.sub').textContent))""",
+        timeout=30_000)
+    # One read of one render: the headline and the line under it belong together.
+    shown = json.loads(card.evaluate(
+        "c => JSON.stringify([c.querySelector('.value').textContent, "
+        "c.querySelector('.sub').textContent])"))
+    value, sub = shown
+    used, total = (int(n.replace(",", ""))
+                   for n in re.match(r"([\d,]+) of ([\d,]+) blocks used", sub).groups())  # type: ignore[union-attr]
+    assert value == f"{100 * used / total:.1f}%"
+    assert re.search(r"\d+\.\d% fill of held blocks", sub)
+    page.close()
+
+
+def test_usage_totals_stacked_by_tenant_name_the_tenant(
+        browser: Any, ui_server: UIServer, ui_adapters: dict[str, Path]) -> None:
+    tenant, key = new_tenant(ui_server)
+    with admin(ui_server) as http:
+        files = {name: (name, (ui_adapters["good"] / name).read_bytes()) for name in FILES}
+        response = http.post(f"/admin/api/tenants/{tenant}/adapters", data={"name": "tone"},
+                             files=files)
+        assert response.status_code == 201, response.text
+    complete(ui_server, key, SERVED, 3)
+    complete(ui_server, key, "tone", 2)
+    page = signed_in_page(browser, ui_server, "usage")
+    assert page.locator("#page form select >> nth=2").input_value() == "tenant"
+    row = page.locator("#page table tr", has=page.locator("td", has_text=tenant))
+    page.wait_for_selector(f"#usage-chart rect[data-series={tenant}]")
+    cells = row.locator("td").all_text_contents()
+    assert cells[0] == tenant
+    # The tenant's row sums both models and says so, instead of naming the first one.
+    assert cells[1] == f"{tenant}/tone v1, {SERVED} (base)"
+    assert cells[2] == "2" and cells[4] == "5"
+    page.select_option("#page form select >> nth=2", "model")
+    by_model = page.locator("#page table tr", has=page.locator("td", has_text=tenant))
+    page.wait_for_function(
+        f"() => [...document.querySelectorAll('#page table tr')]"
+        f".filter(r => r.textContent.includes('{tenant}')).length === 2", timeout=10_000)
+    models = sorted(r.locator("td").nth(1).text_content() for r in by_model.all())
+    assert models == sorted([f"{SERVED} (base)", f"{tenant}/tone v1"])
+    page.close()
