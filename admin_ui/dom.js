@@ -73,16 +73,35 @@ export function confirmButton(label, confirmLabel, action, cls = "danger") {
   return button;
 }
 
-/** A table whose cells carry their column name, so narrow screens show them as cards. */
+/** A table whose cells carry their column name, so narrow screens show them as cards.
+ * Where it is still wider than its card, a hint says that it scrolls sideways. */
 export function table(columns, rows, empty) {
   if (!rows.length) return h("p", { class: "muted empty" }, empty);
-  return h("div", { class: "table-wrap" }, h("table", { class: "responsive" },
+  const hint = h("p", { class: "muted scroll-hint", hidden: true }, "Scroll sideways for more →");
+  const wrap = h("div", { class: "table-wrap" }, h("table", { class: "responsive" },
     h("thead", {}, h("tr", {}, columns.map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, rows.map((cells) => {
       const tr = h("tr");
       cells.forEach((cell, i) => tr.append(h("td", { "data-label": columns[i] }, cell)));
       return tr;
     }))));
+  new ResizeObserver(() => { hint.hidden = wrap.scrollWidth <= wrap.clientWidth + 1; })
+    .observe(wrap);
+  return h("div", {}, hint, wrap);
+}
+
+/** Checks a name input against its pattern before a submit; shows a sentence naming the
+ * rule (``rule``) in ``error`` instead of the browser's generic tooltip. True if valid. */
+export function checkName(input, what, rule, error) {
+  const value = input.value.trim();
+  let message = null;
+  if (!value) message = `${what} is required.`;
+  else if (!new RegExp(`^(?:${input.pattern})$`).test(value)) {
+    message = `${what} "${value}" is not allowed: ${rule}.`;
+  }
+  input.setAttribute("aria-invalid", message ? "true" : "false");
+  if (message) { error.show(new Error(message)); input.focus(); }
+  return message === null;
 }
 
 export function badge(text, kind) {

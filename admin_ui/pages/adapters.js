@@ -1,6 +1,8 @@
 // Adapters: upload (with progress; refusals shown inline), versions, visibility, delete.
 import { api, upload } from "../api.js";
-import { badge, confirmButton, errorLine, field, fmtBytes, fmtTime, h, table } from "../dom.js";
+import {
+  badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtTime, h, table,
+} from "../dom.js";
 import { tenantOptions } from "./keys.js";
 
 export const title = "Adapters";
@@ -19,7 +21,7 @@ export async function render(container) {
   const uploadError = errorLine();
   uploadError.id = "upload-error";
   const uploadDone = h("p", { class: "success", role: "status", hidden: true, id: "upload-done" });
-  const form = h("form", { class: "inline", id: "upload-adapter" },
+  const form = h("form", { class: "inline", id: "upload-adapter", novalidate: true },
     field("Tenant", tenant), field("Name", name, "a new upload under a name is a new version"),
     field("Visibility", visibility),
     field("Files", files, "adapter_config.json + adapter_model.safetensors, or one .zip / .tar.gz"),
@@ -29,6 +31,10 @@ export async function render(container) {
     event.preventDefault();
     uploadError.clear();
     uploadDone.hidden = true;
+    if (!tenant.value) { uploadError.show(new Error("Choose a tenant first.")); return; }
+    if (!checkName(name, "Adapter name", "use letters, digits, '.', '_' or '-', starting " +
+                   "with a letter or digit", uploadError)) return;
+    if (!files.files.length) { uploadError.show(new Error("Choose the adapter's files.")); return; }
     const body = new FormData();
     body.append("name", name.value.trim());
     body.append("visibility", visibility.value);

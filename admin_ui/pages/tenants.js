@@ -1,8 +1,10 @@
 // Tenants: create, change limits, suspend and reactivate.
 import { api } from "../api.js";
-import { badge, confirmButton, errorLine, field, h, table } from "../dom.js";
+import { badge, checkName, confirmButton, errorLine, field, h, table } from "../dom.js";
 
 export const title = "Tenants";
+const TENANT_RULE = "use lower-case letters, digits, '.', '_' or '-', starting with a " +
+  "letter or digit (for example acme or team-2)";
 const LIMITS = [
   ["max_requests_per_minute", "Requests / min"],
   ["max_tokens_per_minute", "Tokens / min"],
@@ -25,7 +27,8 @@ export async function render(container) {
   const name = h("input", { required: true, placeholder: "acme", pattern: "[a-z0-9][a-z0-9_.\\-]*",
                             autocomplete: "off", spellcheck: "false" });
   const limitInputs = LIMITS.map(([, label]) => limitInput(null, label));
-  const form = h("form", { class: "inline", id: "create-tenant" },
+  // novalidate: checkName explains a refused name in the page, not in a browser tooltip.
+  const form = h("form", { class: "inline", id: "create-tenant", novalidate: true },
     field("Name", name, "lower case, digits, . _ -"),
     LIMITS.map(([, label], i) => field(label, limitInputs[i], "empty = unlimited")),
     h("button", { type: "submit", class: "primary" }, "Create tenant"));
@@ -33,6 +36,7 @@ export async function render(container) {
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     createError.clear();
+    if (!checkName(name, "Tenant name", TENANT_RULE, createError)) return;
     const body = { name: name.value.trim() };
     LIMITS.forEach(([key], i) => {
       const v = limitValue(limitInputs[i]);
