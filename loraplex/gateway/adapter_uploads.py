@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
@@ -116,7 +116,13 @@ class MultipartReader:
         self._header_field = bytearray()
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
-        self._parser = MultipartParser(boundary, callbacks={
+        try:
+            self._parser = MultipartParser(boundary, callbacks=self._callbacks())
+        except FormParserError as exc:  # e.g. a boundary over 256 bytes
+            raise InvalidRequestError(f"malformed multipart body: {exc}") from None
+
+    def _callbacks(self) -> dict[str, Any]:
+        return {
             "on_part_begin": self._on_part_begin,
             "on_part_data": self._on_part_data,
             "on_part_end": lambda: self._events.append(("end", None)),
@@ -126,7 +132,7 @@ class MultipartReader:
             "on_headers_finished": lambda: self._events.append(("headers",
                                                                 dict(self._headers))),
             "on_end": lambda: self._events.append(("finish", None)),
-        })
+        }
 
     def _on_part_begin(self) -> None:
         self._headers = {}
@@ -158,7 +164,7 @@ class MultipartReader:
                                           self._max_body_bytes)
             try:
                 self._parser.write(chunk)
-            except MultipartParseError as exc:
+            except FormParserError as exc:
                 raise InvalidRequestError(f"malformed multipart body: {exc}") from None
         return self._events.popleft()
 
