@@ -117,12 +117,7 @@ class MultipartReader:
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
         try:
-            self._parser = MultipartParser(boundary, callbacks=self._callbacks())
-        except FormParserError as exc:  # e.g. a boundary over 256 bytes
-            raise InvalidRequestError(f"malformed multipart body: {exc}") from None
-
-    def _callbacks(self) -> dict[str, Any]:
-        return {
+            self._parser = MultipartParser(boundary, callbacks={
             "on_part_begin": self._on_part_begin,
             "on_part_data": self._on_part_data,
             "on_part_end": lambda: self._events.append(("end", None)),
@@ -132,7 +127,9 @@ class MultipartReader:
             "on_headers_finished": lambda: self._events.append(("headers",
                                                                 dict(self._headers))),
             "on_end": lambda: self._events.append(("finish", None)),
-        }
+            })
+        except FormParserError as exc:  # e.g. a boundary over 256 bytes
+            raise InvalidRequestError(f"malformed multipart body: {exc}") from None
 
     def _on_part_begin(self) -> None:
         self._headers = {}
