@@ -118,15 +118,15 @@ class MultipartReader:
         self._headers: dict[bytes, bytes] = {}
         try:
             self._parser = MultipartParser(boundary, callbacks={
-            "on_part_begin": self._on_part_begin,
-            "on_part_data": self._on_part_data,
-            "on_part_end": lambda: self._events.append(("end", None)),
-            "on_header_field": lambda d, s, e: self._header_field.extend(d[s:e]),
-            "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
-            "on_header_end": self._on_header_end,
-            "on_headers_finished": lambda: self._events.append(("headers",
-                                                                dict(self._headers))),
-            "on_end": lambda: self._events.append(("finish", None)),
+                "on_part_begin": self._on_part_begin,
+                "on_part_data": self._on_part_data,
+                "on_part_end": lambda: self._events.append(("end", None)),
+                "on_header_field": lambda d, s, e: self._header_field.extend(d[s:e]),
+                "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
+                "on_header_end": self._on_header_end,
+                "on_headers_finished": lambda: self._events.append(("headers",
+                                                                    dict(self._headers))),
+                "on_end": lambda: self._events.append(("finish", None)),
             })
         except FormParserError as exc:  # e.g. a boundary over 256 bytes
             raise InvalidRequestError(f"malformed multipart body: {exc}") from None
