@@ -98,3 +98,34 @@ def test_one_model_is_the_object_the_list_shows(live: LiveServer, tenant: str) -
             if entry.id != live.served_name:
                 assert json.loads(retrieved.model_dump_json())["created"] > 0
                 assert "@" in (entry.model_extra or {})["root"]
+
+
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+
+
+def test_a_405_names_every_method_of_the_path(live: LiveServer) -> None:
+    with live.http() as http:
+        doc = http.get("/openapi.json").json()
+        for path, item in doc["paths"].items():
+            declared = {m.upper() for m in item if m != "parameters"}
+            if "GET" in declared:
+                declared.add("HEAD")
+            filled = re.sub(r"\{\w+\}", "x", path.replace("{key_id}", "1"))
+            for method in set(METHODS) - declared:
+                response = http.request(method, filled)
+                assert response.status_code == 405, (method, path, response.text)
+                assert set(response.headers["allow"].split(", ")) == declared, (method, path)
+                assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/admin/nothing", "/admin/api/nothing", "/admin/api/",
+                                  "/admin/api/tenants/x/nothing", "/admin/x/y.html"])
+def test_an_unknown_path_under_admin_is_404_whatever_the_method(live: LiveServer,
+                                                                 path: str) -> None:
+    with live.http() as http:
+        for method in METHODS:
+            response = http.request(method, path)
+            assert response.status_code == 404, (method, path, response.text)
+        # A page that exists takes only GET.
+        page = http.post("/admin/index.html")
+        assert page.status_code == 405 and page.headers["allow"] == "GET, HEAD"
