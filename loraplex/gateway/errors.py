@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from loraplex.errors import (
     AdapterError,
@@ -158,8 +158,9 @@ def allowed_methods(request: Request) -> str | None:
     those of the first route that matched the path, one of several)."""
     methods: set[str] = set()
     for route in request.app.router.routes:
+        # Matching as the router does: PARTIAL is the path without the method.
         if isinstance(route, Route) and route.methods \
-                and route.path_regex.match(request.url.path):
+                and route.matches(request.scope)[0] is not Match.NONE:
             methods |= route.methods
     return ", ".join(sorted(methods)) or None
 
@@ -175,7 +176,7 @@ async def handle_exception(request: Request, exc: Exception) -> Response:
         # One rule for every path (the /admin mount included): a path some route serves
         # answers another method with 405 and Allow, any other path is 404.
         allow = allowed_methods(request)
-        if allow is not None:
+        if allow is not None and request.method not in allow.split(", "):
             info = replace(info, status=405, message="Method Not Allowed", allow=allow)
     # Unexpected exceptions are re-raised by Starlette after this answer, and logged by the
     # server with their traceback; only our own 500s would otherwise go unnoticed.

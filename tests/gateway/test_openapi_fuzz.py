@@ -33,12 +33,13 @@ def http_session() -> Iterator[requests.Session]:
 
 
 # What a valid request may still get: 401/403 (the tenant key on admin routes), 404 (a name
-# that does not exist), 409, 429, and 422 (an upload's files are checked as an adapter, which
-# no schema can describe). A 400 means the document allowed what the server refuses.
+# that does not exist), 409, 429, 413 (the body's byte cap, which no JSON Schema states) and
+# 422 (an upload's files are checked as an adapter, which no schema can describe). A 400
+# means the document allowed what the server refuses.
 POSITIVE = SchemathesisConfig.from_dict({
     "generation": {"mode": "positive"},
     "checks": {"positive_data_acceptance": {
-        "expected-statuses": ["2xx", "401", "403", "404", "409", "422", "429"]}}})
+        "expected-statuses": ["2xx", "401", "403", "404", "409", "413", "422", "429"]}}})
 
 
 @pytest.fixture
@@ -50,21 +51,26 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 positive = schemathesis.pytest.from_fixture("positive_schema")
 
 
+def _bounded(examples: int) -> Any:
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+def _call(case: Any, live: LiveServer, session: requests.Session, *checks: Any) -> None:
+    case.call_and_validate(base_url=live.url, session=session,
+                           headers={"Authorization": f"Bearer {live.keys['fuzzer']}"},
+                           checks=[not_a_server_error, *checks], timeout=30)
+
+
 @schema.parametrize()
-@settings(max_examples=20, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@_bounded(20)
 def test_no_server_errors(case: Any, fuzz_live: LiveServer,
                           http_session: requests.Session) -> None:
-    case.call_and_validate(base_url=fuzz_live.url, session=http_session,
-                           headers={"Authorization": f"Bearer {fuzz_live.keys['fuzzer']}"},
-                           checks=[not_a_server_error], timeout=30)
+    _call(case, fuzz_live, http_session)
 
 
 @positive.parametrize()
-@settings(max_examples=15, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@_bounded(15)
 def test_valid_requests_are_accepted(case: Any, fuzz_live: LiveServer,
                                      http_session: requests.Session) -> None:
-    case.call_and_validate(base_url=fuzz_live.url, session=http_session,
-                           headers={"Authorization": f"Bearer {fuzz_live.keys['fuzzer']}"},
-                           checks=[not_a_server_error, positive_data_acceptance], timeout=30)
+    _call(case, fuzz_live, http_session, positive_data_acceptance)
