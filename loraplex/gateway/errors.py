@@ -156,11 +156,14 @@ def describe(exc: BaseException) -> ErrorInfo:
 def allowed_methods(request: Request) -> str | None:
     """Every method some route serves at the request's path (Starlette's 405 names only
     those of the first route that matched the path, one of several)."""
+    # Matched as the app's router matches (PARTIAL: the path, not the method), from the
+    # app's root: inside the /admin mount the scope's root_path is the mount's.
+    scope = {"type": "http", "path": request.scope["path"], "root_path": "",
+             "method": request.method}
     methods: set[str] = set()
     for route in request.app.router.routes:
-        # Matching as the router does: PARTIAL is the path without the method.
         if isinstance(route, Route) and route.methods \
-                and route.matches(request.scope)[0] is not Match.NONE:
+                and route.matches(scope)[0] is not Match.NONE:
             methods |= route.methods
     return ", ".join(sorted(methods)) or None
 
