@@ -47,6 +47,10 @@ class NotFoundError(LoraplexError, LookupError):
     """A tenant, API key or other registry record does not exist (or is not visible)."""
 
 
+class TenantSuspendedError(LoraplexError):
+    """A valid key whose tenant is suspended: the key is right, the tenant may not call."""
+
+
 class ConflictError(LoraplexError):
     """The change clashes with existing state: a duplicate name, or a concurrent writer."""
 

@@ -25,13 +25,10 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, vocab_size
     if bad:
         raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): "
                                   f"{bad[:5]}", param="prompt")
-    if num_prompt >= max_model_len:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {max_model_len} tokens, and your "
-            f"prompt has {num_prompt} tokens, leaving no room for a completion",
-            param="prompt")
-    if num_prompt + max_tokens > max_model_len:
+    if num_prompt >= max_model_len or num_prompt + max_tokens > max_model_len:
+        # vLLM's wording of OpenAI's message, so clients that parse it keep working.
         raise PromptTooLongError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-            f"{max_tokens} for the completion)", param="max_tokens")
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.", param="prompt" if num_prompt >= max_model_len else "max_tokens")

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
@@ -116,17 +116,20 @@ class MultipartReader:
         self._header_field = bytearray()
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
-        self._parser = MultipartParser(boundary, callbacks={
-            "on_part_begin": self._on_part_begin,
-            "on_part_data": self._on_part_data,
-            "on_part_end": lambda: self._events.append(("end", None)),
-            "on_header_field": lambda d, s, e: self._header_field.extend(d[s:e]),
-            "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
-            "on_header_end": self._on_header_end,
-            "on_headers_finished": lambda: self._events.append(("headers",
-                                                                dict(self._headers))),
-            "on_end": lambda: self._events.append(("finish", None)),
-        })
+        try:
+            self._parser = MultipartParser(boundary, callbacks={
+                "on_part_begin": self._on_part_begin,
+                "on_part_data": self._on_part_data,
+                "on_part_end": lambda: self._events.append(("end", None)),
+                "on_header_field": lambda d, s, e: self._header_field.extend(d[s:e]),
+                "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
+                "on_header_end": self._on_header_end,
+                "on_headers_finished": lambda: self._events.append(("headers",
+                                                                    dict(self._headers))),
+                "on_end": lambda: self._events.append(("finish", None)),
+            })
+        except FormParserError as exc:  # e.g. a boundary over 256 bytes
+            raise InvalidRequestError(f"malformed multipart body: {exc}") from None
 
     def _on_part_begin(self) -> None:
         self._headers = {}
@@ -158,7 +161,7 @@ class MultipartReader:
                                           self._max_body_bytes)
             try:
                 self._parser.write(chunk)
-            except MultipartParseError as exc:
+            except FormParserError as exc:
                 raise InvalidRequestError(f"malformed multipart body: {exc}") from None
         return self._events.popleft()
 

@@ -75,7 +75,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
             db_engine.dispose()
 
     routes: list[BaseRoute] = [
-        *ops.routes(openapi_document(server_config)),
+        *ops.routes(openapi_document(server_config, model)),
         *openai.routes(),
         *adapters.routes(),
         *admin.routes(),

@@ -38,8 +38,15 @@ MIN_KEY_RANDOM_CHARS: Final = 43
 
 
 def bearer_key(conn: HTTPConnection) -> str:
-    """The key of ``Authorization: Bearer <key>``; AuthenticationError if there is none."""
-    header = conn.headers.get("authorization")
+    """The key of ``Authorization: Bearer <key>``; AuthenticationError if there is none,
+    InvalidRequestError (400) if the header is sent more than once."""
+    headers = conn.headers.getlist("authorization")
+    if len(headers) > 1:
+        # Servers and proxies disagree on which one wins: answering for either would let a
+        # second key ride on the first's authority.
+        raise InvalidRequestError("The Authorization header was sent more than once: send "
+                                  "exactly one 'Authorization: Bearer <key>'")
+    header = headers[0] if headers else None
     if not header:
         raise AuthenticationError("You didn't provide an API key: pass it as "
                                   "'Authorization: Bearer <key>'")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sqlalchemy as sa
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
 
 from loraplex.errors import (
     AdapterError,
@@ -29,6 +30,7 @@ from loraplex.errors import (
     LoraplexError,
     NotFoundError,
     PromptTooLongError,
+    TenantSuspendedError,
     UploadTooLargeError,
 )
 from loraplex.gateway.ratelimit import RateLimitExceeded
@@ -73,6 +75,7 @@ class ErrorInfo:
     param: str | None = None
     code: str | None = None
     retry_after: int | None = None
+    allow: str | None = None  # the methods of the path, on a 405
 
     def payload(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -84,21 +87,24 @@ class ErrorInfo:
             headers["Retry-After"] = str(self.retry_after)
         if self.status == 401:
             headers["WWW-Authenticate"] = 'Bearer realm="loraplex"'
+        if self.allow is not None:
+            headers["Allow"] = self.allow
         return headers
 
 
 def describe(exc: BaseException) -> ErrorInfo:
     """The status and OpenAI error object for an exception (500 for anything unexpected)."""
     if isinstance(exc, PromptTooLongError):
-        # A prompt that can never fit is 413; prompt + max_tokens over the context is the
-        # caller's max_tokens, 400, as OpenAI answers it.
-        status = 413 if exc.param == "prompt" else 400
-        return ErrorInfo(status, str(exc), "invalid_request_error", exc.param,
+        # 400 as OpenAI and vLLM answer it (the openai client raises BadRequestError); the
+        # body is not too large, its tokens are.
+        return ErrorInfo(400, str(exc), "invalid_request_error", exc.param,
                          "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return ErrorInfo(400, str(exc), "invalid_request_error", exc.param, None)
     if isinstance(exc, AuthenticationError):
         return ErrorInfo(401, str(exc), "invalid_request_error", None, "invalid_api_key")
+    if isinstance(exc, TenantSuspendedError):
+        return ErrorInfo(403, str(exc), "permission_error", None, "tenant_suspended")
     if isinstance(exc, PermissionDeniedError):
         return ErrorInfo(403, str(exc), "permission_error", None, "insufficient_permissions")
     if isinstance(exc, AdapterNotFoundError):
@@ -139,11 +145,27 @@ def describe(exc: BaseException) -> ErrorInfo:
                          "engine_unavailable")
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ErrorInfo(exc.status_code, str(exc.detail), kind)
+        return ErrorInfo(exc.status_code, str(exc.detail), kind,
+                         allow=(exc.headers or {}).get("Allow"))
     if isinstance(exc, ConfigError):
         return ErrorInfo(500, "The server is misconfigured", "server_error")
     return ErrorInfo(500, "The server had an error while processing your request",
                      "server_error")
+
+
+def allowed_methods(request: Request) -> str | None:
+    """Every method some route serves at the request's path (Starlette's 405 names only
+    those of the first route that matched the path, one of several)."""
+    # Matched as the app's router matches (PARTIAL: the path, not the method), from the
+    # app's root: inside the /admin mount the scope's root_path is the mount's.
+    scope = {"type": "http", "path": request.scope["path"], "root_path": "",
+             "method": request.method}
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods \
+                and route.matches(scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods)) or None
 
 
 def error_response(info: ErrorInfo) -> Response:
@@ -153,6 +175,12 @@ def error_response(info: ErrorInfo) -> Response:
 async def handle_exception(request: Request, exc: Exception) -> Response:
     """Starlette exception handler for every exception a route lets escape."""
     info = describe(exc)
+    if isinstance(exc, HTTPException) and exc.status_code in (404, 405):
+        # One rule for every path (the /admin mount included): a path some route serves
+        # answers another method with 405 and Allow, any other path is 404.
+        allow = allowed_methods(request)
+        if allow is not None and request.method not in allow.split(", "):
+            info = replace(info, status=405, message="Method Not Allowed", allow=allow)
     # Unexpected exceptions are re-raised by Starlette after this answer, and logged by the
     # server with their traceback; only our own 500s would otherwise go unnoticed.
     if info.status == 500 and isinstance(exc, LoraplexError):

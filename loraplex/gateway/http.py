@@ -33,12 +33,7 @@ MAX_INT32: Final = 2**31 - 1
 def declared_length(request: Request) -> int | None:
     """The request's Content-Length, if it sent one (400 when it is not an integer)."""
     declared = request.headers.get("content-length")
-    if declared is None:
-        return None
-    try:
-        return int(declared)
-    except ValueError:
-        raise InvalidRequestError("Content-Length is not an integer") from None
+    return None if declared is None else parse_int(declared, "Content-Length", 0, 2**63 - 1)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -114,15 +109,23 @@ def query_flag(request: Request, name: str) -> bool:
     return raw in ("true", "1")
 
 
+def parse_int(raw: str, name: str, lo: int = 1, hi: int = MAX_INT32) -> int:
+    """``raw`` as an integer in [lo, hi] written in ASCII digits; 400 naming ``name`` if not.
+
+    Neither ``str.isdigit`` (true for "¹") nor ``int`` (accepts "٣", " 3", "+3", "3_0")
+    alone decides: every integer parameter is read here, so all agree on what one is.
+    """
+    if not raw.isascii() or not raw.isdigit() or len(raw) > len(str(hi)) \
+            or not lo <= int(raw) <= hi:
+        raise InvalidRequestError(f"{name} must be an integer from {lo} to {hi}, got {raw!r}",
+                                  param=name)
+    return int(raw)
+
+
 def query_version(request: Request) -> int | None:
     """The ``version`` query parameter: one version of an adapter, or None for all."""
     raw = request.query_params.get("version")
-    if raw is None:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_INT32:
-        raise InvalidRequestError(f"version must be a positive integer, got {raw!r}",
-                                  param="version")
-    return int(raw)
+    return None if raw is None else parse_int(raw, "version")
 
 
 # --- long responses ----------------------------------------------------------------------

@@ -1,16 +1,22 @@
 """The OpenAPI 3.1 document of the gateway, written by hand and served at /openapi.json.
 
-It states the limits this server enforces (``max_tokens``, ``n``...) so generated clients and
-fuzzers know them. A body field outside ``gateway/schemas.py``'s known sets is a 400.
+It states the limits this server enforces (``max_tokens``, ``n``, token ids, name patterns...)
+so generated clients and fuzzers know them: a request valid by this document is never refused
+for its shape (the tests send generated valid requests and expect them served). Bodies are
+closed (``additionalProperties: false``): the server refuses unknown fields. The vendor
+extras it also accepts (``top_k``...) are left out, so they are never generated.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from loraplex.config import ServerConfig
+from loraplex.engine.backend import ModelDescription
 from loraplex.engine.sampling_params import MAX_LOGPROBS
 from loraplex.gateway.schemas import CHAT_ROLES, MAX_SEED, MAX_STOP_SEQUENCES
+from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
 _REF = "#/components/schemas/"
 
@@ -24,11 +30,13 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    text = {400: "Invalid body or parameter (named in error.param)",
-            401: "Missing, unknown or revoked API key", 403: "The key lacks the admin role",
+    text = {400: "Invalid body or parameter (named in error.param); a prompt over the "
+                 "model's context length has code context_length_exceeded",
+            401: "Missing, unknown or revoked API key",
+            403: "The key lacks the admin role, or its tenant is suspended",
             404: "Unknown model, tenant, key or adapter (or one the caller may not see)",
             409: "Conflicts with existing state (a duplicate name)",
-            413: "Body over the size limit, or prompt longer than the model's context",
+            413: "Body over the size limit",
             422: "The adapter cannot run on this base model, or an upload was refused",
             429: "Over a rate limit (see Retry-After)",
             503: "Engine queue full (see Retry-After) or engine not running"}
@@ -77,8 +85,23 @@ def _usage_schema() -> dict[str, Any]:
                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 
 
-def _schemas(config: ServerConfig) -> dict[str, Any]:
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    # The server refuses unknown fields (400), so the document does too.
+    return schema | {"additionalProperties": False}
+
+
+def _pattern(regex: re.Pattern[str]) -> str:
+    return f"^{regex.pattern}$"  # JSON Schema patterns are not anchored; names are
+
+
+def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     sampling = _sampling(config)
+    # Token ids the vocabulary has, and few enough to leave room for any max_tokens. A text
+    # prompt's length in tokens is known only once tokenized: over the context it is 400
+    # context_length_exceeded.
+    token_ids = {"type": "array", "minItems": 1,
+                 "maxItems": max(1, model.max_model_len - config.max_tokens_limit),
+                 "items": {"type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": list(CHAT_ROLES)},
         "content": {"oneOf": [
@@ -95,26 +118,28 @@ def _schemas(config: ServerConfig) -> dict[str, Any]:
                            "param": {"type": ["string", "null"]},
                            "code": {"type": ["string", "null"]}}}}},
         "Usage": _usage_schema(),
-        "CompletionRequest": {
+        "CompletionRequest": _closed({
             "type": "object", "required": ["model", "prompt"],
             "properties": sampling | {
                 "prompt": {"oneOf": [
                     {"type": "string", "minLength": 1},
-                    {"type": "array", "minItems": 1, "items": {"type": "integer",
-                                                               "minimum": 0}},
+                    token_ids,
                     {"type": "array", "minItems": 1, "maxItems": 1,
                      "items": {"type": "string", "minLength": 1}}]},
                 "logprobs": {"type": ["integer", "null"], "minimum": 0,
-                             "maximum": MAX_LOGPROBS}}},
-        "ChatCompletionRequest": {
+                             "maximum": MAX_LOGPROBS}}}),
+        "ChatCompletionRequest": _closed({
             "type": "object", "required": ["model", "messages"],
+            # top_logprobs is read only with logprobs: true (400 otherwise).
+            "dependentSchemas": {"top_logprobs": {
+                "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
             "properties": sampling | {
                 "messages": {"type": "array", "minItems": 1, "items": message},
                 "logprobs": {"type": ["boolean", "null"]},
                 "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
                                  "maximum": MAX_LOGPROBS},
                 "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
-                                          "maximum": config.max_tokens_limit}}},
+                                          "maximum": config.max_tokens_limit}}}),
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"],
                        "properties": {
                            "id": {"type": "string"}, "object": {"const": "text_completion"},
@@ -172,6 +197,10 @@ _LIMITS = {f: _LIMIT for f in ("max_requests_per_minute", "max_tokens_per_minute
                                "max_concurrent_requests")}
 
 
+_TENANT_NAME = {"type": "string", "pattern": _pattern(TENANT_NAME_RE)}
+_ADAPTER_NAME = {"type": "string", "pattern": _pattern(ADAPTER_NAME_RE)}
+
+
 def _path_param(name: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True,
             "schema": schema or {"type": "string", "minLength": 1}}
@@ -188,7 +217,7 @@ def _body(schema: dict[str, Any], media: str = "application/json") -> dict[str, 
 def _upload_body() -> dict[str, Any]:
     binary = {"type": "string", "format": "binary"}
     return _body({"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string", "description": "The adapter's name"},
+        "name": _ADAPTER_NAME | {"description": "The adapter's name"},
         "visibility": {"type": "string", "enum": ["private", "public"]},
         "adapter_config.json": binary, "adapter_model.safetensors": binary,
         "archive": binary | {"description": "A .zip or .tar.gz of the two files, instead"}}},
@@ -212,7 +241,7 @@ def _adapter_paths() -> dict[str, Any]:
                                    **_errors(400, 401, 409, 413, 422)}}},
         "/v1/adapters/{name}": {"delete": {
             "summary": "Delete the caller's adapter (every version, or ?version=N)",
-            "parameters": [_path_param("name"), _VERSION],
+            "parameters": [_path_param("name", _ADAPTER_NAME), _VERSION],
             "responses": {"200": _json(_OBJ, "The deleted versions"),
                           **_errors(400, 401, 404)}}},
     }
@@ -220,7 +249,7 @@ def _adapter_paths() -> dict[str, Any]:
 
 def _admin_paths() -> dict[str, Any]:
     """Operator routes; every one needs an admin key."""
-    tenant = _path_param("tenant")
+    tenant = _path_param("tenant", _TENANT_NAME)
     admin = _errors(400, 401, 403, 404)
     return {
         "/admin/api/engine": {"get": {"summary": "Engine statistics (admin)", "responses": {
@@ -234,9 +263,9 @@ def _admin_paths() -> dict[str, Any]:
             "get": {"summary": "Every tenant (admin)",
                     "responses": {"200": _json(_LIST, "Tenants"), **_errors(401, 403)}},
             "post": {"summary": "Create a tenant (admin)",
-                     "requestBody": _body({"type": "object", "required": ["name"],
-                                           "properties": {"name": {"type": "string"}}
-                                           | _LIMITS}),
+                     "requestBody": _body(_closed({
+                         "type": "object", "required": ["name"],
+                         "properties": {"name": _TENANT_NAME} | _LIMITS})),
                      "responses": {"201": _json(_OBJ, "The tenant"),
                                    **_errors(400, 401, 403, 409, 413)}}},
         "/admin/api/tenants/{tenant}": {
@@ -244,17 +273,17 @@ def _admin_paths() -> dict[str, Any]:
             "get": {"summary": "One tenant (admin)",
                     "responses": {"200": _json(_OBJ, "The tenant"), **admin}},
             "patch": {"summary": "Change a tenant's limits or status (admin)",
-                      "requestBody": _body({"type": "object", "properties": _LIMITS | {
-                          "status": {"type": "string", "enum": ["active", "suspended"]}}}),
+                      "requestBody": _body(_closed({"type": "object", "properties": _LIMITS | {
+                          "status": {"type": "string", "enum": ["active", "suspended"]}}})),
                       "responses": {"200": _json(_OBJ, "The tenant"), **admin}}},
         "/admin/api/tenants/{tenant}/keys": {
             "parameters": [tenant],
             "get": {"summary": "A tenant's API keys (admin)",
                     "responses": {"200": _json(_LIST, "Keys"), **admin}},
             "post": {"summary": "Issue an API key; the key is in this response only (admin)",
-                     "requestBody": _body({"type": "object", "properties": {
+                     "requestBody": _body(_closed({"type": "object", "properties": {
                          "name": {"type": ["string", "null"], "maxLength": 128},
-                         "role": {"type": "string", "enum": ["tenant", "admin"]}}}),
+                         "role": {"type": "string", "enum": ["tenant", "admin"]}}})),
                      "responses": {"201": _json(_OBJ, "The key, with its plaintext"),
                                    **admin}}},
         "/admin/api/keys": {"get": {
@@ -280,12 +309,12 @@ def _admin_paths() -> dict[str, Any]:
                      "responses": {"201": _json(_OBJ, "The stored version"),
                                    **_errors(400, 401, 403, 404, 409, 413, 422)}}},
         "/admin/api/tenants/{tenant}/adapters/{name}": {
-            "parameters": [tenant, _path_param("name")],
+            "parameters": [tenant, _path_param("name", _ADAPTER_NAME)],
             "patch": {"summary": "Make an adapter public or private (admin)",
-                      "requestBody": _body({"type": "object", "required": ["visibility"],
-                                            "properties": {"visibility": {
-                                                "type": "string",
-                                                "enum": ["private", "public"]}}}),
+                      "requestBody": _body(_closed({
+                          "type": "object", "required": ["visibility"],
+                          "properties": {"visibility": {"type": "string",
+                                                        "enum": ["private", "public"]}}})),
                       "responses": {"200": _json(_LIST, "The adapter's versions"), **admin}},
             "delete": {"summary": "Delete an adapter (every version, or ?version=N) (admin)",
                        "parameters": [_VERSION],
@@ -293,8 +322,8 @@ def _admin_paths() -> dict[str, Any]:
     }
 
 
-def openapi_document(config: ServerConfig) -> dict[str, Any]:
-    """The document for a server with ``config``'s limits."""
+def openapi_document(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
+    """The document for a server with ``config``'s limits, serving ``model``."""
     text = {"text/plain": {"schema": {"type": "string"}}}
     public: list[dict[str, Any]] = []
     return {
@@ -340,7 +369,7 @@ def openapi_document(config: ServerConfig) -> dict[str, Any]:
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": _schemas(config),
+            "schemas": _schemas(config, model),
             "responses": _error_responses(),
         },
     }

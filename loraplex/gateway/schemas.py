@@ -88,6 +88,15 @@ def _str(body: dict[str, Any], key: str, default: str | None = None) -> str | No
     return _check_text(key, value)
 
 
+def _token_ids(value: Any) -> tuple[int, ...] | None:
+    # JSON integers, 16.0 included (JSON Schema's "integer" allows it); None if not all are.
+    if not isinstance(value, list) or not all(
+            (isinstance(t, int) and not isinstance(t, bool))
+            or (isinstance(t, float) and t.is_integer()) for t in value):
+        return None
+    return tuple(int(t) for t in value)
+
+
 def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     value = body.get(key)
     if value is None:
@@ -220,10 +229,9 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
         if not isinstance(stream_options, dict):
             raise _bad("stream_options", f"expected an object, got {_type_name(stream_options)}")
         include_usage = _bool(stream_options, "include_usage", False)
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and (
-            not isinstance(stop_token_ids, list)
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+    raw_stop_ids = body.get("stop_token_ids")
+    stop_token_ids = _token_ids(raw_stop_ids) if raw_stop_ids is not None else ()
+    if stop_token_ids is None:
         raise _bad("stop_token_ids", "expected an array of integers")
     return GenerationOptions(
         model=model,
@@ -235,7 +243,7 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
         seed=_int(body, "seed", 0, MAX_SEED),
         stop=_stop(body),
-        stop_token_ids=tuple(stop_token_ids or ()),
+        stop_token_ids=stop_token_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         stream=stream,
@@ -263,9 +271,9 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
         if not prompt:
             raise _bad("prompt", "must not be empty")
         return CompletionRequest(options, _check_text("prompt", prompt), None)
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return CompletionRequest(options, None, tuple(prompt))
+    token_ids = _token_ids(prompt)
+    if token_ids:
+        return CompletionRequest(options, None, token_ids)
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, (str, list)) for p in prompt):
         raise _bad("prompt", "batches of prompts are not supported: send one prompt per "

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, contains_eager
 
 from loraplex.errors import AdapterNotFoundError, ConflictError, InvalidRequestError
 from loraplex.registry.models import VISIBILITIES, Adapter, Tenant
-from loraplex.registry.names import check_adapter_name
+from loraplex.registry.names import check_adapter_name, is_adapter_name, is_tenant_name
 from loraplex.registry.tenants import get_tenant
 
 
@@ -76,16 +76,6 @@ def get_adapter(session: Session, adapter_id: int) -> Adapter:
     return adapter
 
 
-def _latest_active(session: Session, tenant_id: int, name: str) -> Adapter | None:
-    return session.scalar(
-        sa.select(Adapter)
-        .where(Adapter.tenant_id == tenant_id, Adapter.name == name,
-               Adapter.status == "active")
-        .order_by(Adapter.version.desc()).limit(1)
-        # A long-lived session must still see a deletion or visibility change made elsewhere.
-        .execution_options(populate_existing=True))
-
-
 def resolve_adapter(session: Session, tenant_id: int, model_name: str) -> Adapter:
     """The adapter version that ``model_name`` means for the calling tenant.
 
@@ -97,20 +87,20 @@ def resolve_adapter(session: Session, tenant_id: int, model_name: str) -> Adapte
     not_found = AdapterNotFoundError(f"the model {model_name!r} does not exist or you do not "
                                      "have access to it")
     owner_name, sep, name = model_name.rpartition("/")
-    if not name or (sep and not owner_name) or "/" in owner_name:
+    # A name no tenant or adapter can have is not looked up (nor sent to the database).
+    if not is_adapter_name(name) or (sep and not is_tenant_name(owner_name)):
         raise not_found
-    caller = get_tenant(session, tenant_id)
-    if not sep or owner_name == caller.name:
-        adapter = _latest_active(session, tenant_id, name)
-        if adapter is None:
-            raise not_found
-        return adapter
-    owner = session.scalar(sa.select(Tenant).where(Tenant.name == owner_name)
-                           .execution_options(populate_existing=True))
-    if owner is None or owner.status != "active":
-        raise not_found
-    adapter = _latest_active(session, owner.id, name)
-    if adapter is None or adapter.visibility != "public":
+    # One statement whatever exists: a missing owner, a missing adapter and a private one
+    # cost the same queries, so the answer's timing does not tell them apart.
+    owner = Tenant.name == owner_name if sep else Tenant.id == tenant_id
+    adapter = session.scalar(
+        sa.select(Adapter).join(Adapter.tenant).options(contains_eager(Adapter.tenant))
+        .where(owner, Adapter.name == name, Adapter.status == "active")
+        .order_by(Adapter.version.desc()).limit(1)
+        # A long-lived session must still see a deletion or visibility change made elsewhere.
+        .execution_options(populate_existing=True))
+    if adapter is None or not (adapter.tenant_id == tenant_id or (
+            adapter.visibility == "public" and adapter.tenant.status == "active")):
         raise not_found
     return adapter
 
@@ -155,13 +145,15 @@ def list_adapters(
 
 def _own_versions(session: Session, tenant_id: int, name: str,
                   version: int | None) -> list[Adapter]:
+    which = name if version is None else f"{name} version {version}"
+    if not is_adapter_name(name):  # none can exist: nothing to look up
+        raise AdapterNotFoundError(f"no active adapter {which}")
     stmt = sa.select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name,
                                     Adapter.status == "active")
     if version is not None:
         stmt = stmt.where(Adapter.version == version)
     rows = list(session.scalars(stmt.order_by(Adapter.version)))
     if not rows:
-        which = name if version is None else f"{name} version {version}"
         raise AdapterNotFoundError(f"no active adapter {which}")
     return rows
 

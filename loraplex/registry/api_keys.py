@@ -12,8 +12,9 @@ from typing import Final
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.errors import InvalidRequestError, NotFoundError, TenantSuspendedError
 from loraplex.registry.models import KEY_ROLES, ApiKey, Tenant, utcnow
+from loraplex.registry.names import check_text
 from loraplex.registry.tenants import get_tenant
 
 KEY_PREFIX: Final = "lpx-"
@@ -68,7 +69,7 @@ def create_key(
     if role not in KEY_ROLES:
         raise InvalidRequestError(f"role must be one of {', '.join(KEY_ROLES)}, got {role!r}",
                                   param="role")
-    if name is not None and len(name) > 128:
+    if name is not None and len(check_text(name, "name")) > 128:
         raise InvalidRequestError("key name is longer than 128 characters", param="name")
     get_tenant(session, tenant_id)
     plaintext = generate_key()
@@ -80,8 +81,8 @@ def create_key(
 
 
 def authenticate(session: Session, key: str, *, now: datetime | None = None) -> Principal | None:
-    """The principal of ``key``, or None if the key is unknown, revoked, or its tenant is
-    suspended.
+    """The principal of ``key``, or None if the key is unknown or revoked;
+    TenantSuspendedError if the key is valid but its tenant is suspended.
 
     The lookup is by hash; the stored hash is then compared in constant time. ``last_used_at``
     moves at most once per LAST_USED_RESOLUTION, and is written when the caller commits.
@@ -100,8 +101,11 @@ def authenticate(session: Session, key: str, *, now: datetime | None = None) -> 
     api_key, tenant = found
     if not hmac.compare_digest(api_key.key_hash.encode(), digest.encode()):
         return None
-    if api_key.revoked_at is not None or tenant.status != "active":
+    if api_key.revoked_at is not None:
         return None
+    if tenant.status != "active":
+        raise TenantSuspendedError(f"the tenant {tenant.name!r} of this API key is suspended: "
+                                   "ask the operator to reactivate it")
     now = now or utcnow()
     if api_key.last_used_at is None or now - api_key.last_used_at >= LAST_USED_RESOLUTION:
         api_key.last_used_at = now

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.errors import ConfigError
+from loraplex.registry.names import check_text
 
 # Alembic's version table; also used to tell "never migrated" from "out of date".
 VERSION_TABLE = "alembic_version"
@@ -52,7 +53,23 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         raise ConfigError(f"cannot use database URL {parsed!r}: {exc}") from exc
     if parsed.get_backend_name() == "sqlite":
         _configure_sqlite(engine, wal=sqlite_file is not None)
+    sa.event.listen(engine, "before_cursor_execute", _check_parameters)
     return engine
+
+
+def _check_parameters(_conn: Any, _cursor: Any, _statement: str, parameters: Any,
+                      _context: Any, _executemany: bool) -> None:
+    # The last line before the driver: whatever route a string took, text the database
+    # cannot hold is the caller's 400 on every backend, never a DataError on PostgreSQL.
+    stack = [parameters]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            check_text(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
 
 
 def _configure_sqlite(engine: Engine, *, wal: bool) -> None:

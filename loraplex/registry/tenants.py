@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.registry.models import TENANT_STATUSES, Tenant
-from loraplex.registry.names import check_tenant_name
+from loraplex.registry.names import check_tenant_name, is_tenant_name
 
 
 class _Unset(enum.Enum):
@@ -71,7 +71,9 @@ def get_tenant(session: Session, tenant_id: int) -> Tenant:
 
 def get_tenant_by_name(session: Session, name: str) -> Tenant:
     """The tenant with that name; NotFoundError if none."""
-    tenant = session.scalar(sa.select(Tenant).where(Tenant.name == name))
+    # A name no tenant can have is not looked up (nor its NUL bytes sent to the database).
+    tenant = session.scalar(sa.select(Tenant).where(Tenant.name == name)) \
+        if is_tenant_name(name) else None
     if tenant is None:
         raise NotFoundError(f"no tenant named {name!r}")
     return tenant

@@ -16,8 +16,11 @@ def test_a_prompt_that_fits_passes() -> None:
     ([], 1, InvalidRequestError, "prompt", "empty"),
     ([1, 100], 1, InvalidRequestError, "prompt", "out of range [0, 100): [100]"),
     ([-1], 1, InvalidRequestError, "prompt", "out of range"),
-    ([1] * 10, 1, PromptTooLongError, "prompt", "maximum context length is 10 tokens"),
-    ([1] * 4, 7, PromptTooLongError, "max_tokens", "requested 11 tokens (4 in the prompt"),
+    ([1] * 10, 1, PromptTooLongError, "prompt",
+     "maximum context length is 10 tokens. However, you requested 11 tokens (10 in the "
+     "messages, 1 in the completion)"),
+    ([1] * 4, 7, PromptTooLongError, "max_tokens",
+     "requested 11 tokens (4 in the messages, 7 in the completion)"),
 ])
 def test_what_is_refused_names_its_param(prompt: list[int], max_tokens: int,
                                          error: type[Exception], param: str,

@@ -2,9 +2,9 @@
 
 ``live`` is the main server: the tiny Llama, a PostgreSQL registry (a schema of its own),
 rate limits in the real Redis (a key prefix of its own), tenants and adapters created
-through the registry's services and CLI. ``fuzz_live`` is a second, smaller server on
-SQLite with the in-process rate limiter, for the schemathesis run. Both run uvicorn on a
-background thread, on a socket bound to a free port of 127.0.0.1.
+through the registry's services and CLI. ``fuzz_live`` is a smaller server, once on SQLite
+and once on PostgreSQL, with the in-process rate limiter, for the fuzzing runs. All run
+uvicorn on a background thread, on a socket bound to a free port of 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
 from loraplex.registry import db, service
 from loraplex.testing import (
+    bootstrap_admin,
     postgres_schema,
     redis_key_prefix,
     redis_url_for_tests,
@@ -223,32 +224,38 @@ def live(tiny_llama_dir: Path, llama_adapters: dict[str, Path], postgres_schema_
         client.close()
 
 
-@pytest.fixture(scope="session")
-def fuzz_live(tiny_llama_dir: Path,
+@pytest.fixture(scope="session", params=["sqlite", "postgres"])
+def fuzz_live(request: pytest.FixtureRequest, tiny_llama_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A small server for fuzzing: SQLite, in-process limiter, max_tokens <= 4, n <= 2."""
-    root = tmp_path_factory.mktemp("fuzz")
-    db_url = f"sqlite:///{root / 'registry.db'}"
-    db.upgrade(db_url)
-    engine = db.make_engine(db_url)
-    live_ = LiveServer("", None, tiny_llama_dir, db_url)  # type: ignore[arg-type]
-    try:
-        with db.transaction(db.make_session_factory(engine)) as session:
-            tenant = service.create_tenant(session, "fuzzer", max_requests_per_minute=100000)
-            _, live_.keys["fuzzer"] = service.create_key(session, tenant.id)
-    finally:
-        engine.dispose()
-    config = ServerConfig(served_model_name=SERVED_NAME, max_tokens_limit=4, max_n=2,
-                          max_body_bytes=16 * 1024)
-    client = EngineClient.from_config(engine_config(tiny_llama_dir))
-    server = _start(create_app(config, RegistryConfig(db_url, str(root / "store")), client))
-    live_.url = f"http://127.0.0.1:{server.port}"
-    live_.client = client
-    try:
-        yield live_
-    finally:
-        server.stop()
-        client.close()
+    """A small server for fuzzing, once on SQLite and once on PostgreSQL (what the one
+    accepts, the other must too): in-process limiter, max_tokens <= 4, n <= 2. Tenant
+    ``fuzzer`` and an admin key (``ops``)."""
+    root = tmp_path_factory.mktemp(f"fuzz_{request.param}")
+    with contextlib.ExitStack() as stack:
+        db_url = (f"sqlite:///{root / 'registry.db'}" if request.param == "sqlite"
+                  else stack.enter_context(postgres_schema("fuzz")))
+        live_ = LiveServer("", None, tiny_llama_dir, db_url)  # type: ignore[arg-type]
+        live_.admin_key = bootstrap_admin(db_url)
+        engine = db.make_engine(db_url)
+        try:
+            with db.transaction(db.make_session_factory(engine)) as session:
+                tenant = service.create_tenant(session, "fuzzer",
+                                               max_requests_per_minute=100000)
+                _, live_.keys["fuzzer"] = service.create_key(session, tenant.id)
+        finally:
+            engine.dispose()
+        config = ServerConfig(served_model_name=SERVED_NAME, max_tokens_limit=4, max_n=2,
+                              max_body_bytes=16 * 1024)
+        client = EngineClient.from_config(engine_config(tiny_llama_dir))
+        server = _start(create_app(config, RegistryConfig(db_url, str(root / "store")),
+                                   client))
+        live_.url = f"http://127.0.0.1:{server.port}"
+        live_.client = client
+        try:
+            yield live_
+        finally:
+            server.stop()
+            client.close()
 
 
 @contextlib.contextmanager

@@ -218,7 +218,7 @@ def test_tenants_limits_status_and_keys(api: Admin) -> None:
     assert api.openai(key).models.list().data[0].id == SERVED
 
     api.ok("PATCH", f"/admin/api/tenants/{name}", json={"status": "suspended"})
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.PermissionDeniedError):
         api.openai(key).models.list()
     assert api.ok("GET", f"/admin/api/tenants/{name}")["status"] == "suspended"
     api.ok("PATCH", f"/admin/api/tenants/{name}", json={"status": "active"})

@@ -132,7 +132,7 @@ def test_tenants_do_not_share_prefix_cache_blocks(live: LiveServer) -> None:
     assert after_alice["prefix_cache_hit_tokens"] > after_bob["prefix_cache_hit_tokens"]
 
 
-def test_suspended_tenant_is_401(live: LiveServer) -> None:
+def test_suspended_tenant_is_403_saying_so(live: LiveServer) -> None:
     engine = db.make_engine(live.db_url)
     try:
         factory = db.make_session_factory(engine)
@@ -143,7 +143,17 @@ def test_suspended_tenant_is_401(live: LiveServer) -> None:
             client.models.list()
             with db.transaction(factory) as session:
                 service.set_tenant_status(session, tenant.id, "suspended")
-            with pytest.raises(openai.AuthenticationError):
+            with pytest.raises(openai.PermissionDeniedError) as caught:
                 client.models.list()
+            with pytest.raises(openai.PermissionDeniedError):
+                client.completions.create(model=live.served_name, prompt="hi", max_tokens=1)
+        body: Any = caught.value.body
+        assert body["code"] == "tenant_suspended" and body["type"] == "permission_error"
+        assert "'dave' of this API key is suspended" in body["message"]
+        # A revoked key of a suspended tenant is still just an incorrect key.
+        with db.transaction(factory) as session:
+            service.revoke_key(session, service.list_keys(session, tenant.id)[0].id)
+        with live.openai(key=key) as client, pytest.raises(openai.AuthenticationError):
+            client.models.list()
     finally:
         engine.dispose()

@@ -137,20 +137,25 @@ def test_unknown_model_is_404(live: LiveServer) -> None:
     assert error["code"] == "model_not_found" and error["param"] == "model"
 
 
-def test_prompt_over_the_context_length_is_413(live: LiveServer) -> None:
+def test_prompt_over_the_context_length_is_400_context_length_exceeded(
+        live: LiveServer) -> None:
+    """As OpenAI and vLLM answer it: 400, code context_length_exceeded, their wording."""
     max_len = live.client.description.max_model_len
     body = {"model": live.served_name, "prompt": [5] * max_len, "max_tokens": 1}
-    error = error_of(post(live, "/v1/completions", body), 413)
+    error = error_of(post(live, "/v1/completions", body), 400)
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
-    assert str(max_len) in error["message"]
-    # A prompt that fits but leaves no room for max_tokens names max_tokens (400).
+    assert error["message"].startswith(
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{max_len + 1} tokens ({max_len} in the messages, 1 in the completion).")
+    # A prompt that fits but leaves no room for max_tokens names max_tokens.
     body = {"model": live.served_name, "prompt": [5] * (max_len - 10), "max_tokens": 50}
     error = error_of(post(live, "/v1/completions", body), 400)
     assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
-    with live.openai("alice") as client, pytest.raises(openai.APIStatusError) as chat:
+    with live.openai("alice") as client, pytest.raises(openai.BadRequestError) as chat:
         client.chat.completions.create(
             model=live.served_name, messages=[{"role": "user", "content": "word " * max_len}])
-    assert chat.value.status_code == 413
+    assert chat.value.code == "context_length_exceeded"
+    assert "maximum context length" in chat.value.message
 
 
 def test_oversized_body_is_413(live: LiveServer) -> None:

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.errors import InvalidRequestError, NotFoundError, TenantSuspendedError
 from loraplex.registry import api_keys, service
 from loraplex.registry.models import ApiKey, utcnow
 
@@ -133,7 +133,8 @@ def test_suspended_tenant_keys_fail(session: Session) -> None:
     tenant = service.create_tenant(session, "acme")
     _, plaintext = service.create_key(session, tenant.id, role="admin")
     service.set_tenant_status(session, tenant.id, "suspended")
-    assert service.authenticate(session, plaintext) is None
+    with pytest.raises(TenantSuspendedError, match="'acme' of this API key is suspended"):
+        service.authenticate(session, plaintext)
     service.set_tenant_status(session, tenant.id, "active")
     assert service.authenticate(session, plaintext) is not None
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Final
 
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
@@ -29,6 +30,16 @@ _UI_HEADERS: Final = {
 
 class AdminUIFiles(StaticFiles):
     """The admin pages, served with headers that keep the admin key in the page."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        if scope["method"] in ("GET", "HEAD"):
+            return await super().get_response(path, scope)
+        # An unknown path under /admin/ is 404 whatever the method (as under /admin/api/);
+        # only a page that exists is 405, and says which methods it has.
+        found = await super().get_response(path, {**scope, "method": "GET"})
+        if found.status_code == 404:
+            raise HTTPException(status_code=404)
+        raise HTTPException(status_code=405, headers={"Allow": "GET, HEAD"})
 
     def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result,
                       scope: Scope, status_code: int = 200) -> Response:

@@ -47,6 +47,7 @@ from loraplex.gateway.targets import Target, resolve_target
 from loraplex.registry import service
 from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
+from loraplex.registry.models import Adapter
 
 Handler = Callable[[Request, Gateway, Observation], Awaitable[Response]]
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
@@ -77,19 +78,31 @@ def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 # --- models ------------------------------------------------------------------------------
 
 
+def _model_object(gw: Gateway, principal: Principal, row: Adapter | None) -> dict[str, Any]:
+    # The one shape of a model, for the list and for one model: the base model, or an
+    # adapter version named as the caller names it (bare when it is the caller's own).
+    if row is None:
+        return {"id": gw.served_model_name, "object": "model", "created": 0,
+                "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}
+    own = is_own(principal, row.tenant_id)
+    return {"id": row.name if own else f"{row.tenant.name}/{row.name}", "object": "model",
+            "created": int(row.created_at.timestamp()), "owned_by": row.tenant.name,
+            "root": row.identity, "parent": gw.served_model_name}
+
+
 def _model_entries(gw: Gateway, principal: Principal) -> list[dict[str, Any]]:
     with transaction(gw.sessions) as session:
         rows = service.list_visible_adapters(session, principal.tenant_id)
-        entries = [{"id": gw.served_model_name, "object": "model", "created": 0,
-                    "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}]
-        for row in rows:
-            own = is_own(principal, row.tenant_id)
-            entries.append({
-                "id": row.name if own else f"{row.tenant.name}/{row.name}",
-                "object": "model", "created": int(row.created_at.timestamp()),
-                "owned_by": row.tenant.name, "root": row.identity,
-                "parent": gw.served_model_name})
-    return entries
+        return [_model_object(gw, principal, None),
+                *(_model_object(gw, principal, row) for row in rows)]
+
+
+def _model_entry(gw: Gateway, principal: Principal, model: str) -> dict[str, Any]:
+    if model == gw.served_model_name:
+        return _model_object(gw, principal, None)
+    with transaction(gw.sessions) as session:
+        row = service.resolve_adapter(session, principal.tenant_id, model)
+        return _model_object(gw, principal, row)
 
 
 async def list_models(request: Request, gw: Gateway, obs: Observation) -> Response:
@@ -102,12 +115,9 @@ async def list_models(request: Request, gw: Gateway, obs: Observation) -> Respon
 async def get_model(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
-    model = request.path_params["model"]
-    target = await resolve_target(gw, principal, model)
-    return JSONResponse({"id": target.model, "object": "model", "created": 0,
-                         "owned_by": target.label.partition("/")[0]
-                         if target.ref else "loraplex",
-                         "parent": gw.served_model_name if target.ref else None})
+    entry = await run_in_threadpool(_model_entry, gw, principal,
+                                    request.path_params["model"])
+    return JSONResponse(entry)
 
 
 # --- generation --------------------------------------------------------------------------

@@ -1,0 +1,197 @@
+"""Generated inputs against a live server, once on SQLite and once on PostgreSQL: never a
+5xx, and the same answer on both (each test states the one status an input class gets).
+
+Covers every string that reaches SQL (model names, tenant and adapter names in paths and
+queries, key names), every query parameter the OpenAPI document declares, and the
+multipart upload parser. Examples are capped and derandomized so the run stays short.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+LiveServer = Any  # tests/gateway/conftest.py's LiveServer
+
+FUZZ = settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Text that breaks databases differently: NUL (PostgreSQL refuses it), lone surrogates
+# (no database stores them), look-alike digits, and whatever hypothesis makes.
+AWKWARD = st.sampled_from(["a\x00b", "\x00", "\ud800", "x\udfffy", "¹", "٣", "alice\n",
+                           " fuzzer", "FUZZER", "a" * 300, ""])
+JSON_TEXT = AWKWARD | st.text(max_size=40)
+URL_TEXT = st.sampled_from(["a\x00b", "\x00", "¹", "٣", "fuzzer\n", "%00", "a" * 300]) \
+    | st.text(st.characters(codec="utf-8"), max_size=40)
+
+
+def _has_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+class Caller:
+    """One connection pool to one fuzz server, as its tenant or its admin."""
+
+    def __init__(self, live: LiveServer, http: httpx.Client) -> None:
+        self.live = live
+        self.http = http
+
+    def __call__(self, method: str, path: str, *, admin: bool = False, body: Any = None,
+                 **kwargs: Any) -> httpx.Response:
+        key = self.live.admin_key if admin else self.live.keys["fuzzer"]
+        headers = {"Authorization": f"Bearer {key}"} | kwargs.pop("headers", {})
+        content = kwargs.pop("content", None)
+        if body is not None:  # ASCII-escaped, so lone surrogates travel as \\ud800
+            content = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        response = self.http.request(method, path, headers=headers, content=content,
+                                     **kwargs)
+        assert response.status_code < 500, (method, path, response.text)
+        return response
+
+
+@pytest.fixture(scope="module")
+def send(fuzz_live: LiveServer) -> Iterator[Caller]:
+    with httpx.Client(base_url=fuzz_live.url, timeout=30) as http:
+        yield Caller(fuzz_live, http)
+
+
+def test_what_the_hostile_tester_found_is_4xx(send: Caller) -> None:
+    long_boundary = "b" * 300
+    upload = send("POST", "/v1/adapters", content=b"--" + long_boundary.encode(),
+                  headers={"Content-Type": f"multipart/form-data; boundary={long_boundary}"})
+    assert upload.status_code == 400 and "Boundary" in upload.json()["error"]["message"]
+    for raw in ("¹", "٣", "+1", " 1", "1_0", "99999999999999999999999"):
+        version = send("DELETE", "/v1/adapters/nope", params={"version": raw})
+        assert version.status_code == 400 and version.json()["error"]["param"] == "version"
+    completion = send("POST", "/v1/completions",
+                      body={"model": "a\x00b", "prompt": "hi", "max_tokens": 1})
+    assert completion.status_code == 404
+    assert send("DELETE", "/v1/adapters/a%00b").status_code == 404
+    assert send("GET", "/admin/api/keys?tenant=a%00b", admin=True).status_code == 404
+    key = send("POST", "/admin/api/tenants/fuzzer/keys", admin=True,
+               body={"name": "ci\x00"})
+    assert key.status_code == 400 and "NUL" in key.json()["error"]["message"]
+
+
+@FUZZ
+@given(model=JSON_TEXT)
+def test_any_model_name_is_404_unless_it_is_served(fuzz_live: LiveServer, send: Caller,
+                                                   model: str) -> None:
+    response = send("POST", "/v1/completions",
+                    body={"model": model, "prompt": "hi", "max_tokens": 1})
+    expected = (200 if model == fuzz_live.served_name
+                else 400 if not model or _has_surrogate(model) else 404)
+    assert response.status_code == expected, (model, response.text)
+    if not _has_surrogate(model) and model not in ("", ".", ".."):
+        retrieved = send("GET", f"/v1/models/{quote(model, safe='')}")
+        assert retrieved.status_code == (200 if model == fuzz_live.served_name else 404)
+
+
+@FUZZ
+@given(name=URL_TEXT)
+def test_any_tenant_or_adapter_name_in_a_path_or_query_is_404(send: Caller,
+                                                              name: str) -> None:
+    assume(name not in ("", ".", "..") and name not in ("fuzzer", "ops"))
+    segment = quote(name, safe="")
+    for method, path in (("GET", f"/admin/api/tenants/{segment}"),
+                         ("GET", f"/admin/api/tenants/{segment}/keys"),
+                         ("GET", f"/admin/api/tenants/{segment}/adapters"),
+                         ("GET", f"/admin/api/keys?{urlencode({'tenant': name})}"),
+                         ("GET", f"/admin/api/adapters?{urlencode({'tenant': name})}"),
+                         ("GET", f"/admin/api/usage?{urlencode({'tenant': name})}"),
+                         ("DELETE", f"/admin/api/tenants/fuzzer/adapters/{segment}")):
+        response = send(method, path, admin=True)
+        assert response.status_code == 404, (method, path, response.text)
+    assert send("DELETE", f"/v1/adapters/{segment}").status_code == 404
+
+
+@FUZZ
+@given(name=JSON_TEXT)
+def test_any_key_name_is_stored_or_400(send: Caller, name: str) -> None:
+    response = send("POST", "/admin/api/tenants/fuzzer/keys", admin=True,
+                    body={"name": name, "role": "tenant"})
+    storable = "\x00" not in name and not _has_surrogate(name) and len(name) <= 128
+    assert response.status_code == (201 if storable else 400), (name, response.text)
+    if storable:
+        send("DELETE", f"/admin/api/keys/{response.json()['id']}", admin=True)
+
+
+def _query_operations(live: LiveServer) -> list[tuple[str, str, list[str]]]:
+    with httpx.Client(base_url=live.url) as http:
+        doc = http.get("/openapi.json").json()
+    fill = {"{tenant}": "fuzzer", "{name}": "nope"}
+    ops = []
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            names = [p["name"] for p in op.get("parameters", []) if p.get("in") == "query"] \
+                if method != "parameters" else []
+            if names:
+                for param, value in fill.items():
+                    path = path.replace(param, value)
+                ops.append((method.upper(), path, names))
+    return ops
+
+
+@FUZZ
+@given(values=st.lists(URL_TEXT, min_size=4, max_size=4))
+def test_every_query_parameter_takes_any_text(fuzz_live: LiveServer, send: Caller,
+                                              values: list[str]) -> None:
+    ops = _query_operations(fuzz_live)
+    assert len(ops) >= 6  # the document's query parameters, not a hand-picked few
+    for method, path, names in ops:
+        params = dict(zip(names, values, strict=False))
+        response = send(method, path, admin=path.startswith("/admin"),
+                        params=params)
+        assert response.status_code in (200, 400, 404), (method, path, params, response.text)
+
+
+BOUNDARY_CHARS = string.ascii_letters + string.digits + "'()+_,-./:=? "
+FIELD_NAMES = st.sampled_from(["name", "visibility", "adapter_config.json",
+                               "adapter_model.safetensors", "archive", "file"]) | JSON_TEXT
+PART = st.tuples(FIELD_NAMES, st.none() | JSON_TEXT, st.binary(max_size=64))
+
+
+def _multipart(boundary: bytes, parts: list[tuple[str, str | None, bytes]]) -> bytes:
+    out = b""
+    for name, filename, data in parts:
+        disposition = b'form-data; name="' + name.encode("utf-8", "surrogatepass") + b'"'
+        if filename is not None:
+            disposition += b'; filename="' + filename.encode("utf-8", "surrogatepass") + b'"'
+        out += b"--" + boundary + b"\r\nContent-Disposition: " + disposition + b"\r\n\r\n"
+        out += data + b"\r\n"
+    return out + b"--" + boundary + b"--\r\n"
+
+
+@FUZZ
+@given(boundary=st.text(BOUNDARY_CHARS, min_size=1, max_size=300).map(str.strip)
+       .filter(bool),
+       parts=st.lists(PART, max_size=5), cut=st.none() | st.integers(0, 400),
+       admin=st.booleans())
+def test_any_multipart_upload_is_refused_with_a_4xx(
+        send: Caller, boundary: str, parts: list[tuple[str, str | None, bytes]],
+        cut: int | None, admin: bool) -> None:
+    body = _multipart(boundary.encode(), parts)
+    if cut is not None:
+        body = body[:cut]
+    path = "/admin/api/tenants/fuzzer/adapters" if admin else "/v1/adapters"
+    response = send("POST", path, admin=admin, content=body,
+                    headers={"Content-Type": f'multipart/form-data; boundary="{boundary}"'})
+    assert response.status_code in (400, 413, 422), (parts, response.text)
+    assert response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["multipart/form-data", "multipart/form-data; "
+                                          "boundary=", "text/plain", "multipart/mixed; b=1"])
+def test_an_upload_without_a_multipart_boundary_is_400(send: Caller,
+                                                       content_type: str) -> None:
+    response = send("POST", "/v1/adapters", content=b"--x--\r\n",
+                    headers={"Content-Type": content_type})
+    assert response.status_code == 400
