@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_admin_figures import FILES, admin, new_tenant, signed_in_page
 
 pytestmark = pytest.mark.browser
