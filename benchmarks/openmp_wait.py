@@ -13,7 +13,7 @@ median) on the main thread or on a worker thread. Policies:
 shape of a machine shared with other work (the case where the main thread took 40 s for
 what took 3 s elsewhere). Prints a table; writes JSON and a PNG.
 
-    python benchmarks/openmp_wait.py [--tokens 32] [--repeats 3] [--out PATH]
+    python benchmarks/openmp_wait.py [--tokens 32] [--repeats 3] [--out PATH] [--replot JSON]
 """
 
 from __future__ import annotations
@@ -77,12 +77,23 @@ def run_cell(policy: str, load: str, caller: str, args: argparse.Namespace) -> d
     return {"policy": policy, "load": load, "caller": caller, **result}
 
 
+def replot(json_path: Path) -> None:
+    """Draws the PNG again from a run's JSON."""
+    report = json.loads(json_path.read_text())
+    by = {(c["load"], c["caller"], c["policy"]): c["seconds"] for c in report["cells"]}
+    plot(by, json_path.with_suffix(".png"), report["tokens"])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/benchmarks/openmp_wait")
+    parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a past run")
     args = parser.parse_args(argv)
+    if args.replot:
+        replot(Path(args.replot))
+        return
     started = time.time()
     load_before = os.getloadavg()[0]
     cells = []
@@ -134,7 +145,8 @@ def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int) -> None
         for bar, v in zip(bars, values, strict=True):
             ax.annotate(f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
                         va="bottom", fontsize=8)
-    ax.set_xticks(range(len(groups)), [f"{load} machine\n{caller} thread"
+    names = {"quiet": "no added load", "busy": "+1 busy loop per core"}
+    ax.set_xticks(range(len(groups)), [f"{names[load]}\n{caller} thread"
                                        for load, caller in groups])
     ax.set_ylabel(f"seconds for {tokens} tokens (median)")
     ax.set_yscale("log")
