@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from loraplex.cli_engine import add_engine_args, engine_config_from_args, model_arg
+from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
 from loraplex.config import RegistryConfig
 from loraplex.errors import ConfigError
@@ -33,6 +33,7 @@ def add_serve_command(subparsers: Any) -> None:
     defaults = ServerConfig()
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible API (gateway + engine)",
+        formatter_class=HelpFormatter,
         description="Serve the OpenAI-compatible API: the gateway and the engine in one "
                     "process.")
     add_registry_options(p, json_flag=False)
@@ -60,7 +61,8 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--sweep-interval-s", type=float, default=RegistryConfig.sweep_interval_s,
                    help="how often the adapter store is swept after the start")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     add_engine_args(p)
     p.set_defaults(func=_serve)
 
