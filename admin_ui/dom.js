@@ -96,7 +96,7 @@ export function checkName(input, what, rule, error) {
   const value = input.value.trim();
   let message = null;
   if (!value) message = `${what} is required.`;
-  else if (!new RegExp(`^(?:${input.pattern})$`).test(value)) {
+  else if (input.pattern && !new RegExp(`^(?:${input.pattern})$`).test(value)) {
     message = `${what} "${value}" is not allowed: ${rule}.`;
   }
   input.setAttribute("aria-invalid", message ? "true" : "false");

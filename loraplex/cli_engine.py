@@ -27,25 +27,56 @@ def model_arg(value: str | None) -> str:
     return str(prepare_demo_model())
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default in ``--help``, except where the help already says it or
+    there is nothing to show (flags, unset options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_ = action.help or ""
+        if ("default" in help_ or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return help_
+        return super()._get_help_string(action)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate`` and ``serve``."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    g.add_argument("--max-loras", type=int, default=4)
-    g.add_argument("--max-lora-rank", type=int, default=64)
-    g.add_argument("--max-cpu-loras", type=int, default=16)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--swap-space-blocks", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations")
+    g.add_argument("--device", default=None,
+                   help="cpu or cuda (default: cuda if present, else cpu)")
+    g.add_argument("--max-loras", type=int, default=LoRAConfig.max_loras,
+                   help="adapters resident on the device at once (slots)")
+    g.add_argument("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank,
+                   help="largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras,
+                   help="adapters kept in host memory in front of the slots")
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+                   help="tokens per KV-cache block (a power of two)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: as many as --kv-cache-memory holds)")
+    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="KV-cache budget in bytes (default: a fraction of free memory)")
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="sequences running in one step at most")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens,
+                   help="tokens computed in one step at most (prefill and decode)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion (default: the model's context length)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of a prompt prefix seen before")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="compute each prompt in one step instead of in budget-sized chunks")
+    g.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode,
+                   choices=["recompute", "swap"],
+                   help="what a sequence preempted for lack of KV blocks loses: recompute "
+                        "its KV later, or swap it to host memory")
+    g.add_argument("--swap-space-blocks", type=int, default=CacheConfig.swap_space_blocks,
+                   help="host-memory KV blocks for --preemption-mode swap")
+    g.add_argument("--seed", type=int, default=0,
+                   help="engine seed (sampling of requests that give no seed)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:

@@ -26,7 +26,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.config import LoRAConfig, RegistryConfig
-from loraplex.errors import AdapterError, LoraplexError, ModelLoadError
+from loraplex.errors import AdapterError, InvalidRequestError, LoraplexError, ModelLoadError
 from loraplex.registry import db, service, upload
 from loraplex.registry.db import transaction
 from loraplex.registry.names import check_adapter_name
@@ -207,11 +207,37 @@ def _db_report(args: argparse.Namespace, url: str, action: str | None) -> int:
 
 def _tenants_create(args: argparse.Namespace) -> int:
     with _sessions(args) as factory, transaction(factory) as session:
-        tenant = service.create_tenant(
-            session, args.name, max_requests_per_minute=args.rpm,
-            max_tokens_per_minute=args.tpm, max_concurrent_requests=args.max_concurrency)
+        tenant = service.create_tenant(session, args.name, **_limits_given(args))
         data = _tenant_json(tenant)
     _emit(args, data, lambda: print(f"created tenant {data['name']} (id {data['id']})"))
+    return 0
+
+
+def _tenants_status(status: str, verb: str) -> Handler:
+    def run(args: argparse.Namespace) -> int:
+        with _sessions(args) as factory, transaction(factory) as session:
+            tenant = service.get_tenant_by_name(session, args.name)
+            data = _tenant_json(service.set_tenant_status(session, tenant.id, status))
+        _emit(args, data, lambda: print(f"{verb} tenant {data['name']}"))
+        return 0
+
+    return run
+
+
+def _tenants_limits(args: argparse.Namespace) -> int:
+    limits = _limits_given(args)
+    with _sessions(args) as factory, transaction(factory) as session:
+        tenant = service.get_tenant_by_name(session, args.name)
+        if limits:
+            tenant = service.update_tenant_limits(session, tenant.id, **limits)
+        data = _tenant_json(tenant)
+
+    def text() -> None:
+        shown = ", ".join(f"{flag} {'unlimited' if data[field] is None else data[field]}"
+                          for flag, _, field, _ in _LIMIT_FLAGS)
+        print(f"tenant {data['name']}: {shown}")
+
+    _emit(args, data, text)
     return 0
 
 
@@ -228,11 +254,18 @@ def _tenants_list(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
+    if args.tenant is None and not args.admin:
+        raise InvalidRequestError("keys create needs --tenant NAME (or --admin, for an admin "
+                                  f"key of the {service.ADMIN_TENANT!r} tenant)")
     with _sessions(args) as factory, transaction(factory) as session:
-        tenant = service.get_tenant_by_name(session, args.tenant)
-        row, plaintext = service.create_key(session, tenant.id,
-                                            role="admin" if args.admin else "tenant",
-                                            name=args.key_name)
+        if args.tenant is None:
+            row, plaintext = service.create_admin_key(session, name=args.key_name)
+            tenant = row.tenant
+        else:
+            tenant = service.get_tenant_by_name(session, args.tenant)
+            row, plaintext = service.create_key(session, tenant.id,
+                                                role="admin" if args.admin else "tenant",
+                                                name=args.key_name)
         data = _key_json(row, tenant.name) | {"key": plaintext}
 
     def text() -> None:
@@ -370,6 +403,25 @@ def _adapters_list(args: argparse.Namespace) -> int:
 # --- wiring ------------------------------------------------------------------------------
 
 
+# flag, its dest, the tenant's field, help: the limits the admin UI and API set too.
+_LIMIT_FLAGS = (("--rpm", "rpm", "max_requests_per_minute", "max requests per minute"),
+                ("--tpm", "tpm", "max_tokens_per_minute", "max tokens per minute"),
+                ("--max-concurrency", "max_concurrency", "max_concurrent_requests",
+                 "max concurrent requests"))
+
+
+def _limits_given(args: argparse.Namespace) -> dict[str, Any]:
+    return {field: getattr(args, dest) for _, dest, field, _ in _LIMIT_FLAGS
+            if getattr(args, dest) is not service.UNSET}
+
+
+def _limit(text: str) -> int | None:
+    """A limit on the command line: a positive integer, or ``none`` for unlimited."""
+    if text.strip().lower() in ("none", "unlimited"):
+        return None
+    return _positive_int(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -406,15 +458,29 @@ def add_registry_commands(subparsers: Any) -> None:
     tenants = group("tenants", "manage tenants")
     p = leaf(tenants, "create", _tenants_create, "create a tenant")
     p.add_argument("name")
-    p.add_argument("--rpm", type=_positive_int, help="max requests per minute")
-    p.add_argument("--tpm", type=_positive_int, help="max tokens per minute")
-    p.add_argument("--max-concurrency", type=_positive_int,
-                   help="max concurrent requests")
+    for flag, _, _, help_ in _LIMIT_FLAGS:
+        p.add_argument(flag, type=_positive_int, metavar="N", help=f"{help_} (default: none)")
     leaf(tenants, "list", _tenants_list, "list tenants")
+    p = leaf(tenants, "suspend", _tenants_status("suspended", "suspended"),
+             "suspend a tenant: its keys stop working and its public adapters stop "
+             "resolving, from the next request on")
+    p.add_argument("name")
+    p = leaf(tenants, "reactivate", _tenants_status("active", "reactivated"),
+             "reactivate a suspended tenant")
+    p.add_argument("name")
+    p = leaf(tenants, "limits", _tenants_limits,
+             "change a tenant's limits (the ones given; 'none' removes one) and show them")
+    p.add_argument("name")
+    for flag, _, _, help_ in _LIMIT_FLAGS:
+        p.add_argument(flag, type=_limit, default=service.UNSET, metavar="N|none",
+                       help=f"{help_} (none: unlimited; default: unchanged)")
 
     keys = group("keys", "manage API keys")
-    p = leaf(keys, "create", _keys_create, "create an API key (printed once)")
-    p.add_argument("--tenant", required=True, metavar="NAME")
+    p = leaf(keys, "create", _keys_create,
+             "create an API key (printed once); 'keys create --admin' replaces a lost admin "
+             "key")
+    p.add_argument("--tenant", metavar="NAME",
+                   help="the key's tenant (needed unless --admin: then the admin tenant)")
     p.add_argument("--admin", action="store_true", help="an admin key (default: tenant)")
     p.add_argument("--name", dest="key_name", metavar="LABEL", help="a label for humans")
     p = leaf(keys, "revoke", _keys_revoke, "revoke an API key")

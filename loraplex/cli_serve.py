@@ -1,22 +1,25 @@
 """``loraplex serve``: the gateway and the engine in one process.
 
-Startup: resolve the model (the demo model, prepared if needed, when none is given),
-migrate the registry database (unless ``--no-migrate``), make sure an admin key exists
-(``LORAPLEX_ADMIN_KEY``, or one created and printed once on the first start), load the
-engine, then serve with uvicorn until SIGINT/SIGTERM.
+Startup: take the port (a busy one fails at once, before anything slow), resolve the model
+(the demo model, prepared if needed, when none is given), migrate the registry database
+(unless ``--no-migrate``), make sure an admin key exists (``LORAPLEX_ADMIN_KEY``, or one
+created on the first start), load the engine, print a banner with the admin UI's address
+(and the new key, shown once), then serve with uvicorn until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from dataclasses import replace
 from typing import Any
 
-from loraplex.cli_engine import add_engine_args, engine_config_from_args, model_arg
+from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
 from loraplex.config import RegistryConfig
+from loraplex.errors import ConfigError
 from loraplex.registry.upload import UploadLimits
 
 ENV_REDIS_URL = "LORAPLEX_REDIS_URL"
@@ -30,17 +33,20 @@ def add_serve_command(subparsers: Any) -> None:
     defaults = ServerConfig()
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible API (gateway + engine)",
+        formatter_class=HelpFormatter,
         description="Serve the OpenAI-compatible API: the gateway and the engine in one "
                     "process.")
     add_registry_options(p, json_flag=False)
-    p.add_argument("--host", default=defaults.host)
-    p.add_argument("--port", type=int, default=defaults.port)
+    p.add_argument("--host", default=defaults.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=defaults.port,
+                   help="port to listen on (0: any free port)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help=f"Redis for rate limits shared by all processes (env {ENV_REDIS_URL}; "
                         "default: an in-process limiter)")
     p.add_argument("--served-model-name", default=None,
                    help="the base model's name in 'model' (default: the model folder's name)")
-    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                   help="largest JSON request body")
     p.add_argument("--max-upload-bytes", type=int, default=UploadLimits().max_upload_bytes,
                    help="largest adapter upload (files or archive), and largest unpacked archive")
     p.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit,
@@ -55,28 +61,73 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--sweep-interval-s", type=float, default=RegistryConfig.sweep_interval_s,
                    help="how often the adapter store is swept after the start")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     add_engine_args(p)
     p.set_defaults(func=_serve)
 
 
-def _prepare_registry(args: argparse.Namespace, admin_key: str | None) -> str | None:
-    """Migrates (or checks) the database and bootstraps the admin key; returns a key that
-    was just created."""
-    from loraplex.gateway.auth import ensure_admin_key
+def _prepare_registry(args: argparse.Namespace) -> None:
+    """Migrates (or, with --no-migrate, checks) the registry database."""
     from loraplex.registry import db
 
     config = registry_config_from_args(args)
-    url = config.database_url
     if not args.no_migrate:
-        db.upgrade(url, adapter_dir=config.adapter_dir)
-    engine = db.make_engine(url)
+        db.upgrade(config.database_url, adapter_dir=config.adapter_dir)
+    engine = db.make_engine(config.database_url)
     try:
         db.check_schema(engine)
+    finally:
+        engine.dispose()
+
+
+def _ensure_admin_key(args: argparse.Namespace, admin_key: str | None) -> str | None:
+    """Registers LORAPLEX_ADMIN_KEY, or creates an admin key when none is active; returns a
+    key that was just created."""
+    from loraplex.gateway.auth import ensure_admin_key
+    from loraplex.registry import db
+
+    engine = db.make_engine(registry_config_from_args(args).database_url)
+    try:
         with db.transaction(db.make_session_factory(engine)) as session:
             return ensure_admin_key(session, admin_key)
     finally:
         engine.dispose()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``, as uvicorn would bind it; ConfigError in one line
+    if the address is taken or cannot be used."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another "
+                          "server running there? choose another --port)") from None
+    return sock
+
+
+def admin_url(host: str, port: int) -> str:
+    """The admin UI's address for a browser on this machine."""
+    shown = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/admin/"
+
+
+def admin_banner(url: str, created_key: str | None) -> str:
+    """The framed notice printed once the model is loaded: where the admin UI is, the admin
+    key created on this start (shown only this once), and how to get a new one."""
+    lines = [f"Admin UI: {url}", ""]
+    if created_key is not None:
+        lines += ["Created the admin key; it is shown only this once:", f"  {created_key}", ""]
+    lines += ["Lost the admin key? Create another (same --database-url or",
+              "LORAPLEX_DATABASE_URL / LORAPLEX_HOME as this server):",
+              "  loraplex keys create --admin"]
+    width = max(len(line) for line in lines)
+    rule = "+" + "-" * (width + 2) + "+"
+    return "\n".join([rule, *(f"| {line.ljust(width)} |" for line in lines), rule])
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -87,28 +138,44 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplex.gateway.app import create_app
     from loraplex.gateway.auth import ENV_ADMIN_KEY
 
-    server_config = ServerConfig(
-        host=args.host, port=args.port,
-        redis_url=args.redis_url or os.environ.get(ENV_REDIS_URL) or None,
-        admin_key=os.environ.get(ENV_ADMIN_KEY) or None,
-        served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-        max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
-        cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None)
-    model = model_arg(args.model)
-    created = _prepare_registry(args, server_config.admin_key)
-    if created is not None:
-        print("loraplex: created the admin key; it is shown only this once:", file=sys.stderr)
-        print(created, flush=True)
-    engine_config = engine_config_from_args(args, model)
-    client = EngineClient.from_config(engine_config, progress=True)
+    # First, so a busy port fails in a second instead of after loading the model.
+    sock = listen_socket(args.host, args.port)
     try:
-        limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
-                              max_unpacked_bytes=args.max_upload_bytes)
-        registry = replace(registry_config_from_args(args), sweep_grace_s=args.sweep_grace_s,
-                           sweep_interval_s=args.sweep_interval_s)
-        app = create_app(server_config, registry, client, upload_limits=limits)
-        uvicorn.run(app, host=server_config.host, port=server_config.port,
-                    log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=10)
+        server_config = ServerConfig(
+            host=args.host, port=sock.getsockname()[1],
+            redis_url=args.redis_url or os.environ.get(ENV_REDIS_URL) or None,
+            admin_key=os.environ.get(ENV_ADMIN_KEY) or None,
+            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+            max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
+            cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None)
+        model = model_arg(args.model)
+        _prepare_registry(args)
+        if server_config.admin_key is not None:  # a bad LORAPLEX_ADMIN_KEY fails before loading
+            _ensure_admin_key(args, server_config.admin_key)
+        engine_config = engine_config_from_args(args, model)
+        client = EngineClient.from_config(engine_config, progress=True)
+        # Created only now: a key created before a failed load would never have been shown.
+        created = (_ensure_admin_key(args, None) if server_config.admin_key is None
+                   else None)
+        try:
+            limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
+                                  max_unpacked_bytes=args.max_upload_bytes)
+            registry = replace(registry_config_from_args(args),
+                               sweep_grace_s=args.sweep_grace_s,
+                               sweep_interval_s=args.sweep_interval_s)
+            app = create_app(server_config, registry, client, upload_limits=limits)
+            # After the model's progress bars, so nothing is drawn over it.
+            print(admin_banner(admin_url(server_config.host, server_config.port), created),
+                  file=sys.stderr, flush=True)
+            server = uvicorn.Server(uvicorn.Config(
+                app, host=server_config.host, port=server_config.port,
+                log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=10))
+            try:
+                server.run(sockets=[sock])
+            except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
+                pass
+        finally:
+            client.close()  # a no-op after the app's lifespan shut it down
     finally:
-        client.close()  # a no-op after the app's lifespan shut it down
-    return 0
+        sock.close()
+    return 0 if server.started else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -19,14 +20,56 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_generate_prints_the_completion(tiny_llama_dir: Path,
                                         llama_adapters: dict[str, Path]) -> None:
     adapter = llama_adapters["r4"]
-    proc = _cli("generate", "--model", str(tiny_llama_dir), "--prompt", "hello world",
-                "--adapter", str(adapter), "--max-tokens", "6", "--num-kv-blocks", "16")
-    assert proc.returncode == 0, proc.stderr
+    options = ("generate", "--model", str(tiny_llama_dir), "--prompt", "hello world",
+               "--adapter", str(adapter), "--max-tokens", "6", "--num-kv-blocks", "16")
+    chat = _cli(*options)  # the tiny model has a chat template: used by default
+    raw = _cli(*options, "--raw")
+    assert chat.returncode == 0 and raw.returncode == 0, chat.stderr + raw.stderr
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, progress=False)
-    expected = llm.generate("hello world", SamplingParams(temperature=0.0, max_tokens=6),
-                            LoRARequest("r4", str(adapter)))[0].outputs[0].text
-    assert proc.stdout == expected + "\n"
-    assert "loading" in proc.stderr  # model loading shows progress
+    wrapped = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}],
+                                                tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    lora = LoRARequest("r4", str(adapter))
+    expected_chat = llm.generate(llm.tokenizer.encode(wrapped, add_special_tokens=False),
+                                 params, lora)[0].outputs[0].text
+    expected_raw = llm.generate("hello world", params, lora)[0].outputs[0].text
+    assert expected_chat != expected_raw  # the two modes are told apart
+    assert chat.stdout == expected_chat + "\n"
+    assert raw.stdout == expected_raw + "\n"
+    assert "loading" in chat.stderr  # model loading shows progress
+
+
+def test_chat_on_a_model_without_template_is_one_line(tiny_llama_dir: Path,
+                                                       tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_llama_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (plain / name).unlink(missing_ok=True)
+    proc = _cli("generate", "--model", str(plain), "--prompt", "hi", "--chat",
+                "--max-tokens", "2", "--num-kv-blocks", "16")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "loraplex: error: the model has no chat template: leave out --chat")
+    auto = _cli("generate", "--model", str(plain), "--prompt", "hi", "--max-tokens", "2",
+                "--num-kv-blocks", "16")
+    assert auto.returncode == 0, auto.stderr  # without a template, the default is raw
+
+
+def test_help_shows_defaults_and_every_engine_option_is_explained() -> None:
+    from loraplex.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("generate", "serve"):
+        help_text = " ".join(sub.choices[command].format_help().split())
+        assert "(default: 64)" in help_text  # --max-tokens / --max-lora-rank
+        if command == "generate":
+            assert "(default: on when the model has a chat template" in help_text
+        for action in sub.choices[command]._actions:
+            assert action.help, f"{command} {action.option_strings} has no help"
 
 
 def test_generate_refuses_a_bad_adapter_in_one_line(tiny_llama_dir: Path,

@@ -30,7 +30,6 @@ from loraplex.registry.api_keys import DISPLAY_PREFIX_LEN, KEY_PREFIX, Principal
 from loraplex.registry.db import transaction
 from loraplex.registry.models import ApiKey, Tenant
 
-ADMIN_TENANT: Final = "admin"
 ENV_ADMIN_KEY: Final = "LORAPLEX_ADMIN_KEY"
 # A key given by the operator must be as strong as a generated one: 32 random bytes are
 # 43 URL-safe base64 characters.
@@ -141,9 +140,7 @@ def ensure_admin_key(session: Session, admin_key: str | None) -> str | None:
     tenant if it is not yet. Without it, a key is created only when no active admin key
     exists, i.e. on the first start.
     """
-    tenant = session.scalar(sa.select(Tenant).where(Tenant.name == ADMIN_TENANT))
-    if tenant is None:
-        tenant = service.create_tenant(session, ADMIN_TENANT)
+    tenant = service.admin_tenant(session)
     if admin_key is not None:
         _check_admin_key_format(admin_key)
         digest = service.hash_key(admin_key)

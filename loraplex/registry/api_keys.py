@@ -15,8 +15,10 @@ from sqlalchemy.orm import Session
 from loraplex.errors import InvalidRequestError, NotFoundError, TenantSuspendedError
 from loraplex.registry.models import KEY_ROLES, ApiKey, Tenant, utcnow
 from loraplex.registry.names import check_text
-from loraplex.registry.tenants import get_tenant
+from loraplex.registry.tenants import create_tenant, get_tenant
 
+# The tenant that holds the server's admin keys (created by the first ``loraplex serve``).
+ADMIN_TENANT: Final = "admin"
 KEY_PREFIX: Final = "lpx-"
 KEY_RANDOM_BYTES: Final = 32
 # How many leading characters of a key are kept in clear, to tell keys apart in lists.
@@ -78,6 +80,25 @@ def create_key(
     session.add(row)
     session.flush()
     return row, plaintext
+
+
+def admin_tenant(session: Session) -> Tenant:
+    """The tenant that holds the server's admin keys, created if it does not exist yet."""
+    tenant = session.scalar(sa.select(Tenant).where(Tenant.name == ADMIN_TENANT))
+    return tenant if tenant is not None else create_tenant(session, ADMIN_TENANT)
+
+
+def create_admin_key(session: Session, *, name: str | None = None) -> tuple[ApiKey, str]:
+    """A new admin key of the admin tenant (created if missing): how a lost admin key is
+    replaced without any other key. Returns the row and the plaintext (show it once).
+
+    InvalidRequestError if the admin tenant is suspended: its keys would not authenticate.
+    """
+    tenant = admin_tenant(session)
+    if tenant.status != "active":
+        raise InvalidRequestError(f"tenant {ADMIN_TENANT!r} is suspended, so its keys would "
+                                  "not authenticate; reactivate it first")
+    return create_key(session, tenant.id, role="admin", name=name)
 
 
 def authenticate(session: Session, key: str, *, now: datetime | None = None) -> Principal | None:

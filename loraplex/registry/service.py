@@ -19,9 +19,12 @@ from loraplex.registry.adapters import (
     set_visibility,
 )
 from loraplex.registry.api_keys import (
+    ADMIN_TENANT,
     KEY_PREFIX,
     Principal,
+    admin_tenant,
     authenticate,
+    create_admin_key,
     create_key,
     generate_key,
     hash_key,
@@ -47,8 +50,8 @@ from loraplex.registry.usage import (
 )
 
 __all__ = [
-    "KEY_PREFIX", "UNSET", "Principal", "UsageRecord", "UsageTotals",
-    "authenticate", "create_key", "create_tenant", "delete_adapter", "generate_key",
+    "ADMIN_TENANT", "KEY_PREFIX", "UNSET", "Principal", "UsageRecord", "UsageTotals",
+    "admin_tenant", "authenticate", "create_admin_key", "create_key", "create_tenant", "delete_adapter", "generate_key",
     "get_adapter", "get_tenant", "get_tenant_by_name", "hash_key", "hour_start",
     "is_digest_referenced", "list_adapters", "list_keys", "list_tenants", "list_usage",
     "list_visible_adapters", "record_usage", "register_adapter", "resolve_adapter",

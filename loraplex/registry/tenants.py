@@ -19,12 +19,16 @@ class _Unset(enum.Enum):
 
 # Marks a limit the caller does not want to change (None means "unlimited").
 UNSET: Final = _Unset.UNSET
+# Limits are 32-bit integer columns: a larger value would be a database error on PostgreSQL.
+MAX_LIMIT: Final = 2**31 - 1
 
 
 def _check_limit(value: int | None, param: str) -> int | None:
     if value is not None and (isinstance(value, bool) or value <= 0):
         raise InvalidRequestError(f"{param} must be a positive integer or unset, got {value!r}",
                                   param=param)
+    if value is not None and value > MAX_LIMIT:
+        raise InvalidRequestError(f"{param} must be at most {MAX_LIMIT}", param=param)
     return value
 
 

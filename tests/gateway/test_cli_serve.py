@@ -12,12 +12,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import httpx
 import openai
 import pytest
 from sqlalchemy.orm import Session
 
+from loraplex.cli_serve import admin_url
 from loraplex.errors import ConfigError
 from loraplex.gateway.auth import ensure_admin_key
 from loraplex.registry import db, service
@@ -45,23 +47,53 @@ def wait_ready(url: str, proc: subprocess.Popen[str], timeout_s: float = 120) ->
     raise AssertionError("loraplex serve did not become ready")
 
 
+def serve_command(*args: str) -> list[str]:
+    exe = shutil.which("loraplex")
+    return ([exe] if exe else [sys.executable, "-m", "loraplex.cli"]) + ["serve", *args]
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    env["LORAPLEX_HOME"] = str(home)
+    return env
+
+
+def read_banner(stream: IO[str]) -> tuple[str, list[str]]:
+    """What came before the framed banner on ``stream``, and the banner's lines."""
+    before: list[str] = []
+    while not (line := stream.readline()).startswith("+-"):
+        assert line, "no banner before the end of the output"
+        before.append(line)
+    banner = [line.rstrip("\n")]
+    while not (line := stream.readline()).startswith("+-"):
+        assert line.startswith("| "), line
+        banner.append(line.rstrip("\n"))
+    return "".join(before), [*banner, line.rstrip("\n")]
+
+
 def test_loraplex_serve_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
-    env["LORAPLEX_HOME"] = str(tmp_path / "home")
-    exe = shutil.which("loraplex")
-    cmd = ([exe] if exe else [sys.executable, "-m", "loraplex.cli"]) + [
-           "serve", "--model", str(tiny_llama_dir),
-           "--port", str(port), "--num-kv-blocks", "64", "--served-model-name", "tiny",
-           "--max-upload-bytes", "1000", "--log-level", "warning"]
+    env = clean_env(tmp_path / "home")
+    cmd = serve_command("--model", str(tiny_llama_dir),
+                        "--port", str(port), "--num-kv-blocks", "64",
+                        "--served-model-name", "tiny", "--max-upload-bytes", "1000",
+                        "--log-level", "warning")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        assert proc.stdout is not None
-        admin_key = proc.stdout.readline().strip()  # the bootstrap key, printed once
-        assert admin_key.startswith("lpx-") and len(admin_key) >= 47
+        assert proc.stderr is not None
+        before, banner = read_banner(proc.stderr)
+        assert "loading" in before  # the banner comes after the model's progress output
+        assert len({len(line) for line in banner}) == 1  # a closed frame
+        text = "\n".join(banner)
+        assert f"http://127.0.0.1:{port}/admin/" in text
+        assert "loraplex keys create --admin" in text  # how to get a new key if lost
+        keys = [w for line in banner for w in line.split() if w.startswith("lpx-")]
+        assert len(keys) == 1  # the bootstrap key, shown once
+        admin_key = keys[0]
+        assert len(admin_key) >= 47
         with openai.OpenAI(base_url=f"{url}/v1", api_key=admin_key, max_retries=0) as client:
             assert [m.id for m in client.models.list()] == ["tiny"]
             result = client.completions.create(model="tiny", prompt="hello", max_tokens=3)
@@ -82,6 +114,7 @@ def test_loraplex_serve_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None
             proc.kill()
             out, err = proc.communicate()
     assert proc.returncode == 0, err
+    assert admin_key not in out + err  # shown only in the banner
     # The database and the usage written at shutdown are in LORAPLEX_HOME's SQLite file.
     engine = db.make_engine(f"sqlite:///{tmp_path / 'home' / 'loraplex.db'}")
     try:
@@ -129,3 +162,25 @@ def test_admin_key_from_the_environment(session: Session) -> None:
 def test_weak_admin_key_is_refused(session: Session, key: str) -> None:
     with pytest.raises(ConfigError, match="LORAPLEX_ADMIN_KEY"):
         ensure_admin_key(session, key)
+
+
+def test_a_busy_port_fails_before_loading_anything(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(serve_command("--model", str(tiny_llama_dir), "--port", str(port)),
+                              env=clean_env(tmp_path / "home"), capture_output=True, text=True,
+                              timeout=120, check=False)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr  # one line: no progress, no traceback
+    assert done.stderr.startswith(f"loraplex: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "--port" in done.stderr
+    assert not (tmp_path / "home").exists()  # neither the registry nor the model was touched
+
+
+def test_admin_url_is_one_a_browser_here_can_open() -> None:
+    assert admin_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/admin/"
+    assert admin_url("0.0.0.0", 80) == "http://127.0.0.1:80/admin/"
+    assert admin_url("::", 8000) == "http://[::1]:8000/admin/"
+    assert admin_url("example.org", 8000) == "http://example.org:8000/admin/"

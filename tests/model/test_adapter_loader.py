@@ -216,7 +216,7 @@ def test_name_defaults_to_folder_and_validate_is_same_check(
 ) -> None:
     path = good_adapters["llama_r4_all"]
     adapter = validate_adapter_dir(path, llama_target, MAX_RANK)
-    assert isinstance(adapter, LoRAAdapter)
+    assert not isinstance(adapter, LoRAAdapter)  # no tensors: validation needs no torch
     assert adapter.name == "llama_r4_all"
     assert adapter.digest == load_adapter(path, llama_target, MAX_RANK).digest
 

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.adapter_format import folder_digest
 from loraplex.cli_registry import run_registry_cli
+from loraplex.gateway.auth import ensure_admin_key
 from loraplex.registry import db, service
 from loraplex.registry import store as store_module
 from loraplex.registry.store import WEIGHTS_FILE
@@ -28,8 +29,8 @@ class Cli:
     when a failure is expected, the one line on stderr)."""
 
     def __init__(self, tmp_path: Path, model_dir: Path,
-                 capsys: pytest.CaptureFixture[str]) -> None:
-        self.url = f"sqlite:///{tmp_path / 'db' / 'registry.db'}"
+                 capsys: pytest.CaptureFixture[str], url: str | None = None) -> None:
+        self.url = url or f"sqlite:///{tmp_path / 'db' / 'registry.db'}"
         self.adapter_dir = tmp_path / "adapters"
         self.options = ["--database-url", self.url, "--adapter-dir", str(self.adapter_dir),
                         "--model", str(model_dir), "--json"]
@@ -60,6 +61,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def cli(tmp_path: Path, home: Path, model_dir: Path,
         capsys: pytest.CaptureFixture[str]) -> Cli:
     return Cli(tmp_path, model_dir, capsys)
+
+
+@pytest.fixture
+def any_cli(tmp_path: Path, home: Path, model_dir: Path, empty_db_url: str,
+            capsys: pytest.CaptureFixture[str]) -> Cli:
+    """A CLI on an empty database, SQLite and PostgreSQL."""
+    return Cli(tmp_path, model_dir, capsys, empty_db_url)
 
 
 @pytest.fixture
@@ -284,3 +292,102 @@ def test_console_script(tmp_path: Path, home: Path) -> None:
     done = subprocess.run([exe, "tenants", "list", "--json"], check=True, env=env,
                           capture_output=True, text=True)
     assert [t["name"] for t in json.loads(done.stdout)] == ["acme"]
+
+
+def test_admin_key_recovery_needs_no_tenant(
+        any_cli: Cli, server_view: Callable[[str], sessionmaker[Session]]) -> None:
+    cli = any_cli
+    cli("db", "upgrade")
+    server = server_view(cli.url)
+    with server() as session:  # what the first `loraplex serve` does
+        bootstrap = ensure_admin_key(session, None)
+        session.commit()
+    assert bootstrap is not None
+    # The bootstrap key is lost: one command, no tenant named, gives a working admin key.
+    new = cli("keys", "create", "--admin")
+    assert (new["tenant"], new["role"]) == ("admin", "admin")
+    with server() as session:
+        principal = service.authenticate(session, new["key"])
+        assert principal is not None and principal.is_admin
+        assert principal.tenant_name == "admin"
+        session.commit()
+    # A suspended admin tenant is named, with the way out, instead of a key that fails.
+    cli("tenants", "suspend", "admin")
+    assert "reactivate" in cli("keys", "create", "--admin", expect=2)
+    cli("tenants", "reactivate", "admin")
+    assert cli("keys", "create", "--admin", "--name", "ops")["name"] == "ops"
+    assert "--tenant" in cli("keys", "create", expect=2)
+
+
+def test_admin_key_recovery_on_a_fresh_database(cli: Cli) -> None:
+    cli("db", "upgrade")
+    key = cli("keys", "create", "--admin")  # no server ever started: the tenant is made
+    assert (key["tenant"], key["role"]) == ("admin", "admin")
+    assert [t["name"] for t in cli("tenants", "list")] == ["admin"]
+
+
+def test_tenants_suspend_reactivate_and_limits(
+        any_cli: Cli, server_view: Callable[[str], sessionmaker[Session]]) -> None:
+    cli = any_cli
+    cli("db", "upgrade")
+    cli("tenants", "create", "acme", "--rpm", "60", "--tpm", "1000")
+    key = cli("keys", "create", "--tenant", "acme")["key"]
+    server = server_view(cli.url)
+
+    def principal() -> service.Principal | None:
+        with server() as session:
+            found = service.authenticate(session, key)
+            session.commit()
+            return found
+
+    assert cli("tenants", "suspend", "acme")["status"] == "suspended"
+    assert principal() is None
+    assert cli("tenants", "reactivate", "acme")["status"] == "active"
+    assert principal() is not None
+
+    changed = cli("tenants", "limits", "acme", "--tpm", "none", "--max-concurrency", "3")
+    assert (changed["max_requests_per_minute"], changed["max_tokens_per_minute"],
+            changed["max_concurrent_requests"]) == (60, None, 3)  # --rpm left as it was
+    found = principal()
+    assert found is not None
+    assert (found.max_requests_per_minute, found.max_tokens_per_minute,
+            found.max_concurrent_requests) == (60, None, 3)
+    assert cli("tenants", "limits", "acme") == changed  # no flag: shown, not changed
+
+    assert "at most" in cli("tenants", "limits", "acme", "--rpm", str(2**31), expect=2)
+    assert "no tenant named 'ghost'" in cli("tenants", "suspend", "ghost", expect=2)
+    assert "no tenant named 'ghost'" in cli("tenants", "limits", "ghost", "--rpm", "1",
+                                            expect=2)
+
+
+def test_tenants_limits_text_output(cli: Cli, capsys: pytest.CaptureFixture[str]) -> None:
+    cli("db", "upgrade")
+    cli("tenants", "create", "acme")
+    capsys.readouterr()
+    assert run_registry_cli(["tenants", "limits", "acme", "--rpm", "5",
+                             "--database-url", cli.url]) == 0
+    assert capsys.readouterr().out == (
+        "tenant acme: --rpm 5, --tpm unlimited, --max-concurrency unlimited\n")
+    with pytest.raises(SystemExit) as exited:
+        run_registry_cli(["tenants", "limits", "acme", "--rpm", "0", "--database-url", cli.url])
+    assert exited.value.code == 2
+    assert "must be positive: 0" in capsys.readouterr().err
+
+
+def test_adapters_add_imports_neither_torch_nor_transformers(
+        cli: Cli, make_adapter: Callable[..., Path]) -> None:
+    # Importing them was most of the command's 8.9 s; validation needs neither.
+    cli("db", "upgrade")
+    cli("tenants", "create", "acme")
+    code = ("import sys\n"
+            "from loraplex.cli import main\n"
+            "rc = main(sys.argv[1:])\n"
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "print('heavy:', heavy, file=sys.stderr)\n"
+            "sys.exit(rc)\n")
+    done = subprocess.run([sys.executable, "-c", code, "adapters", "add", "--tenant", "acme",
+                           "--name", "x", str(make_adapter(seed=3)), *cli.options],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["version"] == 1
+    assert "heavy: []" in done.stderr
