@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.adapter_format import folder_digest
 from loraplex.cli_registry import run_registry_cli
+from loraplex.errors import TenantSuspendedError
 from loraplex.gateway.auth import ensure_admin_key
 from loraplex.registry import db, service
 from loraplex.registry import store as store_module
@@ -341,7 +342,8 @@ def test_tenants_suspend_reactivate_and_limits(
             return found
 
     assert cli("tenants", "suspend", "acme")["status"] == "suspended"
-    assert principal() is None
+    with pytest.raises(TenantSuspendedError, match="'acme' of this API key is suspended"):
+        principal()
     assert cli("tenants", "reactivate", "acme")["status"] == "active"
     assert principal() is not None
 
