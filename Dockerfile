@@ -68,8 +68,8 @@ RUN pip install "torch==${TORCH_VERSION}" \
 WORKDIR /app
 
 # The other dependencies, read from pyproject.toml, in their own layer: editing the code
-# does not reinstall them. torch is already there and satisfies the pin.
-COPY pyproject.toml README.md ./
+# (or the README) does not reinstall them. torch is already there and satisfies the pin.
+COPY pyproject.toml ./
 RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
