@@ -2,6 +2,8 @@
 
 Run by scripts/test-compose with the project's virtualenv python (openai, httpx, peft):
 
+    e2e.py adapters DIR         builds the two test adapters into DIR (the harness runs this
+                                while the stack starts)
     e2e.py setup STATE_FILE     tenants, keys and adapters (CLI in the container, and an
                                 HTTP upload), chat and stream on both adapters, isolation;
                                 writes what the second phase needs to STATE_FILE
@@ -9,7 +11,7 @@ Run by scripts/test-compose with the project's virtualenv python (openai, httpx,
                                 the same keys, adapters and usage after the stack was taken
                                 down (volumes kept) and brought up again
 
-Environment: LPX_TEST_API (http://127.0.0.1:PORT), LPX_TEST_ADMIN_KEY, LPX_TEST_CONTAINER
+Environment: LPX_TEST_ADAPTERS (the adapters phase's DIR), LPX_TEST_API (http://127.0.0.1:PORT), LPX_TEST_ADMIN_KEY, LPX_TEST_CONTAINER
 (the loraplex container, for `podman exec`), LPX_TEST_PODMAN (podman's path).
 Prints one line per check and ends with `e2e PHASE: N passed, M failed`; exit status 1 on
 any failure.
@@ -32,9 +34,9 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 
-API = os.environ["LPX_TEST_API"]
-ADMIN_KEY = os.environ["LPX_TEST_ADMIN_KEY"]
-CONTAINER = os.environ["LPX_TEST_CONTAINER"]
+API = os.environ.get("LPX_TEST_API", "http://127.0.0.1:0")
+ADMIN_KEY = os.environ.get("LPX_TEST_ADMIN_KEY", "")
+CONTAINER = os.environ.get("LPX_TEST_CONTAINER", "")
 PODMAN = os.environ.get("LPX_TEST_PODMAN", "podman")
 BASE_MODEL = "smollm2-135m-instruct"
 # The demo model's attention shapes (SmolLM2-135M): the adapter is built for these.
@@ -117,6 +119,13 @@ def build_adapter(out_dir: Path, seed: int) -> Path:
     return out_dir
 
 
+def build_adapters(checks: Checks, out: Path) -> None:
+    checks.run("build adapter 1 (peft, rank 4, safetensors)",
+               lambda: build_adapter(out / "support", seed=1))
+    checks.run("build adapter 2 (peft, rank 4, safetensors)",
+               lambda: build_adapter(out / "second", seed=2))
+
+
 def chat(key: str, model: str, stream: bool) -> str:
     c = client(key)
     if not stream:
@@ -184,10 +193,10 @@ def setup(state_file: Path) -> int:
         return checks.finish()
 
     with tempfile.TemporaryDirectory(prefix="lpx-compose-adapters-") as tmp:
-        first = checks.run("build adapter 1 (peft, rank 4, safetensors)",
-                           lambda: build_adapter(Path(tmp) / "support", seed=1))
-        second = checks.run("build adapter 2 (peft, rank 4, safetensors)",
-                            lambda: build_adapter(Path(tmp) / "second", seed=2))
+        built = Path(os.environ.get("LPX_TEST_ADAPTERS") or tmp)
+        if not (built / "second" / "adapter_model.safetensors").is_file():
+            build_adapters(checks, built)
+        first, second = built / "support", built / "second"
 
         def add_with_cli() -> Any:
             assert first is not None
@@ -292,6 +301,10 @@ def after_restart(state_file: Path) -> int:
 
 def main() -> int:
     phase, state_file = sys.argv[1], Path(sys.argv[2])
+    if phase == "adapters":
+        checks = Checks("adapters")
+        build_adapters(checks, state_file)
+        return checks.finish()
     if phase == "setup":
         return setup(state_file)
     if phase == "after-restart":
