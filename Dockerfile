@@ -23,6 +23,11 @@ FROM ${BASE_IMAGE}
 ARG TORCH_VARIANT=cpu
 # Keep in step with the pin in pyproject.toml.
 ARG TORCH_VERSION=2.13.0
+# The index torch comes from; empty: https://download.pytorch.org/whl/<TORCH_VARIANT>.
+ARG TORCH_INDEX_URL=
+# Optional: a folder of wheels that pip looks in too (e.g. one mounted into the build with
+# `podman build -v /opt/wheels:/opt/wheels:ro`), as pip's own PIP_FIND_LINKS.
+ARG PIP_FIND_LINKS
 ARG PREPARE_DEMO_MODEL=0
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -58,13 +63,13 @@ RUN set -eux; \
 # torch first, from PyTorch's own index: PyPI's default build would pull the CUDA
 # libraries (gigabytes) into a CPU image.
 RUN pip install "torch==${TORCH_VERSION}" \
-        --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+        --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/${TORCH_VARIANT}}"
 
 WORKDIR /app
 
 # The other dependencies, read from pyproject.toml, in their own layer: editing the code
-# does not reinstall them. torch is already there and satisfies the pin.
-COPY pyproject.toml README.md ./
+# (or the README) does not reinstall them. torch is already there and satisfies the pin.
+COPY pyproject.toml ./
 RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \

@@ -191,7 +191,12 @@ def test_compose_has_the_three_services_from_pinned_images() -> None:
 
 def test_compose_publishes_only_the_api_port() -> None:
     services = _compose()["services"]
-    assert [str(p) for p in services["loraplex"]["ports"]] == ["8000:8000"]
+    ports = [str(p) for p in services["loraplex"]["ports"]]
+    assert ports == ["${PUBLISH_ADDRESS:-127.0.0.1}:8000:8000"]
+    # By default on the host's loopback only (local testing); .env opens it on purpose.
+    assert [_interpolate(p, _env_example()) for p in ports] == ["127.0.0.1:8000:8000"]
+    assert "PUBLISH_ADDRESS" not in _env_example()  # documented, commented out
+    assert "# PUBLISH_ADDRESS=" in ENV_EXAMPLE.read_text()
     # The database and Redis are reached over the compose network only.
     assert "ports" not in services["postgres"]
     assert "ports" not in services["redis"]
@@ -237,7 +242,11 @@ def test_compose_reads_secrets_from_the_env_file() -> None:
     assert _env_files(_service("loraplex")) == [".env"]
     example = _env_example()
     assert "LORAPLEX_ADMIN_KEY" in example
-    assert example.get("POSTGRES_PASSWORD")
+    # The password is left empty, so `cp .env.example .env && docker compose up` stops with
+    # "set POSTGRES_PASSWORD in .env" instead of starting with a well-known password.
+    assert "POSTGRES_PASSWORD" in example and example["POSTGRES_PASSWORD"] == ""
+    with pytest.raises(AssertionError, match="POSTGRES_PASSWORD"):
+        _interpolate(COMPOSE.read_text(), example)
     # Every variable compose.yaml needs (no default) is in .env.example.
     for m in INTERPOLATION.finditer(COMPOSE.read_text()):
         if m.group(2) != "-":
@@ -267,7 +276,7 @@ def test_compose_environment_is_what_the_cli_reads() -> None:
 def test_compose_urls_point_at_the_services() -> None:
     import sqlalchemy as sa
 
-    values = _env_example()
+    values = {**_env_example(), "POSTGRES_PASSWORD": "0123abcdef"}  # as a user sets it
     env = {k: _interpolate(v, values) for k, v in _environment(_service("loraplex")).items()}
     postgres_env = _environment(_service("postgres"))
     url = sa.engine.make_url(env["LORAPLEX_DATABASE_URL"])
@@ -343,8 +352,12 @@ def test_entrypoint_script_is_strict_and_execs_the_server() -> None:
     subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True)
 
 
-@pytest.mark.parametrize("script", [ENTRYPOINT, ROOT / "scripts" / "test", ROOT / ".ci" / "run"],
-                         ids=["entrypoint", "scripts/test", ".ci/run"])
+@pytest.mark.parametrize("script", [
+    ENTRYPOINT, ROOT / "scripts" / "test", ROOT / ".ci" / "run", ROOT / "scripts" / "test-compose",
+    ROOT / "scripts" / "compose-test" / "postgres" / "entrypoint.sh",
+    ROOT / "scripts" / "compose-test" / "redis" / "entrypoint.sh",
+], ids=["entrypoint", "scripts/test", ".ci/run", "scripts/test-compose",
+        "compose-test/postgres", "compose-test/redis"])
 def test_shell_scripts_pass_shellcheck(script: Path) -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
