@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,8 +40,23 @@ def new_tenant(server: UIServer) -> tuple[str, str]:
 def complete(server: UIServer, key: str, model: str, max_tokens: int) -> None:
     response = httpx.post(f"{server.url}/v1/completions", timeout=60,
                           headers={"Authorization": f"Bearer {key}"},
-                          json={"model": model, "prompt": "Hello", "max_tokens": max_tokens})
+                          # ignore_eos: a sampled EOS would end a request short of max_tokens
+                          json={"model": model, "prompt": "Hello", "max_tokens": max_tokens,
+                                "ignore_eos": True})
     assert response.status_code == 200, response.text
+
+
+def wait_metered(server: UIServer, key: str, completion_tokens: int) -> None:
+    """Until the usage flusher has written the tenant's completions (bounded)."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.get(f"{server.url}/v1/usage", timeout=30,
+                             headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        if response.json()["totals"]["completion_tokens"] >= completion_tokens:
+            return
+        assert time.monotonic() < deadline, response.json()
+        time.sleep(0.1)
 
 
 def signed_in_page(browser: Any, server: UIServer, page_name: str) -> Any:
@@ -115,6 +131,7 @@ def test_usage_totals_stacked_by_tenant_name_the_tenant(
         assert response.status_code == 201, response.text
     complete(ui_server, key, SERVED, 3)
     complete(ui_server, key, "tone", 2)
+    wait_metered(ui_server, key, completion_tokens=5)
     page = signed_in_page(browser, ui_server, "usage")
     assert page.locator("#page form select >> nth=2").input_value() == "tenant"
     row = page.locator("#page table tr", has=page.locator("td", has_text=tenant))
