@@ -73,10 +73,6 @@ class SchedulerOutput:
     failed: list[tuple[Request, AdapterError]] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
