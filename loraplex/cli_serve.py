@@ -167,10 +167,9 @@ def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
         from loraplex.engine.client import EngineClient
 
         return EngineClient.from_config(engine_config, progress=True)
-    from loraplex.config import RayConfig, check_shared_state
+    from loraplex.config import RayConfig
 
     registry = registry_config_from_args(args)
-    check_shared_state(server_config, registry)
     ray_config = RayConfig(address=args.ray_address, replicas=args.replicas,
                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
                            max_queued_requests=args.max_queued_requests,
@@ -209,6 +208,10 @@ def _serve(args: argparse.Namespace) -> int:
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
             cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None,
             rate_limit_key_prefix=f"{args.redis_key_prefix}rl:")
+        if args.backend == "ray":  # before anything is migrated or loaded
+            from loraplex.config import check_shared_state
+
+            check_shared_state(server_config, registry_config_from_args(args))
         model = model_arg(args.model)
         _prepare_registry(args)
         if server_config.admin_key is not None:  # a bad LORAPLEX_ADMIN_KEY fails before loading
