@@ -93,6 +93,9 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
                    help="CPUs Ray reserves for each replica")
     g.add_argument("--replica-gpus", type=float, default=RayConfig.replica_gpus,
                    help="GPUs Ray reserves for each replica")
+    g.add_argument("--no-adapter-affinity", action="store_true",
+                   help="route adapter requests like base ones, ignoring which replica holds "
+                        "the adapter (for comparison)")
     g.add_argument("--max-queued-requests", type=int, default=RayConfig.max_queued_requests,
                    help="requests this gateway holds for busy replicas before answering 503")
 
@@ -173,7 +176,8 @@ def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
     ray_config = RayConfig(address=args.ray_address, replicas=args.replicas,
                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
                            max_queued_requests=args.max_queued_requests,
-                           sync_key_prefix=f"{args.redis_key_prefix}replicas:")
+                           sync_key_prefix=f"{args.redis_key_prefix}replicas:",
+                           adapter_affinity=not args.no_adapter_affinity)
     try:
         from loraplex.engine.ray_backend import RayEngineBackend
     except ImportError:

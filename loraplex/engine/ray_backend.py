@@ -234,8 +234,11 @@ class EngineReplica:
         return self._client.description
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None, request_id: str) -> AsyncGenerator[Chunk, None]:
-        key = serve.get_multiplexed_model_id()
+                       cache_salt: str | None, request_id: str,
+                       adapter_key: str = "") -> AsyncGenerator[Chunk, None]:
+        # The key comes as Serve's multiplexed model id (affinity routing), or as an
+        # argument when the gateway routes without affinity.
+        key = serve.get_multiplexed_model_id() or adapter_key
         try:
             lora = await self._adapter(key) if key else None
         except LoraplexError as exc:
@@ -464,11 +467,15 @@ class RayEngineBackend:
                        request_id: str) -> AsyncGenerator[SequenceDelta, None]:
         if self._closed:
             raise EngineDeadError("the engine backend is shut down")
-        handle = self._handle.options(stream=True, multiplexed_model_id=model_id(lora))
+        key = model_id(lora)
+        if self._config.adapter_affinity:
+            handle, argument = self._handle.options(stream=True, multiplexed_model_id=key), ""
+        else:
+            handle, argument = self._handle.options(stream=True), key
         prompt = list(prompt_token_ids)
         received = False
         for attempt in range(2):
-            response = handle.generate.remote(prompt, params, cache_salt, request_id)
+            response = handle.generate.remote(prompt, params, cache_salt, request_id, argument)
             finished = False
             try:
                 async for deltas, error in response:
