@@ -243,7 +243,8 @@ def _serve(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
                 pass
         finally:
-            client.close()  # a no-op after the app's lifespan shut it down
+            client.close()  # the in-process engine: a no-op after the lifespan; Ray: a
+            # local cluster this process started goes with it
     finally:
         sock.close()
     return 0 if server.started else 1

@@ -326,6 +326,8 @@ def connect_ray(ray_config: RayConfig) -> bool:
     address = ray_config.address or os.environ.get(ENV_RAY_ADDRESS) or None
     # Without it Ray binds a non-loopback address even when told 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is not None:
+        _check_reachable(address)
     try:
         if address is None:
             ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
@@ -333,7 +335,6 @@ def connect_ray(ray_config: RayConfig) -> bool:
                      object_store_memory=ray_config.object_store_memory,
                      configure_logging=False, log_to_driver=False)
             return True
-        _check_reachable(address)
         ray.init(address=address, configure_logging=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
@@ -380,7 +381,8 @@ class RayEngineBackend:
         self._redis: aioredis.Redis | None = None
         self._healthy = True
         self._health_task: asyncio.Task[None] | None = None
-        self._closed = False
+        self._stopped = False  # by shutdown: this gateway sends no more requests
+        self._closed = False  # by close: the cluster this process started is gone too
 
     @classmethod
     def deploy(cls, engine_config: EngineConfig, ray_config: RayConfig, adapter_dir: str,
@@ -428,7 +430,7 @@ class RayEngineBackend:
 
     @property
     def is_ready(self) -> bool:
-        return self._healthy and not self._closed
+        return self._healthy and not self._stopped
 
     def start(self) -> None:
         """Opens the Redis client and starts the readiness probe (on the serving loop)."""
@@ -436,27 +438,23 @@ class RayEngineBackend:
         self._health_task = asyncio.get_running_loop().create_task(self._probe())
 
     async def shutdown(self) -> None:
-        if self._closed:
+        """Stops this gateway's use of the replicas (they serve other gateways on); a local
+        cluster this process started goes in ``close``, once the server has stopped."""
+        if self._stopped:
             return
-        self._closed = True
+        self._stopped = True
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         if self._redis is not None:
             await self._redis.aclose()
-        if self._owns_cluster:
-            # The replicas live in the cluster this process started: they go with it.
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(serve.shutdown)
-            await asyncio.to_thread(ray.shutdown)
 
     def close(self) -> None:
-        """The synchronous end, for a server whose lifespan never ran; a no-op after
-        ``shutdown``."""
+        """The end: a local cluster this process started goes, with its replicas."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._stopped = True
         if self._owns_cluster:
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -465,7 +463,7 @@ class RayEngineBackend:
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        lora: AdapterRef | None, cache_salt: str | None,
                        request_id: str) -> AsyncGenerator[SequenceDelta, None]:
-        if self._closed:
+        if self._stopped:
             raise EngineDeadError("the engine backend is shut down")
         key = model_id(lora)
         if self._config.adapter_affinity:
@@ -487,6 +485,7 @@ class RayEngineBackend:
                 finished = True
                 return
             except BackPressureError:
+                finished = True  # never assigned to a replica
                 raise EngineOverloadedError("every engine replica is busy") from None
             except LoraplexError:
                 finished = True
@@ -502,7 +501,10 @@ class RayEngineBackend:
                                           "failed") from None
             finally:
                 if not finished:
-                    response.cancel()  # a consumer gone, or a failure: free the replica
+                    # A consumer gone, or a failure: free the replica. Serve re-raises the
+                    # request's own failure here, which was handled above.
+                    with contextlib.suppress(Exception):
+                        response.cancel()
 
     async def stats(self) -> EngineStats:
         from loraplex.engine.stats import combine_stats

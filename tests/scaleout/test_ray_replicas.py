@@ -123,15 +123,53 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
     raise AssertionError(f"gateway not ready:\n{log.read_text()[-3000:]}")
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_cluster(head: subprocess.Popen[bytes]) -> None:
+    """Stops a ``ray start --block`` head and everything it started (SIGINT is its graceful
+    stop; a few of its agents outlive it otherwise)."""
+    spawned = _descendants(head.pid)
+    head.send_signal(signal.SIGINT)
+    try:
+        head.wait(30)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait()
+    for pid in spawned:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class Cluster:
+    address: str
+    head: subprocess.Popen[bytes]
+
+
 @pytest.fixture(scope="module")
-def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A real local Ray cluster on loopback (two CPUs, a small object store)."""
     port = _free_port()
     temp = tmp_path_factory.mktemp("ray")
     env = {**os.environ, **RAY_ENV}
     head = subprocess.Popen(
         [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", "--num-cpus=2", f"--object-store-memory={200 << 20}",
+         f"--port={port}", f"--ray-client-server-port={_free_port()}",
+         f"--dashboard-agent-listen-port={_free_port()}", "--num-cpus=2",
+         f"--object-store-memory={200 << 20}",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -142,18 +180,13 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     break
             assert head.poll() is None and time.monotonic() < deadline, "ray did not start"
             time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
+        yield Cluster(f"127.0.0.1:{port}", head)
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(30)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop_cluster(head)
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_address: str, tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+def deployment(cluster: Cluster, tiny_llama_dir: Path, llama_adapters: dict[str, Path],
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("scaleout")
     store = root / "store"
@@ -190,7 +223,7 @@ def deployment(ray_address: str, tiny_llama_dir: Path, llama_adapters: dict[str,
         try:
             for i, port in enumerate(ports):
                 cmd = [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "2",
-                       "--replica-cpus", "0.5", "--ray-address", ray_address,
+                       "--replica-cpus", "0.5", "--ray-address", cluster.address,
                        "--model", str(tiny_llama_dir), "--served-model-name", SERVED,
                        "--port", str(port), "--database-url", db_url,
                        "--adapter-dir", str(store), "--redis-url", REDIS_URL,
@@ -198,6 +231,8 @@ def deployment(ray_address: str, tiny_llama_dir: Path, llama_adapters: dict[str,
                        "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_LORAS),
                        "--max-lora-rank", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
                        "--log-level", "warning"]
+                if i == 0:  # the deployer: each gateway holds two requests for busy replicas
+                    cmd += ["--max-queued-requests", "2"]
                 with dep.logs[i].open("wb") as log:
                     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
                 dep.procs.append(proc)
@@ -331,8 +366,9 @@ def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> None:
-        client.completions.create(model="mlp", prompt=f"spill {i}", max_tokens=40,
-                                  temperature=0, extra_body={"ignore_eos": True})
+        with contextlib.suppress(openai.InternalServerError):  # 503: over the bounded queue
+            client.completions.create(model="mlp", prompt=f"spill {i}", max_tokens=40,
+                                      temperature=0, extra_body={"ignore_eos": True})
 
     digest12 = folder_digest(deployment.adapter_dirs["alice/mlp"])[:12]
 
@@ -382,3 +418,43 @@ def test_replica_killed_mid_stream(deployment: Deployment) -> None:
         timeout_s=60)
     assert sorted(replaced) == [0, 1]  # the replacement took the ordinal back
     assert httpx.get(f"{deployment.gateways[0]}/ready", timeout=10).status_code == 200
+
+
+def test_overflow_is_503_with_retry_after(deployment: Deployment) -> None:
+    # 2 replicas x 2*max_num_seqs running or queued in their engines, two more held by the
+    # gateway: the rest are refused at once.
+    async def one(http: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await http.post("/v1/completions", json={
+            "model": SERVED, "prompt": f"flood {i}", "max_tokens": 300, "ignore_eos": True})
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+                base_url=deployment.gateways[0], timeout=120,
+                headers={"Authorization": f"Bearer {deployment.keys['alice']}"}) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(60)))
+
+    responses = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    refused = [r for r in responses if r.status_code == 503]
+    assert set(codes) == {200, 503}, codes
+    assert codes.count(200) >= 4 * MAX_NUM_SEQS
+    for response in refused:
+        assert response.json()["error"]["code"] == "engine_overloaded"
+        assert int(response.headers["Retry-After"]) >= 1
+    result = deployment.client("alice", 0).completions.create(model=SERVED, prompt="after",
+                                                              max_tokens=2)
+    assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_losing_ray_makes_ready_503(deployment: Deployment, cluster: Cluster) -> None:
+    # Last: the cluster goes for good.
+    stop_cluster(cluster.head)
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.get(f"{deployment.gateways[0]}/ready", timeout=10)
+        if response.status_code == 503:
+            break
+        assert time.monotonic() < deadline, "/ready stayed 200 without Ray"
+        time.sleep(0.5)
+    assert response.json()["engine"] is False
+    assert all(proc.poll() is None for proc in deployment.procs)  # the gateways stay up
