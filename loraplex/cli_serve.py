@@ -14,13 +14,18 @@ import os
 import socket
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
 from loraplex.config import RegistryConfig
 from loraplex.errors import ConfigError
 from loraplex.registry.upload import UploadLimits
+
+if TYPE_CHECKING:
+    from loraplex.config import EngineConfig, ServerConfig
+    from loraplex.engine.client import EngineClient
+    from loraplex.engine.ray_backend import RayEngineBackend
 
 ENV_REDIS_URL = "LORAPLEX_REDIS_URL"
 ENV_CACHE_SALT_SECRET = "LORAPLEX_CACHE_SALT_SECRET"
@@ -43,6 +48,9 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help=f"Redis for rate limits shared by all processes (env {ENV_REDIS_URL}; "
                         "default: an in-process limiter)")
+    p.add_argument("--redis-key-prefix", default="loraplex:",
+                   help="prefix of every Redis key (rate limits, replica state): deployments "
+                        "sharing one Redis need different ones")
     p.add_argument("--served-model-name", default=None,
                    help="the base model's name in 'model' (default: the model folder's name)")
     p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
@@ -64,7 +72,29 @@ def add_serve_command(subparsers: Any) -> None:
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     add_engine_args(p)
+    _add_backend_args(p)
     p.set_defaults(func=_serve)
+
+
+def _add_backend_args(parser: argparse.ArgumentParser) -> None:
+    from loraplex.config import RayConfig
+
+    g = parser.add_argument_group(
+        "scale-out", "engine replicas on Ray Serve (needs the loraplex[ray] extra, PostgreSQL, "
+        "Redis and LORAPLEX_CACHE_SALT_SECRET; see docs/scale-out.md)")
+    g.add_argument("--backend", default="local", choices=["local", "ray"],
+                   help="local: the engine in this process; ray: engine replicas on Ray Serve")
+    g.add_argument("--replicas", type=int, default=RayConfig.replicas,
+                   help="engine replicas to deploy (ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster to join (env LORAPLEX_RAY_ADDRESS; default: start a "
+                        "local one on loopback)")
+    g.add_argument("--replica-cpus", type=float, default=RayConfig.replica_cpus,
+                   help="CPUs Ray reserves for each replica")
+    g.add_argument("--replica-gpus", type=float, default=RayConfig.replica_gpus,
+                   help="GPUs Ray reserves for each replica")
+    g.add_argument("--max-queued-requests", type=int, default=RayConfig.max_queued_requests,
+                   help="requests this gateway holds for busy replicas before answering 503")
 
 
 def _prepare_registry(args: argparse.Namespace) -> None:
@@ -130,11 +160,41 @@ def admin_banner(url: str, created_key: str | None) -> str:
     return "\n".join([rule, *(f"| {line.ljust(width)} |" for line in lines), rule])
 
 
+def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
+                  server_config: ServerConfig) -> EngineClient | RayEngineBackend:
+    """The engine in this process, or the Ray Serve replicas (deployed or attached to)."""
+    if args.backend == "local":
+        from loraplex.engine.client import EngineClient
+
+        return EngineClient.from_config(engine_config, progress=True)
+    from loraplex.config import RayConfig, check_shared_state
+
+    registry = registry_config_from_args(args)
+    check_shared_state(server_config, registry)
+    ray_config = RayConfig(address=args.ray_address, replicas=args.replicas,
+                           replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+                           max_queued_requests=args.max_queued_requests,
+                           sync_key_prefix=f"{args.redis_key_prefix}replicas:")
+    try:
+        from loraplex.engine.ray_backend import RayEngineBackend
+    except ImportError:
+        raise ConfigError("the ray backend needs Ray Serve: pip install 'loraplex[ray]'") \
+            from None
+    from loraplex.engine.engine import model_description
+    from loraplex.model.args import ModelArgs
+    from loraplex.model.loader import load_hf_config
+
+    expected = model_description(engine_config, ModelArgs.from_hf_config(
+        load_hf_config(engine_config.model.model)))
+    assert server_config.redis_url is not None  # check_shared_state refused it otherwise
+    return RayEngineBackend.deploy(engine_config, ray_config, registry.adapter_dir,
+                                   server_config.redis_url, expected)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loraplex.config import ServerConfig
-    from loraplex.engine.client import EngineClient
     from loraplex.gateway.app import create_app
     from loraplex.gateway.auth import ENV_ADMIN_KEY
 
@@ -147,13 +207,14 @@ def _serve(args: argparse.Namespace) -> int:
             admin_key=os.environ.get(ENV_ADMIN_KEY) or None,
             served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
-            cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None)
+            cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None,
+            rate_limit_key_prefix=f"{args.redis_key_prefix}rl:")
         model = model_arg(args.model)
         _prepare_registry(args)
         if server_config.admin_key is not None:  # a bad LORAPLEX_ADMIN_KEY fails before loading
             _ensure_admin_key(args, server_config.admin_key)
         engine_config = engine_config_from_args(args, model)
-        client = EngineClient.from_config(engine_config, progress=True)
+        client = _make_backend(args, engine_config, server_config)
         # Created only now: a key created before a failed load would never have been shown.
         created = (_ensure_admin_key(args, None) if server_config.admin_key is None
                    else None)

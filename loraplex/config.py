@@ -163,3 +163,48 @@ class ServerConfig:
         _require(self.max_n >= 1, "max_n must be >= 1")
         _require(self.rate_limit_window_s > 0, "rate_limit_window_s must be positive")
         _require(self.usage_flush_interval_s > 0, "usage_flush_interval_s must be positive")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Engine replicas on Ray Serve (``loraplex serve --backend ray``).
+
+    ``address``: a running cluster (``ray://`` or ``host:port``); None starts a local one on
+    loopback. ``max_queued_requests``: requests each gateway holds for busy replicas before
+    answering 503; ``delta_window_s``: how long a replica gathers a stream's new tokens into
+    one message (each message costs replica CPU).
+    """
+
+    address: str | None = None
+    replicas: int = 1
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    app_name: str = "loraplex"
+    max_queued_requests: int = 256
+    delta_window_s: float = 0.015
+    # Object store of a local cluster: only control messages cross it.
+    object_store_memory: int = 256 << 20
+    sync_key_prefix: str = "loraplex:replicas:"
+
+    def __post_init__(self) -> None:
+        _require(self.replicas >= 1, "replicas must be >= 1")
+        _require(self.replica_cpus > 0, "replica_cpus must be positive")
+        _require(self.replica_gpus >= 0, "replica_gpus must be >= 0")
+        _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
+        _require(0 <= self.delta_window_s <= 1, "delta_window_s must be in [0, 1] seconds")
+        _require(bool(self.app_name) and self.app_name.isidentifier(),
+                 "app_name must be an identifier")
+
+
+def check_shared_state(server: ServerConfig, registry: RegistryConfig) -> None:
+    """Refuses what cannot be shared by several gateways in front of the same replicas: a
+    per-process salt secret (tenants' prefix-cache salts would differ between gateways),
+    SQLite, and the in-process rate limiter. One line each."""
+    _require(server.cache_salt_secret is not None,
+             "the ray backend needs LORAPLEX_CACHE_SALT_SECRET: every gateway must derive "
+             "the same prefix-cache salts")
+    _require(not registry.database_url.startswith("sqlite"),
+             "the ray backend needs a shared registry database (PostgreSQL), not SQLite")
+    _require(server.redis_url is not None,
+             "the ray backend needs Redis (--redis-url or LORAPLEX_REDIS_URL): rate limits "
+             "and replica state are shared through it")

@@ -79,3 +79,14 @@ class EngineBackend(Protocol):
         """Drops a deleted adapter version: cached prefix blocks, host copy, idle slot.
         Requests already running on it finish unchanged."""
         ...
+
+
+def description_mismatch(expected: ModelDescription, actual: ModelDescription) -> str | None:
+    """What differs between two descriptions of the served model, in one line; None when
+    they agree."""
+    diffs = [f"{name} {getattr(actual, name)!r} (expected {getattr(expected, name)!r})"
+             for name in ("model", "tokenizer", "max_model_len", "vocab_size", "max_lora_rank")
+             if getattr(actual, name) != getattr(expected, name)]
+    if actual.target_shapes != expected.target_shapes:
+        diffs.append("LoRA target shapes differ")
+    return "; ".join(diffs) or None

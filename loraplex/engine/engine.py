@@ -27,8 +27,21 @@ from loraplex.errors import (
     PromptTooLongError,
 )
 from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapter
+from loraplex.model.args import ModelArgs
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
 from loraplex.model.sampler import SamplingRow
+
+
+def model_description(config: EngineConfig, args: ModelArgs) -> ModelDescription:
+    """What an engine of ``config`` serves, from the model's architecture facts alone (no
+    weights): a gateway in front of remote replicas computes it to check theirs."""
+    model = config.model.model
+    return ModelDescription(model=model, tokenizer=model,
+                            max_model_len=config.model.max_model_len
+                            or args.max_position_embeddings,
+                            vocab_size=args.vocab_size,
+                            max_lora_rank=config.lora.max_lora_rank,
+                            target_shapes=TargetShapes.from_model_dir(model))
 
 
 class LLMEngine:
@@ -72,11 +85,7 @@ class LLMEngine:
 
     def describe(self) -> ModelDescription:
         """The served model, as the engine boundary reports it."""
-        model = self.config.model.model
-        return ModelDescription(model=model, tokenizer=model, max_model_len=self.max_model_len,
-                                vocab_size=self.vocab_size,
-                                max_lora_rank=self.config.lora.max_lora_rank,
-                                target_shapes=self.target_shapes)
+        return model_description(self.config, self.runner.args)
 
     def close(self) -> None:
         self.adapters.close()

@@ -1,0 +1,531 @@
+"""Engine replicas on Ray Serve: the ``EngineBackend`` across a process boundary.
+
+Each replica (:class:`EngineReplica`) is a Ray Serve deployment replica holding one
+in-process ``EngineClient``. The gateway side (:class:`RayEngineBackend`) calls them through
+a deployment handle:
+
+- Routing: a request on an adapter carries ``adapter_id@digest`` as Serve's multiplexed
+  model id, so Serve prefers a replica that already holds that adapter; base-model
+  requests carry none and get Serve's load balancing.
+- Streaming: a replica sends a stream's first token at once and then gathers new tokens
+  for ``delta_window_s`` per message (each message through the handle costs replica CPU).
+  Closing the stream cancels the replica's request, which aborts it in its engine.
+- Errors: a replica answers our own refusals (``InvalidRequestError``...) as plain data,
+  rebuilt here, so no Ray wrapper or remote traceback reaches the gateway's error mapping;
+  a replica that dies before the first token is retried once (Serve routes the retry to a
+  live replica), after it the stream ends with ``EngineDeadError``.
+- Adapters: only the identity crosses; a replica resolves the folder by digest in its own
+  mount of the content-addressed store (never a path from the request) and its engine
+  checks the files' digest when it loads them.
+- Shared state goes through Redis (required in Ray mode, as Serve has no broadcast):
+  deletions are appended to a stream that every replica reads (blocking), so each drops
+  the adapter's slot, host copy and prefix blocks within ``FORGET_BOUND_S``; every replica
+  writes its stats under its ordinal (Serve's replica rank, stable across replacements)
+  each ``STATS_INTERVAL_S``, which is how the gateway lists every replica.
+
+Imported only in Ray mode: the embedded default never imports ``ray``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import ray
+import redis.asyncio as aioredis
+from ray import serve
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from loraplex.config import EngineConfig, RayConfig
+from loraplex.engine.backend import ModelDescription, description_mismatch
+from loraplex.engine.client import EngineClient
+from loraplex.engine.outputs import SequenceDelta
+from loraplex.engine.request import AdapterRef
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.stats import EngineStats
+from loraplex.errors import (
+    AdapterError,
+    ConfigError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    LoraplexError,
+    ModelLoadError,
+    PromptTooLongError,
+)
+from loraplex.registry.store import AdapterStore
+
+logger = logging.getLogger(__name__)
+
+ENV_RAY_ADDRESS: Final = "LORAPLEX_RAY_ADDRESS"
+STATS_INTERVAL_S: Final = 1.0
+STATS_STALE_S: Final = 5.0  # a replica silent this long is no longer listed
+FORGET_BOUND_S: Final = 2.0  # a deletion reaches every live replica within this
+HEALTH_INTERVAL_S: Final = 2.0
+_FORGET_MAXLEN: Final = 10_000
+_MODEL_ID = re.compile(r"([A-Za-z0-9_.-]{1,128})@([0-9a-f]{64})")
+
+
+# --- what crosses the boundary -------------------------------------------------------------
+
+_ERRORS: Final[dict[str, type[LoraplexError]]] = {
+    cls.__name__: cls for cls in (InvalidRequestError, PromptTooLongError,
+                                  EngineOverloadedError, EngineDeadError, AdapterError,
+                                  ConfigError, ModelLoadError)}
+
+
+@dataclass(frozen=True)
+class RemoteError:
+    """A refusal raised in a replica, as plain data (exception pickling loses fields)."""
+
+    kind: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, exc: LoraplexError) -> RemoteError:
+        kind = type(exc).__name__ if type(exc).__name__ in _ERRORS else "EngineDeadError"
+        return cls(kind, str(exc), getattr(exc, "param", None))
+
+    def exception(self) -> LoraplexError:
+        cls = _ERRORS.get(self.kind, EngineDeadError)
+        if issubclass(cls, InvalidRequestError):
+            return cls(self.message, param=self.param)
+        return cls(self.message)
+
+
+# One message of a stream: new deltas, then maybe the error that ended it.
+Chunk = tuple[list[SequenceDelta], RemoteError | None]
+
+
+def model_id(ref: AdapterRef | None) -> str:
+    """Serve's multiplexed model id of a request: the adapter's identity, or "" (base)."""
+    return "" if ref is None else f"{ref.adapter_id}@{ref.digest}"
+
+
+def stats_to_json(stats: EngineStats) -> str:
+    return json.dumps(dataclasses.asdict(stats))
+
+
+def stats_from_json(text: str | bytes) -> EngineStats:
+    raw = json.loads(text)
+    return EngineStats(**{f.name: tuple(raw[f.name]) if isinstance(raw[f.name], list)
+                          else raw[f.name] for f in dataclasses.fields(EngineStats)})
+
+
+def _stats_key(config: RayConfig) -> str:
+    return f"{config.sync_key_prefix}{config.app_name}:stats"
+
+
+def _forget_key(config: RayConfig) -> str:
+    return f"{config.sync_key_prefix}{config.app_name}:forget"
+
+
+@dataclass(frozen=True)
+class _End:
+    error: RemoteError | None = None
+    crash: BaseException | None = None
+
+
+async def in_windows(stream: AsyncIterator[SequenceDelta],
+                     window_s: float) -> AsyncGenerator[Chunk, None]:
+    """The stream's deltas in messages: the first alone and at once (time to first token),
+    then whatever arrived within ``window_s`` of each message's first delta. A refusal ends
+    the messages as data. Closing this closes ``stream`` (which aborts its request)."""
+    queue: asyncio.Queue[SequenceDelta | _End] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait(delta)
+        except LoraplexError as exc:
+            queue.put_nowait(_End(error=RemoteError.of(exc)))
+        except Exception as exc:
+            queue.put_nowait(_End(crash=exc))
+        else:
+            queue.put_nowait(_End())
+
+    task = asyncio.get_running_loop().create_task(pump())
+    first = True
+    try:
+        while True:
+            items = [await queue.get()]
+            if not first and window_s > 0 and not isinstance(items[0], _End):
+                await asyncio.sleep(window_s)
+            first = False
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            deltas = [item for item in items if isinstance(item, SequenceDelta)]
+            end = items[-1]
+            if not isinstance(end, _End):
+                yield deltas, None
+                continue
+            if end.crash is not None:
+                raise end.crash
+            if deltas or end.error is not None:
+                yield deltas, end.error
+            return
+    finally:
+        task.cancel()  # a consumer gone mid-stream: the engine request is aborted
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+# --- the replica ---------------------------------------------------------------------------
+
+
+class EngineReplica:
+    """One engine replica (the body of the Serve deployment ``make_deployment`` builds)."""
+
+    async def __init__(self, engine_config: EngineConfig, expected: ModelDescription,
+                       adapter_dir: str, redis_url: str, ray_config: RayConfig) -> None:
+        self._ordinal = int(serve.get_replica_context().rank.rank)
+        self._config = ray_config
+        client = EngineClient.from_config(engine_config)
+        mismatch = description_mismatch(expected, client.description)
+        if mismatch is not None:
+            client.close()
+            raise ConfigError(f"replica {self._ordinal} serves another model than the "
+                              f"gateway: {mismatch}")
+        client.start()
+        self._client = client
+        self._store = AdapterStore(adapter_dir)
+
+        async def resolve(adapter_key: str) -> AdapterRef:
+            return self._resolve(adapter_key)
+
+        # Serve's own LRU of what this replica reports holding (routing); the engine keeps
+        # its own slots and host cache, as large.
+        self._adapter = serve.multiplexed(
+            max_num_models_per_replica=engine_config.lora.max_cpu_loras)(resolve)
+        self._redis = aioredis.from_url(redis_url, socket_timeout=10,
+                                        health_check_interval=30)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._publish_stats()),
+                       loop.create_task(self._follow_deletions())]
+
+    def _resolve(self, adapter_key: str) -> AdapterRef:
+        match = _MODEL_ID.fullmatch(adapter_key)
+        if match is None:
+            raise InvalidRequestError("malformed adapter identity", param="model")
+        adapter_id, digest = match.groups()
+        folder = self._store.path_for(digest)
+        if not folder.is_dir():
+            raise AdapterError(f"adapter {adapter_id}@{digest[:12]} is not in this replica's "
+                               "adapter store (is the store mounted here?)")
+        return AdapterRef(adapter_id, digest, str(folder))
+
+    async def describe(self) -> ModelDescription:
+        return self._client.description
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None, request_id: str) -> AsyncGenerator[Chunk, None]:
+        key = serve.get_multiplexed_model_id()
+        try:
+            lora = await self._adapter(key) if key else None
+        except LoraplexError as exc:
+            yield [], RemoteError.of(exc)
+            return
+        stream = self._client.generate(prompt_token_ids, params, lora, cache_salt, request_id)
+        async for chunk in in_windows(stream, self._config.delta_window_s):
+            yield chunk
+
+    async def stats(self) -> EngineStats:
+        return await self._client.stats()
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine loop died is replaced."""
+        if not self._client.is_ready:
+            raise EngineDeadError("the engine step loop is not running")
+
+    async def _publish_stats(self) -> None:
+        key = _stats_key(self._config)
+        while True:
+            try:
+                stats = await self._client.stats()
+                await self._redis.hset(key, str(self._ordinal), json.dumps(
+                    {"at": time.time(), "pid": os.getpid(), "stats": stats_to_json(stats)}))
+            except EngineDeadError:
+                return
+            except Exception as exc:  # Redis away: the next round tries again
+                logger.warning("replica %d: cannot publish stats: %s", self._ordinal, exc)
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def _follow_deletions(self) -> None:
+        key = _forget_key(self._config)
+        last = "$"  # deletions before this replica started concern nothing it holds
+        while True:
+            try:
+                answer = await self._redis.xread({key: last}, block=int(FORGET_BOUND_S * 500))
+                if last == "$" and not answer:
+                    # "$" must become a concrete id, or deletions during a reconnect
+                    # would be missed.
+                    info = await self._redis.xinfo_stream(key) if await self._redis.exists(
+                        key) else None
+                    last = info["last-generated-id"] if info else "0-0"
+                for _, entries in answer or ():
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        adapter_id = fields[b"adapter_id"].decode()
+                        digest = fields[b"digest"].decode()
+                        await self._client.forget_adapter(adapter_id, digest)
+            except EngineDeadError:
+                return
+            except Exception as exc:
+                logger.warning("replica %d: cannot read deletions: %s", self._ordinal, exc)
+                await asyncio.sleep(FORGET_BOUND_S / 4)
+
+    async def __del__(self) -> None:
+        for task in getattr(self, "_tasks", ()):
+            task.cancel()
+        client = getattr(self, "_client", None)
+        if client is not None:
+            await client.shutdown()
+
+
+def make_deployment(engine_config: EngineConfig, ray_config: RayConfig) -> Any:
+    """The Serve deployment of ``ray_config.replicas`` engine replicas."""
+    gpus = ray_config.replica_gpus
+    return serve.deployment(
+        EngineReplica, name="engine", num_replicas=ray_config.replicas,
+        ray_actor_options={"num_cpus": ray_config.replica_cpus,
+                           **({"num_gpus": gpus} if gpus else {})},
+        # Above max_num_seqs so the engine's own queue keeps a batch ready behind the
+        # running one; beyond it, requests wait in each gateway (bounded, then 503).
+        max_ongoing_requests=2 * engine_config.scheduler.max_num_seqs,
+        max_queued_requests=ray_config.max_queued_requests,
+        health_check_period_s=HEALTH_INTERVAL_S, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5)
+
+
+# --- the gateway side ----------------------------------------------------------------------
+
+
+def connect_ray(ray_config: RayConfig) -> bool:
+    """Joins the cluster at ``ray_config.address`` (or ``LORAPLEX_RAY_ADDRESS``), or starts
+    a local one on loopback; returns whether this process started it. ConfigError in one
+    line when the cluster cannot be reached."""
+    address = ray_config.address or os.environ.get(ENV_RAY_ADDRESS) or None
+    # Without it Ray binds a non-loopback address even when told 127.0.0.1.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        if address is None:
+            ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
+                     _node_ip_address="127.0.0.1",
+                     object_store_memory=ray_config.object_store_memory,
+                     configure_logging=False, log_to_driver=False)
+            return True
+        ray.init(address=address, configure_logging=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
+                          f"{_first_line(exc)}") from None
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """Our own exception inside a Ray wrapper, or the wrapper."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, LoraplexError):
+            return cause
+    return exc
+
+
+class RayEngineBackend:
+    """The gateway's handle on the replicas: an ``EngineBackend``."""
+
+    def __init__(self, handle: Any, description: ModelDescription, ray_config: RayConfig,
+                 redis_url: str, *, owns_cluster: bool = False) -> None:
+        self._handle = handle
+        self._description = description
+        self._config = ray_config
+        self._redis_url = redis_url
+        self._owns_cluster = owns_cluster
+        self._redis: aioredis.Redis | None = None
+        self._healthy = True
+        self._health_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    def deploy(cls, engine_config: EngineConfig, ray_config: RayConfig, adapter_dir: str,
+               redis_url: str, expected: ModelDescription) -> RayEngineBackend:
+        """Connects to Ray, deploys the replicas unless the application already runs (then
+        attaches to it), and checks the served model against ``expected``; ConfigError in
+        one line on any failure."""
+        owns = connect_ray(ray_config)
+        try:
+            handle = cls._existing(ray_config)
+            if handle is None:
+                deployment = make_deployment(engine_config, ray_config)
+                serve.start(http_options={"location": "NoServer"})
+                try:
+                    handle = serve.run(
+                        deployment.bind(engine_config, expected, adapter_dir, redis_url,
+                                        ray_config),
+                        name=ray_config.app_name, route_prefix=None)
+                except RuntimeError as exc:
+                    raise ConfigError(f"the engine replicas did not start: "
+                                      f"{_replica_failure(exc)}") from None
+            served = handle.describe.remote().result(timeout_s=120)
+            mismatch = description_mismatch(expected, served)
+            if mismatch is not None:
+                raise ConfigError(f"the running replicas serve another model: {mismatch}")
+        except BaseException:
+            if owns:
+                ray.shutdown()
+            raise
+        return cls(handle, expected, ray_config, redis_url, owns_cluster=owns)
+
+    @staticmethod
+    def _existing(ray_config: RayConfig) -> Any:
+        with contextlib.suppress(Exception):  # none running (Serve not started, or no app)
+            app = serve.status().applications.get(ray_config.app_name)
+            if app is not None and app.status == "RUNNING":
+                return serve.get_app_handle(ray_config.app_name)
+        return None
+
+    # --- EngineBackend ---------------------------------------------------------------------
+
+    @property
+    def description(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def is_ready(self) -> bool:
+        return self._healthy and not self._closed
+
+    def start(self) -> None:
+        """Opens the Redis client and starts the readiness probe (on the serving loop)."""
+        self._redis = aioredis.from_url(self._redis_url, socket_timeout=5)
+        self._health_task = asyncio.get_running_loop().create_task(self._probe())
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._redis is not None:
+            await self._redis.aclose()
+        if self._owns_cluster:
+            # The replicas live in the cluster this process started: they go with it.
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(serve.shutdown)
+            await asyncio.to_thread(ray.shutdown)
+
+    def close(self) -> None:
+        """The synchronous end, for a server whose lifespan never ran; a no-op after
+        ``shutdown``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_cluster:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       lora: AdapterRef | None, cache_salt: str | None,
+                       request_id: str) -> AsyncGenerator[SequenceDelta, None]:
+        if self._closed:
+            raise EngineDeadError("the engine backend is shut down")
+        handle = self._handle.options(stream=True, multiplexed_model_id=model_id(lora))
+        prompt = list(prompt_token_ids)
+        received = False
+        for attempt in range(2):
+            response = handle.generate.remote(prompt, params, cache_salt, request_id)
+            finished = False
+            try:
+                async for deltas, error in response:
+                    received = received or bool(deltas)
+                    for delta in deltas:
+                        yield delta
+                    if error is not None:
+                        raise error.exception()
+                finished = True
+                return
+            except BackPressureError:
+                raise EngineOverloadedError("every engine replica is busy") from None
+            except LoraplexError:
+                finished = True
+                raise
+            except (RayError, DeploymentUnavailableError) as exc:
+                cause = _unwrap(exc)
+                if isinstance(cause, LoraplexError):
+                    raise cause from None
+                logger.warning("request %s: engine replica failed (attempt %d): %s",
+                               request_id, attempt + 1, _first_line(exc))
+                if received or attempt == 1:
+                    raise EngineDeadError("the engine replica serving this request "
+                                          "failed") from None
+            finally:
+                if not finished:
+                    response.cancel()  # a consumer gone, or a failure: free the replica
+
+    async def stats(self) -> EngineStats:
+        from loraplex.engine.stats import combine_stats
+
+        return combine_stats(await self.replica_stats())
+
+    async def replica_stats(self) -> tuple[EngineStats, ...]:
+        """Every live replica's figures (as each last published them), by ordinal."""
+        raw = await self._redis_client().hgetall(_stats_key(self._config))
+        now = time.time()
+        listed: list[tuple[int, EngineStats]] = []
+        for ordinal, value in raw.items():
+            record = json.loads(value)
+            if now - float(record["at"]) <= STATS_STALE_S:
+                listed.append((int(ordinal), stats_from_json(record["stats"])))
+        return tuple(stats for _, stats in sorted(listed, key=lambda item: item[0]))
+
+    async def forget_adapter(self, adapter_id: str, digest: str) -> None:
+        """Every replica drops the version within FORGET_BOUND_S (see the module doc)."""
+        await self._redis_client().xadd(_forget_key(self._config),
+                                        {"adapter_id": adapter_id, "digest": digest},
+                                        maxlen=_FORGET_MAXLEN, approximate=True)
+
+    def _redis_client(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise RuntimeError("RayEngineBackend.start() was not called")
+        return self._redis
+
+    async def _probe(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._handle.describe.remote(), HEALTH_INTERVAL_S * 2)
+                self._healthy = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._healthy:
+                    logger.warning("engine replicas unreachable: %s", _first_line(exc))
+                self._healthy = False
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+
+def _replica_failure(exc: BaseException) -> str:
+    """The one line that says why a deployment failed: our own error from a replica's
+    constructor when there is one."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    for cls in _ERRORS:
+        match = re.search(rf"loraplex\.errors\.{cls}: (.+)", text)
+        if match:
+            return match.group(1).strip()
+    return _first_line(exc)

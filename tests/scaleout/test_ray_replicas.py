@@ -1,0 +1,384 @@
+"""Engine replicas on a real local Ray cluster, behind two real gateway processes.
+
+One module-scoped cluster (``ray start --head`` on loopback, two CPUs), two replicas of the
+tiny Llama deployed by the first ``loraplex serve --backend ray``, a second gateway process
+attached to the same replicas, PostgreSQL for the registry and Redis for limits and replica
+state. Every call goes through the official ``openai`` client or plain HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("the ray extra is not installed", allow_module_level=True)
+
+from loraplex.cli_registry import run_registry_cli  # noqa: E402
+from loraplex.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from loraplex.engine.client import EngineClient  # noqa: E402
+from loraplex.engine.request import AdapterRef  # noqa: E402
+from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
+from loraplex.adapter_format import folder_digest  # noqa: E402
+from loraplex.registry import db, service  # noqa: E402
+from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REDIS_URL = redis_url_for_tests()
+SERVED = "tiny"
+MAX_LORAS = 2  # per replica, device slots and host cache alike: 4 adapters fit 2 replicas
+MAX_NUM_SEQS = 4
+ADAPTERS = {"alice/sql": "r4", "alice/qv": "r8qv", "alice/mlp": "r8mlp", "bob/secret": "r16rs"}
+RPM = 6  # requests per window of tenant "metered"
+# The cluster runs with token authentication, as docs/scale-out.md asks of every cluster.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+@dataclass
+class Deployment:
+    gateways: list[str]  # base URLs
+    keys: dict[str, str]
+    admin_key: str
+    redis_prefix: str
+    model_dir: Path
+    adapter_dirs: dict[str, Path]
+    logs: list[Path]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def client(self, tenant: str, gateway: int = 0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateways[gateway]}/v1", api_key=self.keys[tenant],
+                             max_retries=0, timeout=120)
+
+    def replicas(self) -> dict[int, dict[str, Any]]:
+        """What each replica last published: ordinal -> {pid, stats}."""
+        with redis.Redis.from_url(REDIS_URL) as r:
+            raw = r.hgetall(f"{self.redis_prefix}replicas:loraplex:stats")
+        out = {}
+        for ordinal, value in raw.items():
+            record = json.loads(value)
+            if time.time() - record["at"] < 5:
+                out[int(ordinal)] = {"pid": record["pid"], **json.loads(record["stats"])}
+        return out
+
+    def wait_replicas(self, predicate: Any, timeout_s: float = 30) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = self.replicas()
+            if predicate(seen):
+                return seen
+            if time.monotonic() > deadline:
+                raise AssertionError(f"replicas never reached the state; last: {seen}")
+            time.sleep(0.2)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"gateway exited with {proc.returncode}:\n"
+                                 f"{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"gateway not ready:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real local Ray cluster on loopback (two CPUs, a small object store)."""
+    port = _free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, **RAY_ENV}
+    head = subprocess.Popen(
+        [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={port}", "--num-cpus=2", f"--object-store-memory={200 << 20}",
+         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert head.poll() is None and time.monotonic() < deadline, "ray did not start"
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_address: str, tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    root = tmp_path_factory.mktemp("scaleout")
+    store = root / "store"
+    with contextlib.ExitStack() as stack:
+        db_url = stack.enter_context(postgres_schema("scaleout"))
+        prefix = stack.enter_context(redis_key_prefix("scaleout"))
+        db.upgrade(db_url)
+        engine = db.make_engine(db_url)
+        keys: dict[str, str] = {}
+        try:
+            with db.transaction(db.make_session_factory(engine)) as session:
+                for name in ("alice", "bob", "metered"):
+                    tenant = service.create_tenant(
+                        session, name, max_requests_per_minute=RPM if name == "metered" else None)
+                    keys[name] = service.create_key(session, tenant.id)[1]
+                ops = service.create_tenant(session, "ops")
+                admin_key = service.create_key(session, ops.id, role="admin")[1]
+        finally:
+            engine.dispose()
+        adapter_dirs = {}
+        for full, spec in ADAPTERS.items():
+            tenant, name = full.split("/")
+            assert run_registry_cli(["adapters", "add", "--tenant", tenant, "--name", name,
+                                     str(llama_adapters[spec]), "--database-url", db_url,
+                                     "--adapter-dir", str(store),
+                                     "--model", str(tiny_llama_dir)]) == 0
+            adapter_dirs[full] = llama_adapters[spec]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+        env.update(LORAPLEX_CACHE_SALT_SECRET="scale-out-test-secret",
+                   LORAPLEX_HOME=str(root / "home"), **RAY_ENV)
+        ports = [_free_port(), _free_port()]
+        dep = Deployment([f"http://127.0.0.1:{p}" for p in ports], keys, admin_key, prefix,
+                         tiny_llama_dir, adapter_dirs, [root / "gw0.log", root / "gw1.log"])
+        try:
+            for i, port in enumerate(ports):
+                cmd = [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "2",
+                       "--replica-cpus", "0.5", "--ray-address", ray_address,
+                       "--model", str(tiny_llama_dir), "--served-model-name", SERVED,
+                       "--port", str(port), "--database-url", db_url,
+                       "--adapter-dir", str(store), "--redis-url", REDIS_URL,
+                       "--redis-key-prefix", prefix, "--num-kv-blocks", "128",
+                       "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_LORAS),
+                       "--max-lora-rank", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
+                       "--log-level", "warning"]
+                with dep.logs[i].open("wb") as log:
+                    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+                dep.procs.append(proc)
+                # The first deploys the replicas; the second attaches to them.
+                _wait_ready(dep.gateways[i], proc, dep.logs[i], timeout_s=240)
+            yield dep
+        finally:
+            for proc in dep.procs:
+                proc.send_signal(signal.SIGINT)
+            for proc in dep.procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _engine_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(ModelConfig(str(model_dir)), CacheConfig(num_kv_blocks=128),
+                        LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=16,
+                                   max_cpu_loras=MAX_LORAS),
+                        SchedulerConfig(max_num_seqs=MAX_NUM_SEQS))
+
+
+def _in_process(model_dir: Path, jobs: list[tuple[str | None, str]],
+                adapter_dirs: dict[str, Path], max_tokens: int) -> list[str]:
+    """The same greedy completions from an engine in this process (the reference)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    async def run() -> list[str]:
+        texts = []
+        async with EngineClient.from_config(_engine_config(model_dir)) as client:
+            for adapter, prompt in jobs:
+                ref = None if adapter is None else AdapterRef(
+                    adapter, folder_digest(adapter_dirs[adapter]), str(adapter_dirs[adapter]))
+                text = ""
+                async for delta in client.generate(tokenizer.encode(prompt),
+                                                   SamplingParams(max_tokens=max_tokens,
+                                                                  temperature=0.0), ref):
+                    text += delta.text_delta
+                texts.append(text)
+        return texts
+
+    return asyncio.run(run())
+
+
+def _simulated_random_hits(sequence: list[str], replicas: int, capacity: int,
+                           seed: int = 0) -> float:
+    """Hit rate of the same request sequence under random routing: each replica an LRU of
+    ``capacity`` adapters (as the engine's host cache)."""
+    rng = random.Random(seed)
+    caches: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(replicas)]
+    hits = 0
+    for adapter in sequence:
+        cache = caches[rng.randrange(replicas)]
+        if adapter in cache:
+            hits += 1
+            cache.move_to_end(adapter)
+        else:
+            cache[adapter] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits / len(sequence)
+
+
+def test_mixed_adapters_match_in_process_and_stick_to_replicas(
+        deployment: Deployment) -> None:
+    rng = random.Random(7)
+    mine = [a for a in ADAPTERS if a.startswith("alice/")]
+    # Base requests between adapter requests: the working set (3 adapters of alice, and
+    # bob's) fits the two replicas' slots together, not one replica's.
+    sequence = [rng.choice(mine) for _ in range(36)]
+    jobs: list[tuple[str | None, str]] = []
+    for i, adapter in enumerate(sequence):
+        jobs.append((adapter, f"request {i} says"))
+        if i % 4 == 0:
+            jobs.append((None, f"base {i} says"))
+    before = deployment.wait_replicas(lambda seen: len(seen) == 2)
+    loads_before = sum(s["adapter_disk_loads"] for s in before.values())
+    client = deployment.client("alice")
+    texts = []
+    for adapter, prompt in jobs:
+        model = SERVED if adapter is None else adapter.split("/")[1]
+        texts.append(client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                               temperature=0).choices[0].text)
+    expected = _in_process(deployment.model_dir, jobs, deployment.adapter_dirs, 8)
+    assert texts == expected
+
+    def settled(seen: dict[int, dict[str, Any]]) -> bool:
+        return len(seen) == 2 and all(s["num_unfinished"] == 0 for s in seen.values())
+
+    after = deployment.wait_replicas(settled)
+    loads = sum(s["adapter_disk_loads"] for s in after.values()) - loads_before
+    hit_rate = 1 - loads / len(sequence)
+    random_rate = _simulated_random_hits(sequence, 2, MAX_LORAS)
+    print(f"adapter affinity hit rate {hit_rate:.0%} vs {random_rate:.0%} under random "
+          f"routing ({len(sequence)} requests, {len(mine)} adapters, 2 replicas x "
+          f"{MAX_LORAS} slots)")
+    assert hit_rate >= 0.8, (hit_rate, random_rate)
+    assert hit_rate > random_rate
+
+
+def test_cross_tenant_requests_are_404_on_every_gateway(deployment: Deployment) -> None:
+    for gateway in (0, 1):
+        with pytest.raises(openai.NotFoundError):
+            deployment.client("bob", gateway).completions.create(model="sql", prompt="x",
+                                                                 max_tokens=2)
+        result = deployment.client("bob", gateway).completions.create(
+            model="secret", prompt="x", max_tokens=2)
+        assert result.usage is not None and result.usage.completion_tokens <= 2
+
+
+def test_two_gateways_share_exact_rate_limits(deployment: Deployment) -> None:
+    outcomes = []
+    for i in range(2 * RPM):
+        try:
+            deployment.client("metered", i % 2).completions.create(model=SERVED, prompt="x",
+                                                                   max_tokens=1)
+            outcomes.append("ok")
+        except openai.RateLimitError:
+            outcomes.append("429")
+    assert outcomes.count("ok") == RPM, outcomes
+
+
+def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
+    client = deployment.client("alice")
+    # More concurrent requests than one replica takes: Serve spills them to the other,
+    # so both load the adapter.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> None:
+        client.completions.create(model="mlp", prompt=f"spill {i}", max_tokens=40,
+                                  temperature=0, extra_body={"ignore_eos": True})
+
+    digest12 = folder_digest(deployment.adapter_dirs["alice/mlp"])[:12]
+
+    def holders(seen: dict[int, dict[str, Any]]) -> list[int]:
+        return [o for o, s in seen.items()
+                if any(slot and slot.endswith(digest12) for slot in s["adapter_slots"])]
+
+    with ThreadPoolExecutor(24) as pool:
+        list(pool.map(one, range(24)))
+    assert len(holders(deployment.wait_replicas(lambda seen: len(holders(seen)) == 2))) == 2
+    deleted_at = time.monotonic()
+    response = httpx.delete(f"{deployment.gateways[1]}/v1/adapters/mlp",
+                            headers={"Authorization": f"Bearer {deployment.keys['alice']}"})
+    assert response.status_code == 200, response.text
+    with pytest.raises(openai.NotFoundError):  # at once, on the other gateway too
+        client.completions.create(model="mlp", prompt="x", max_tokens=1)
+    deployment.wait_replicas(lambda seen: len(seen) == 2 and not holders(seen), timeout_s=5)
+    assert time.monotonic() - deleted_at < 5
+
+
+def test_replica_killed_mid_stream(deployment: Deployment) -> None:
+    client = deployment.client("alice")
+    digest12 = folder_digest(deployment.adapter_dirs["alice/sql"])[:12]
+    client.completions.create(model="sql", prompt="warm", max_tokens=1)
+    seen = deployment.wait_replicas(lambda seen: len(seen) == 2 and any(
+        slot and slot.endswith(digest12) for s in seen.values() for slot in s["adapter_slots"]))
+    # Serve sends the stream to the replica holding the adapter.
+    victim = next(s["pid"] for s in seen.values()
+                  if any(slot and slot.endswith(digest12) for slot in s["adapter_slots"]))
+    stream = client.completions.create(model="sql", prompt="a long story", max_tokens=400,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
+    # The gateway stays up; new requests go to the other replica and the replacement.
+    for i in range(6):
+        result = client.completions.create(model="sql" if i % 2 else SERVED,
+                                           prompt=f"after {i}", max_tokens=3)
+        assert result.choices[0].finish_reason in ("stop", "length")
+    assert all(proc.poll() is None for proc in deployment.procs)
+    replaced = deployment.wait_replicas(
+        lambda seen: len(seen) == 2 and victim not in {s["pid"] for s in seen.values()},
+        timeout_s=60)
+    assert sorted(replaced) == [0, 1]  # the replacement took the ordinal back
+    assert httpx.get(f"{deployment.gateways[0]}/ready", timeout=10).status_code == 200
