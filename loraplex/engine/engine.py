@@ -332,7 +332,6 @@ class LLMEngine:
         )
 
 
-
 def _identity(key: AdapterKey) -> str:
     """How stats spell an adapter version: short enough to read, digest enough to tell
     versions apart."""

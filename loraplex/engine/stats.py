@@ -67,16 +67,15 @@ def _distinct(groups: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
 
 
 def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The figures of a deployment from those of its replicas (at least one).
+    """The figures of a deployment from those of its replicas.
 
     Counters, block counts and capacities are summed and rates recomputed from the sums;
     ``kv_utilization`` is the replicas' weighted by the blocks they hold. ``adapter_slots``
     and ``host_adapters`` are concatenated in replica order (one entry per slot or cache
     entry, so their lengths still count capacity and residency); running and waiting
-    adapters are the distinct union. ``replica`` is ``ALL_REPLICAS``.
+    adapters are the distinct union. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
+    is live) gives zeros and empty tuples: a deployment that has nothing now.
     """
-    if not stats:
-        raise ValueError("combine_stats needs the figures of at least one replica")
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
     used = sums["kv_blocks_used"]
     return EngineStats(

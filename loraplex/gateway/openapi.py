@@ -207,11 +207,11 @@ _REPLICA_STATS = {"type": "object", "description": (
     "properties": {"replica": {"type": "integer", "minimum": 0}}}
 _ENGINE_STATS = {"type": "object", "description": (
     "The whole deployment's figures at the top level (replica -1: the replicas' sums, "
-    "rates recomputed from them, slots concatenated in replica order), and each replica's "
-    "under replicas, ordered by ordinal"),
+    "rates recomputed from them, slots concatenated in replica order), and each live "
+    "replica's under replicas, ordered by ordinal (none while no replica is up)"),
     "required": ["replica", "slots", "served_model", "replicas"],
     "properties": {"replica": {"const": -1},
-                   "replicas": {"type": "array", "minItems": 1, "items": _REPLICA_STATS}}}
+                   "replicas": {"type": "array", "items": _REPLICA_STATS}}}
 
 
 _TENANT_NAME = {"type": "string", "pattern": _pattern(TENANT_NAME_RE)}

@@ -148,9 +148,13 @@ def test_combine_stats_of_one_replica_keeps_its_figures(tiny_llama_dir: Path) ->
     assert combine_stats([alone]) == dataclasses.replace(alone, replica=ALL_REPLICAS)
 
 
-def test_combine_stats_needs_a_replica() -> None:
-    with pytest.raises(ValueError):
-        combine_stats([])
+def test_combine_stats_of_no_replica_is_nothing() -> None:
+    """A deployment whose replicas are all gone (or not yet up) has nothing now."""
+    empty = combine_stats([])
+    assert empty.replica == ALL_REPLICAS
+    assert empty.kv_blocks_total == empty.num_running == empty.max_loras == 0
+    assert empty.kv_pool_usage == empty.prefix_cache_hit_rate == empty.kv_utilization == 0.0
+    assert empty.adapter_slots == empty.host_adapters == empty.running_adapters == ()
 
 
 def test_every_numeric_field_is_combined() -> None:
