@@ -20,11 +20,11 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from loraplex_kernels.lora_slots import LoRASlots
 from loraplex_kernels.meta import AttentionMeta
 
 log = logging.getLogger(__name__)
@@ -158,63 +158,25 @@ def paged_decode_attention(
         raise MemoryError("native decode attention could not allocate its scratch memory")
 
 
-@dataclass
-class NativeLoRASlots:
-    """One projection's per-slot LoRA weights in the native kernel's layout: A of every
-    slice transposed ``[in, slices * rank]`` and the scaled block-diagonal B transposed
-    ``[slices * rank, out]`` (``slices * rank`` padded with zeros to a multiple of 16),
-    reached through per-slot address tables."""
-
-    num_slots: int
-    at_ptrs: torch.Tensor = field(init=False)  # [num_slots] int64
-    bt_ptrs: torch.Tensor = field(init=False)  # [num_slots] int64
-    ranks: torch.Tensor = field(init=False)  # [num_slots] int64, 0 = empty
-    # Owns the memory the address tables point into.
-    weights: list[tuple[torch.Tensor, torch.Tensor] | None] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.at_ptrs = torch.zeros(self.num_slots, dtype=torch.int64)
-        self.bt_ptrs = torch.zeros(self.num_slots, dtype=torch.int64)
-        self.ranks = torch.zeros(self.num_slots, dtype=torch.int64)
-        self.weights = [None] * self.num_slots
-
-    def set(self, slot: int, packed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """``packed``: (A ``[slices * rank, in]``, scaled B ``[out, slices * rank]``), or None."""
-        if packed is None or packed[0].dtype != torch.float32 or packed[0].device.type != "cpu":
-            self.weights[slot] = None
-            self.ranks[slot] = 0
-            self.at_ptrs[slot] = self.bt_ptrs[slot] = 0
-            return
-        a, b = packed
-        width = -(-a.shape[0] // 16) * 16  # padded with zero ranks: the kernel takes 16 at once
-        at = a.new_zeros(a.shape[1], width)  # [in, padded slices * rank]
-        at[:, :a.shape[0]] = a.t()
-        bt = b.new_zeros(width, b.shape[0])  # [padded slices * rank, out]
-        bt[:a.shape[0]] = b.t()
-        self.weights[slot] = (at, bt)
-        self.at_ptrs[slot] = at.data_ptr()
-        self.bt_ptrs[slot] = bt.data_ptr()
-        self.ranks[slot] = at.shape[1]
-
-    def covers(self, slots: tuple[int, ...]) -> bool:
-        return all(self.weights[s] is not None for s in slots)
-
-
-def can_lora(x: torch.Tensor, out: torch.Tensor) -> bool:
+def can_lora(x: torch.Tensor, out: torch.Tensor, slots: LoRASlots) -> bool:
+    """Whether the native LoRA kernel takes these tensors (float32 CPU, unit last stride,
+    the per-slot layout)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32
-            and out.dtype == torch.float32 and x.stride(1) == 1 and out.stride(1) == 1)
+            and out.dtype == torch.float32 and slots.dtype == torch.float32
+            and slots.layout == "per_slot" and x.stride(1) == 1 and out.stride(1) == 1)
 
 
 def add_lora(
     out: torch.Tensor,  # [num_tokens, out], accumulated into
     x: torch.Tensor,  # [num_tokens, in]
     segments: torch.Tensor,  # [3, num_segments] int64: first token, length, slot
-    slots: NativeLoRASlots,
+    slots: LoRASlots,
 ) -> None:
     """``out[t] += x[t] @ A_s^T @ B_s^T`` (scale folded into B) for each segment's tokens."""
     lib = _library()
     assert lib is not None, "native CPU kernels are not available"
-    assert can_lora(x, out) and x.shape[0] == out.shape[0]
+    assert can_lora(x, out, slots) and x.shape[0] == out.shape[0]
+    assert x.shape[1] == slots.in_features and out.shape[1] == slots.slice_offsets[-1]
     assert segments.dtype == torch.int64 and segments.is_contiguous() and segments.shape[0] == 3
     num_segments = segments.shape[1]
     if num_segments == 0:

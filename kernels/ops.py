@@ -23,9 +23,9 @@ from loraplex_kernels.attention_ref import (
     prefill_attention_ref,
     store_kv_ref,
 )
+from loraplex_kernels.lora_slots import LoRASlots
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
 from loraplex_kernels.sgmv_ref import (
-    PackedSlots,
     add_lora_ref,
     sgmv_expand_ref,
     sgmv_shrink_ref,
@@ -61,37 +61,35 @@ def sgmv_expand(y: torch.Tensor, lora_b: list[torch.Tensor], meta: SGMVMeta,
         sgmv_expand_ref(y, lora_b, meta, out, slice_offsets)
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
-             lora_b: list[torch.Tensor], scales: torch.Tensor, meta: SGMVMeta,
-             slice_offsets: list[int], backend: Backend | None = None,
-             packed: PackedSlots | None = None,
-             native: cpu_native.NativeLoRASlots | None = None) -> None:
-    """``out += LoRA delta`` of every token's slot (shrink then expand).
+def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch.Tensor,
+             meta: SGMVMeta, backend: Backend | None = None) -> None:
+    """``out += LoRA delta`` of every token's slot, ``out``'s columns being the slices of
+    ``slots`` side by side; ``scales`` [num_slots] is read by the stacked layout only (the
+    per-slot layout has it folded in).
 
-    ``packed`` (optional, per slot): every slice's A stacked ``[slices * rank, in]`` and a
-    block-diagonal B ``[out, slices * rank]`` with the slot's scale folded in; the CPU
-    path uses them when each slot's tokens are contiguous. ``native``: the same weights in
-    the native CPU kernel's layout; with the ``"cpu"`` backend, short segments (decode)
-    go to that kernel in one call and long ones (prefill) to per-slot matmuls.
+    The per-slot layout (CPU): with the ``"cpu"`` backend, short segments (decode) go to
+    the native kernel in one call and long ones (prefill) to per-slot matmuls; the
+    reference does all by per-slot matmuls. The stacked layout: shrink then expand.
     """
     if not meta.has_lora:
         return
     chosen = resolve_backend(x.device, backend)
-    if chosen == "cpu" and native is not None and meta.short_segments is not None \
-            and native.covers(meta.active_slots_list) and cpu_native.can_lora(x, out) \
-            and slice_offsets[0] == 0 and slice_offsets[-1] == out.shape[1]:
-        cpu_native.add_lora(out, x, meta.short_segments, native)
-        if meta.long_segment_ids:
-            add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets, packed,
-                         meta.long_segment_ids)
+    if slots.layout == "per_slot":
+        if chosen == "triton":
+            raise ValueError("the Triton kernels read the stacked LoRA layout")
+        if chosen == "cpu" and meta.short_segments is not None and cpu_native.available() \
+                and cpu_native.can_lora(x, out, slots):
+            cpu_native.add_lora(out, x, meta.short_segments, slots)
+            if meta.long_segment_ids:
+                add_lora_ref(out, x, slots.weights, meta, meta.long_segment_ids)
+            return
+        add_lora_ref(out, x, slots.weights, meta)
         return
-    if chosen in ("torch", "cpu"):
-        add_lora_ref(out, x, lora_a, lora_b, scales, meta, slice_offsets, packed)
-        return
-    y = torch.zeros(len(lora_a), x.shape[0], lora_a[0].shape[1], dtype=torch.float32
-                    if x.dtype == torch.float32 else x.dtype, device=x.device)
-    sgmv_shrink(x, lora_a, scales, meta, y, backend)
-    sgmv_expand(y, lora_b, meta, out, slice_offsets, backend)
+    y = torch.zeros(len(slots.lora_a), x.shape[0], slots.lora_a[0].shape[1],
+                    dtype=torch.float32 if x.dtype == torch.float32 else x.dtype,
+                    device=x.device)  # [num_slices, num_tokens, max_rank]
+    sgmv_shrink(x, slots.lora_a, scales, meta, y, backend)
+    sgmv_expand(y, slots.lora_b, meta, out, slots.slice_offsets, backend)
 
 
 # Packed base weights for the CPU GEMMs. oneDNN's packed weight runs every batch size
@@ -105,7 +103,8 @@ _MKL_PACK_MAX_ROWS = 128
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A GEMM-packed copy of a linear weight: ``kind`` is "onednn" or "mkl"."""
+    """A linear weight ready for the CPU GEMM ``kind`` ("onednn" or "mkl"): a packed copy,
+    or for a shared oneDNN weight the plain tensor itself (``pack_linear_weight``)."""
 
     kind: str
     data: torch.Tensor
@@ -124,19 +123,24 @@ def cpu_gemm_choice() -> str:
     return choice
 
 
-def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeight | None:
     """A packed copy of a float32 CPU linear weight ``[out, in]`` for ``linear``; None
     where packing does not apply (another device or dtype, a small weight, a torch build
     with neither oneDNN nor MKL). ``LORAPLEX_CPU_GEMM=mkl`` or ``=plain`` picks MKL's
-    packing or none (for comparisons)."""
+    packing or none (for comparisons).
+
+    ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
+    embedding), so no copy is made: oneDNN's GEMM reads the plain layout itself, at about
+    the packed copy's speed and well ahead of ``F.linear`` at decode (docs/engine.md,
+    "Memory"), where a copy would cost the whole embedding's memory again."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32
             or weight.numel() < _PACK_MIN_ELEMENTS):
         return None
     choice = cpu_gemm_choice()
     if choice == "onednn" and _onednn_linear_available():
-        return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
-            weight.contiguous(), None))
-    if choice != "plain" and torch.backends.mkl.is_available():
+        return PackedWeight("onednn", weight if shared else
+                            torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
+    if choice != "plain" and not shared and torch.backends.mkl.is_available():
         return PackedWeight("mkl", torch.ops.mkl._mkl_reorder_linear_weight(
             weight, _MKL_PACK_MAX_ROWS))
     return None
@@ -180,6 +184,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 
 
-__all__ = ["AttentionMeta", "Backend", "PackedWeight", "SGMVMeta", "add_lora", "cpu_gemm_choice",
-           "linear", "pack_linear_weight", "paged_attention", "resolve_backend", "sgmv_expand",
+__all__ = ["AttentionMeta", "Backend", "LoRASlots", "PackedWeight", "SGMVMeta", "add_lora",
+           "cpu_gemm_choice", "linear", "pack_linear_weight", "paged_attention", "resolve_backend", "sgmv_expand",
            "sgmv_shrink", "store_kv"]

@@ -93,6 +93,9 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
                    help="CPUs Ray reserves for each replica")
     g.add_argument("--replica-gpus", type=float, default=RayConfig.replica_gpus,
                    help="GPUs Ray reserves for each replica")
+    g.add_argument("--no-adapter-affinity", action="store_true",
+                   help="route adapter requests like base ones, ignoring which replica holds "
+                        "the adapter (for comparison)")
     g.add_argument("--max-queued-requests", type=int, default=RayConfig.max_queued_requests,
                    help="requests this gateway holds for busy replicas before answering 503")
 
@@ -167,14 +170,14 @@ def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
         from loraplex.engine.client import EngineClient
 
         return EngineClient.from_config(engine_config, progress=True)
-    from loraplex.config import RayConfig, check_shared_state
+    from loraplex.config import RayConfig
 
     registry = registry_config_from_args(args)
-    check_shared_state(server_config, registry)
     ray_config = RayConfig(address=args.ray_address, replicas=args.replicas,
                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
                            max_queued_requests=args.max_queued_requests,
-                           sync_key_prefix=f"{args.redis_key_prefix}replicas:")
+                           sync_key_prefix=f"{args.redis_key_prefix}replicas:",
+                           adapter_affinity=not args.no_adapter_affinity)
     try:
         from loraplex.engine.ray_backend import RayEngineBackend
     except ImportError:
@@ -209,6 +212,10 @@ def _serve(args: argparse.Namespace) -> int:
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
             cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None,
             rate_limit_key_prefix=f"{args.redis_key_prefix}rl:")
+        if args.backend == "ray":  # before anything is migrated or loaded
+            from loraplex.config import check_shared_state
+
+            check_shared_state(server_config, registry_config_from_args(args))
         model = model_arg(args.model)
         _prepare_registry(args)
         if server_config.admin_key is not None:  # a bad LORAPLEX_ADMIN_KEY fails before loading

@@ -185,6 +185,9 @@ class RayConfig:
     # Object store of a local cluster: only control messages cross it.
     object_store_memory: int = 256 << 20
     sync_key_prefix: str = "loraplex:replicas:"
+    # Off: adapter requests get Serve's plain load balancing too (to measure what affinity
+    # gains; every replica then ends up loading every adapter).
+    adapter_affinity: bool = True
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 1, "replicas must be >= 1")

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -119,8 +120,9 @@ def stats_to_json(stats: EngineStats) -> str:
 
 def stats_from_json(text: str | bytes) -> EngineStats:
     raw = json.loads(text)
-    return EngineStats(**{f.name: tuple(raw[f.name]) if isinstance(raw[f.name], list)
-                          else raw[f.name] for f in dataclasses.fields(EngineStats)})
+    values: dict[str, Any] = {f.name: tuple(raw[f.name]) if isinstance(raw[f.name], list)
+                              else raw[f.name] for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**values)
 
 
 def _stats_key(config: RayConfig) -> str:
@@ -187,8 +189,11 @@ async def in_windows(stream: AsyncIterator[SequenceDelta],
 class EngineReplica:
     """One engine replica (the body of the Serve deployment ``make_deployment`` builds)."""
 
-    async def __init__(self, engine_config: EngineConfig, expected: ModelDescription,
-                       adapter_dir: str, redis_url: str, ray_config: RayConfig) -> None:
+    # Serve awaits an async constructor, in the replica's event loop (which the
+    # background tasks need).
+    async def __init__(self, engine_config: EngineConfig,  # type: ignore[misc]
+                       expected: ModelDescription, adapter_dir: str, redis_url: str,
+                       ray_config: RayConfig) -> None:
         self._ordinal = int(serve.get_replica_context().rank.rank)
         self._config = ray_config
         client = EngineClient.from_config(engine_config)
@@ -229,8 +234,11 @@ class EngineReplica:
         return self._client.description
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None, request_id: str) -> AsyncGenerator[Chunk, None]:
-        key = serve.get_multiplexed_model_id()
+                       cache_salt: str | None, request_id: str,
+                       adapter_key: str = "") -> AsyncGenerator[Chunk, None]:
+        # The key comes as Serve's multiplexed model id (affinity routing), or as an
+        # argument when the gateway routes without affinity.
+        key = serve.get_multiplexed_model_id() or adapter_key
         try:
             lora = await self._adapter(key) if key else None
         except LoraplexError as exc:
@@ -266,7 +274,7 @@ class EngineReplica:
         last = "$"  # deletions before this replica started concern nothing it holds
         while True:
             try:
-                answer = await self._redis.xread({key: last}, block=int(FORGET_BOUND_S * 500))
+                answer: Any = await self._redis.xread({key: last}, block=int(FORGET_BOUND_S * 500))
                 if last == "$" and not answer:
                     # "$" must become a concrete id, or deletions during a reconnect
                     # would be missed.
@@ -325,11 +333,24 @@ def connect_ray(ray_config: RayConfig) -> bool:
                      object_store_memory=ray_config.object_store_memory,
                      configure_logging=False, log_to_driver=False)
             return True
+        _check_reachable(address)
         ray.init(address=address, configure_logging=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
                           f"{_first_line(exc)}") from None
     return False
+
+
+def _check_reachable(address: str) -> None:
+    """Fails in seconds, in one line, where ``ray.init`` would retry for minutes."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"the Ray address {address!r} is not host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -446,11 +467,15 @@ class RayEngineBackend:
                        request_id: str) -> AsyncGenerator[SequenceDelta, None]:
         if self._closed:
             raise EngineDeadError("the engine backend is shut down")
-        handle = self._handle.options(stream=True, multiplexed_model_id=model_id(lora))
+        key = model_id(lora)
+        if self._config.adapter_affinity:
+            handle, argument = self._handle.options(stream=True, multiplexed_model_id=key), ""
+        else:
+            handle, argument = self._handle.options(stream=True), key
         prompt = list(prompt_token_ids)
         received = False
         for attempt in range(2):
-            response = handle.generate.remote(prompt, params, cache_salt, request_id)
+            response = handle.generate.remote(prompt, params, cache_salt, request_id, argument)
             finished = False
             try:
                 async for deltas, error in response:

@@ -153,7 +153,8 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.pack_weight()
-        self.packed_lm_head = pack_linear_weight(self.lm_head)
+        self.packed_lm_head = pack_linear_weight(
+            self.lm_head, shared=self.args.tie_word_embeddings)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

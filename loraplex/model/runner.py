@@ -118,20 +118,21 @@ class ModelRunner:
 
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Writes an adapter's weights into a slot (``None`` empties it)."""
+        scale = adapter.scaling if adapter else 0.0
         with torch.no_grad():
             for layer in range(self.args.num_layers):
                 modules = self._lora_modules(layer)
+                pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
+                    name: [None] * len(m.slice_widths) for name, m in modules.items()}
                 for peft_name, (ours, slice_idx) in MODULE_SLICES.items():
                     w = adapter.weights.get((layer, peft_name)) if adapter else None
-                    modules[ours].set_slot(
-                        slot, slice_idx,
-                        None if w is None else w.lora_a.to(self.device, self.dtype),
-                        None if w is None else w.lora_b.to(self.device, self.dtype))
+                    if w is not None:
+                        pairs[ours][slice_idx] = (w.lora_a.to(self.device, self.dtype),
+                                                  w.lora_b.to(self.device, self.dtype))
+                for name, module in modules.items():
+                    module.lora.set(slot, pairs[name], scale)
         self.slot_ranks[slot] = adapter.rank if adapter else 0
-        for layer in range(self.args.num_layers):
-            for module in self._lora_modules(layer).values():
-                module.pack_slot(slot, self.slot_ranks[slot], adapter.scaling if adapter else 0.0)
-        self.lora_scales[slot] = adapter.scaling if adapter else 0.0
+        self.lora_scales[slot] = scale
 
     # --- KV block movement ------------------------------------------------------------
 

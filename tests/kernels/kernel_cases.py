@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex_kernels import cpu_native, ops
+from loraplex_kernels import ops
+from loraplex_kernels.lora_slots import Layout, LoRASlots, default_layout
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
-from loraplex_kernels.sgmv_ref import pack_slot
 
 # (vs float64 oracle, vs reference) absolute/relative tolerance per dtype
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -181,34 +181,30 @@ def check_expand(case: SGMVCase, dtype: torch.dtype, device: str,
         _close(out, ref, f"expand {case} vs reference")
 
 
-def pack_slots(case: SGMVCase, inp: SGMVInputs,
-               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None],
-                          cpu_native.NativeLoRASlots]:
-    """Per slot, as LoRALinear packs them: every slice's A stacked and a block-diagonal B
-    with the scale folded in; and the same in the native CPU kernel's layout."""
-    packed: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    native = cpu_native.NativeLoRASlots(len(case.slot_ranks))
+def lora_slots(case: SGMVCase, inp: SGMVInputs, layout: Layout) -> LoRASlots:
+    """The case's adapters as the model holds them: each slot's weights at its own rank."""
+    slots = LoRASlots(case.hidden, case.widths, len(case.slot_ranks), case.max_rank,
+                      inp.x.dtype, inp.x.device, layout)
     for s, rank in enumerate(case.slot_ranks):
-        pair = pack_slot(inp.lora_a, inp.lora_b, s, rank, inp.scales[s].to(inp.x.dtype),
-                         inp.slice_offsets)
-        packed.append(pair)
-        native.set(s, pair)
-    return packed, native
+        slots.set(s, [(a[s, :rank], b[s, :, :rank]) for a, b in
+                      zip(inp.lora_a, inp.lora_b, strict=True)], float(inp.scales[s]))
+    return slots
 
 
 def check_add_lora(case: SGMVCase, dtype: torch.dtype, device: str,
-                   backend: ops.Backend | None, packed: bool = False) -> None:
-    """Shrink then expand through the public entry point, against float64 (``packed``:
-    with the per-slot packed weights the model passes, which the CPU paths use)."""
+                   backend: ops.Backend | None, layout: Layout | None = None) -> None:
+    """Shrink then expand through the public entry point, against float64, with the
+    weights in ``layout`` (default: the one the backend reads)."""
     inp = make_sgmv_inputs(case, dtype, device)
     g = torch.Generator().manual_seed(2)
-    # As in the model: the slices tile the whole output (the CPU fast path relies on it).
+    # As in the model: the slices tile the whole output.
     width = inp.slice_offsets[-1]
     out0 = torch.randn(len(case.token_slots), width, generator=g).to(dtype).to(device)
     out = out0.clone()
-    pair, native = pack_slots(case, inp) if packed else (None, None)
-    ops.add_lora(out, inp.x, inp.lora_a, inp.lora_b, inp.scales, inp.meta, inp.slice_offsets,
-                 backend=backend, packed=pair, native=native)
+    if layout is None:
+        layout = "stacked" if backend == "triton" else default_layout(torch.device(device))
+    ops.add_lora(out, inp.x, lora_slots(case, inp, layout), inp.scales, inp.meta,
+                 backend=backend)
     expected = out0.double().cpu().clone()
     shrunk = dense_shrink(case, inp)
     for t, s in enumerate(case.token_slots):

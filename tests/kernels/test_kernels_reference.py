@@ -22,6 +22,7 @@ from kernel_cases import (
 )
 
 from loraplex_kernels import ops
+from loraplex_kernels.lora_slots import Layout
 from loraplex_kernels.meta import SGMVMeta
 
 DTYPES = [torch.float32, torch.float16]
@@ -39,9 +40,10 @@ def test_expand_reference(case: SGMVCase, dtype: torch.dtype) -> None:
     check_expand(case, dtype, "cpu", "torch")
 
 
+@pytest.mark.parametrize("layout", ["per_slot", "stacked"])
 @pytest.mark.parametrize("case", SGMV_CASES, ids=str)
-def test_add_lora_reference(case: SGMVCase) -> None:
-    check_add_lora(case, torch.float32, "cpu", "torch")
+def test_add_lora_reference(case: SGMVCase, layout: Layout) -> None:
+    check_add_lora(case, torch.float32, "cpu", "torch", layout)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -34,6 +34,7 @@ import redis
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the ray extra is not installed", allow_module_level=True)
 
+from loraplex.adapter_format import folder_digest  # noqa: E402
 from loraplex.cli_registry import run_registry_cli  # noqa: E402
 from loraplex.config import (  # noqa: E402
     CacheConfig,
@@ -45,7 +46,6 @@ from loraplex.config import (  # noqa: E402
 from loraplex.engine.client import EngineClient  # noqa: E402
 from loraplex.engine.request import AdapterRef  # noqa: E402
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
-from loraplex.adapter_format import folder_digest  # noqa: E402
 from loraplex.registry import db, service  # noqa: E402
 from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
 

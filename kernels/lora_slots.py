@@ -1,0 +1,98 @@
+"""One projection's LoRA weights for every adapter slot: the one copy the kernels read.
+
+Two layouts, one per kind of kernel, never both:
+
+- ``"per_slot"`` (CPU: the native kernel and the PyTorch reference): each loaded slot holds
+  A of every slice transposed ``[in, R]`` and the block-diagonal B with the LoRA scale
+  folded in, transposed ``[R, out]``, where ``R`` is the sum of the slices' own ranks
+  rounded up to 16 (the native kernel keeps 16 ranks in registers). Allocated when an
+  adapter is loaded, at its own rank; an empty slot holds nothing.
+- ``"stacked"`` (Triton): per slice, A ``[num_slots, max_rank, in]`` and B
+  ``[num_slots, out_k, max_rank]``, allocated up front, because the kernels address a slot
+  by its stride. A slot's rows past its rank stay zero and are never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+Layout = Literal["per_slot", "stacked"]
+_NATIVE_RANK_MULTIPLE = 16
+
+
+def default_layout(device: torch.device) -> Layout:
+    """The layout the default backend of ``device`` reads (Triton on CUDA)."""
+    return "stacked" if device.type == "cuda" else "per_slot"
+
+
+class LoRASlots:
+    """Every slot's LoRA weights for one (possibly packed) projection; see the module."""
+
+    def __init__(self, in_features: int, slice_widths: Sequence[int], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device,
+                 layout: Layout) -> None:
+        self.in_features = in_features
+        self.slice_offsets = [0]
+        for w in slice_widths:
+            self.slice_offsets.append(self.slice_offsets[-1] + w)
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        # per_slot: (A^T [in, R], scaled block-diagonal B^T [R, out]) or None when empty
+        self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        # per_slot, for the native kernel: each slot's addresses and R (0 = empty)
+        self.at_ptrs = torch.zeros(num_slots, dtype=torch.int64)
+        self.bt_ptrs = torch.zeros(num_slots, dtype=torch.int64)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int64)
+        self.lora_a: list[torch.Tensor] = []
+        self.lora_b: list[torch.Tensor] = []
+        if layout == "stacked":
+            # [num_slots, max_rank, in] and [num_slots, out_k, max_rank], one per slice
+            self.lora_a = [torch.zeros(num_slots, max_rank, in_features, dtype=dtype,
+                                       device=device) for _ in slice_widths]
+            self.lora_b = [torch.zeros(num_slots, w, max_rank, dtype=dtype, device=device)
+                           for w in slice_widths]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.weights)
+
+    def set(self, slot: int, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+            scale: float) -> None:
+        """Writes one slot: per slice, ``(A [rank, in], B [out_k, rank])`` or None (slice
+        not targeted). All None empties the slot. ``scale`` is folded into B in the
+        per-slot layout; the stacked layout's kernels take it per step."""
+        if self.layout == "stacked":
+            for k, pair in enumerate(pairs):
+                self.lora_a[k][slot].zero_()
+                self.lora_b[k][slot].zero_()
+                if pair is not None:
+                    rank = pair[0].shape[0]
+                    self.lora_a[k][slot, :rank].copy_(pair[0])
+                    self.lora_b[k][slot, :, :rank].copy_(pair[1])
+            return
+        total = sum(p[0].shape[0] for p in pairs if p is not None)
+        if total == 0:
+            self.weights[slot] = None
+            self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
+            return
+        width = -(-total // _NATIVE_RANK_MULTIPLE) * _NATIVE_RANK_MULTIPLE
+        opts = dict(dtype=self.dtype, device=self.device)
+        at = torch.zeros(self.in_features, width, **opts)  # type: ignore[arg-type]
+        bt = torch.zeros(width, self.slice_offsets[-1], **opts)  # type: ignore[arg-type]
+        r0 = 0
+        for k, pair in enumerate(pairs):
+            if pair is None:
+                continue
+            a, b = pair
+            r1 = r0 + a.shape[0]
+            at[:, r0:r1] = a.t()
+            bt[r0:r1, self.slice_offsets[k]:self.slice_offsets[k + 1]] = b.t() * scale
+            r0 = r1
+        self.weights[slot] = (at, bt)
+        self.at_ptrs[slot] = at.data_ptr()
+        self.bt_ptrs[slot] = bt.data_ptr()
+        self.ranks[slot] = width

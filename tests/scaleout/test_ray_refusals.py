@@ -1,0 +1,74 @@
+"""``loraplex serve --backend ray`` refuses, in one line and before loading anything, what
+several gateways cannot share, and a cluster it cannot reach."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loraplex.testing import postgres_schema, redis_url_for_tests
+
+
+def _serve(tmp_path: Path, *args: str, env: dict[str, str]) -> tuple[int, list[str], float]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    full_env.update(LORAPLEX_HOME=str(tmp_path / "home"), **env)
+    started = time.monotonic()
+    proc = subprocess.run([str(Path(sys.executable).parent / "loraplex"), "serve",
+                           "--backend", "ray", "--port", "0", *args],
+                          env=full_env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("loraplex: error")]
+    return proc.returncode, lines, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    with postgres_schema("rayrefuse") as url:
+        yield url
+
+
+def test_refuses_without_a_shared_salt_secret(tmp_path: Path, tiny_llama_dir: Path,
+                                              pg_url: str) -> None:
+    code, lines, _ = _serve(tmp_path, "--model", str(tiny_llama_dir), "--database-url", pg_url,
+                            "--redis-url", redis_url_for_tests(), env={})
+    assert code == 2 and len(lines) == 1
+    assert "LORAPLEX_CACHE_SALT_SECRET" in lines[0]
+
+
+def test_refuses_sqlite(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    code, lines, _ = _serve(tmp_path, "--model", str(tiny_llama_dir),
+                            "--database-url", f"sqlite:///{tmp_path / 'r.db'}",
+                            "--redis-url", redis_url_for_tests(),
+                            env={"LORAPLEX_CACHE_SALT_SECRET": "s"})
+    assert code == 2 and len(lines) == 1
+    assert "PostgreSQL" in lines[0] and "SQLite" in lines[0]
+
+
+def test_refuses_the_in_process_limiter(tmp_path: Path, tiny_llama_dir: Path,
+                                        pg_url: str) -> None:
+    code, lines, _ = _serve(tmp_path, "--model", str(tiny_llama_dir), "--database-url", pg_url,
+                            env={"LORAPLEX_CACHE_SALT_SECRET": "s"})
+    assert code == 2 and len(lines) == 1
+    assert "Redis" in lines[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+def test_an_unreachable_cluster_is_one_line_in_seconds(tmp_path: Path, tiny_llama_dir: Path,
+                                                       pg_url: str) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, lines, took = _serve(tmp_path, "--model", str(tiny_llama_dir),
+                               "--database-url", pg_url, "--redis-url", redis_url_for_tests(),
+                               env={"LORAPLEX_CACHE_SALT_SECRET": "s",
+                                    "LORAPLEX_RAY_ADDRESS": f"127.0.0.1:{port}"})
+    assert code == 2 and len(lines) == 1, lines
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in lines[0]
+    assert took < 60
