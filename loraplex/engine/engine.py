@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
-from loraplex.engine.request import AdapterRef, Request, RequestStatus
+from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.stats import EngineStats
@@ -294,11 +294,14 @@ class LLMEngine:
     # --- figures -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
+        """The engine's figures now, as replica 0 (a deployment sets its own ordinal)."""
         kv = self.kv.stats()
         ad = self.adapters.stats()
+        sched = self.scheduler
         return EngineStats(
+            replica=0,
             num_preemptions=kv.num_preemptions,
-            num_swap_outs=self.scheduler.num_swap_outs,
+            num_swap_outs=sched.num_swap_outs,
             prefix_cache_queried_tokens=kv.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=kv.prefix_cache_hit_tokens,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
@@ -311,16 +314,29 @@ class LLMEngine:
             kv_utilization=kv.kv_utilization,
             host_blocks_total=kv.num_host_blocks_total,
             host_blocks_used=kv.num_host_blocks_used,
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            num_swapped=len(self.scheduler.swapped),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
             num_unfinished=len(self._groups),
             num_steps=self.num_steps,
             adapter_slot_loads=ad.num_slot_loads,
             adapter_slot_evictions=ad.num_slot_evictions,
             adapter_disk_loads=ad.num_disk_loads,
             adapter_load_seconds=ad.total_load_seconds,
-            adapter_slots=tuple(None if k is None else f"{k[0]}@{k[1][:12]}"
-                                for k in ad.slots),
+            max_loras=self.adapters.max_loras,
+            max_cpu_loras=self.adapters.max_cpu_loras,
+            adapter_slots=tuple(None if k is None else _identity(k) for k in ad.slots),
+            host_adapters=tuple(_identity(k) for k in ad.host),
+            running_adapters=_adapters_of(sched.running),
+            waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
         )
 
+
+def _identity(key: AdapterKey) -> str:
+    """How stats spell an adapter version: short enough to read, digest enough to tell
+    versions apart."""
+    return f"{key[0]}@{key[1][:12]}"
+
+
+def _adapters_of(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({_identity(r.adapter.key) for r in requests if r.adapter is not None}))

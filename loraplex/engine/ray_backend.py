@@ -53,7 +53,7 @@ from loraplex.engine.client import EngineClient
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.stats import EngineStats
+from loraplex.engine.stats import EngineStats, combine_stats
 from loraplex.errors import (
     AdapterError,
     ConfigError,
@@ -507,8 +507,6 @@ class RayEngineBackend:
                         response.cancel()
 
     async def stats(self) -> EngineStats:
-        from loraplex.engine.stats import combine_stats
-
         return combine_stats(await self.replica_stats())
 
     async def replica_stats(self) -> tuple[EngineStats, ...]:
@@ -519,7 +517,9 @@ class RayEngineBackend:
         for ordinal, value in raw.items():
             record = json.loads(value)
             if now - float(record["at"]) <= STATS_STALE_S:
-                listed.append((int(ordinal), stats_from_json(record["stats"])))
+                # The replica's engine reports itself as replica 0; its key is its ordinal.
+                listed.append((int(ordinal), dataclasses.replace(
+                    stats_from_json(record["stats"]), replica=int(ordinal))))
         return tuple(stats for _, stats in sorted(listed, key=lambda item: item[0]))
 
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:

@@ -197,6 +197,23 @@ _LIMITS = {f: _LIMIT for f in ("max_requests_per_minute", "max_tokens_per_minute
                                "max_concurrent_requests")}
 
 
+_REPLICA_STATS = {"type": "object", "description": (
+    "One replica's figures (the fields of EngineStats): replica (its ordinal 0..N-1), "
+    "queue, KV pool, device slots (adapter_slots, and slots with each adapter's name), "
+    "host_adapters, running_adapters and waiting_adapters (id@digest12)"),
+    "required": ["replica", "num_waiting", "num_running", "kv_pool_usage", "max_loras",
+                 "adapter_slots", "host_adapters", "running_adapters", "waiting_adapters",
+                 "slots"],
+    "properties": {"replica": {"type": "integer", "minimum": 0}}}
+_ENGINE_STATS = {"type": "object", "description": (
+    "The whole deployment's figures at the top level (replica -1: the replicas' sums, "
+    "rates recomputed from them, slots concatenated in replica order), and each live "
+    "replica's under replicas, ordered by ordinal (none while no replica is up)"),
+    "required": ["replica", "slots", "served_model", "replicas"],
+    "properties": {"replica": {"const": -1},
+                   "replicas": {"type": "array", "items": _REPLICA_STATS}}}
+
+
 _TENANT_NAME = {"type": "string", "pattern": _pattern(TENANT_NAME_RE)}
 _ADAPTER_NAME = {"type": "string", "pattern": _pattern(ADAPTER_NAME_RE)}
 
@@ -253,7 +270,7 @@ def _admin_paths() -> dict[str, Any]:
     admin = _errors(400, 401, 403, 404)
     return {
         "/admin/api/engine": {"get": {"summary": "Engine statistics (admin)", "responses": {
-            "200": _json(_OBJ, "Engine statistics"), **_errors(401, 403)}}},
+            "200": _json(_ENGINE_STATS, "Engine statistics"), **_errors(401, 403)}}},
         "/admin/api/usage": {"get": {
             "summary": "Hourly usage per tenant and model (admin)",
             "parameters": [_query(n, {"type": "string", "format": "date-time"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -83,8 +83,6 @@ class Gateway:
     served_model_name: str
     salt_secret: bytes
     limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
-    # Cumulative engine counters already exported, to turn totals into counter increments.
-    exported: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate_limiter(self) -> RateLimiter:

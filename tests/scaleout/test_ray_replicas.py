@@ -389,6 +389,34 @@ def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
     assert time.monotonic() - deleted_at < 5
 
 
+def test_every_replica_is_listed_and_labelled_by_ordinal(deployment: Deployment) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    digest12 = folder_digest(deployment.adapter_dirs["alice/qv"])[:12]
+    deployment.client("alice").completions.create(model="qv", prompt="observe", max_tokens=2)
+    deployment.wait_replicas(lambda seen: len(seen) == 2 and any(
+        slot and slot.endswith(digest12) for s in seen.values() for slot in s["adapter_slots"]))
+    admin = {"Authorization": f"Bearer {deployment.admin_key}"}
+    for url in deployment.gateways:  # each gateway lists both replicas
+        engine = httpx.get(f"{url}/admin/api/engine", headers=admin, timeout=30).json()
+        replicas = engine["replicas"]
+        assert [r["replica"] for r in replicas] == [0, 1] and engine["replica"] == -1
+        assert [r["max_loras"] for r in replicas] == [MAX_LORAS, MAX_LORAS]
+        assert engine["max_loras"] == 2 * MAX_LORAS == len(engine["adapter_slots"])
+        assert any(s and s["model"] == "alice/qv" for r in replicas for s in r["slots"])
+        text = httpx.get(f"{url}/metrics", headers=admin, timeout=30).text
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        for name in ("loraplex_queue_depth", "loraplex_kv_pool_usage",
+                     "loraplex_lora_requests_info", "loraplex_adapter_loads_total"):
+            assert sorted(s.labels["replica"] for s in samples if s.name == name) == [
+                "0", "1"], name
+        assert {s.labels["max_lora"] for s in samples
+                if s.name == "loraplex_lora_requests_info"} == {str(MAX_LORAS)}
+        device = [s.value for s in samples if s.name == "loraplex_adapter_resident"
+                  and s.labels["level"] == "device"]
+        assert len(device) == 2 and sum(device) >= 1
+
+
 def test_replica_killed_mid_stream(deployment: Deployment) -> None:
     client = deployment.client("alice")
     digest12 = folder_digest(deployment.adapter_dirs["alice/sql"])[:12]
