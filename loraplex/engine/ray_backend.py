@@ -39,6 +39,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import ray
@@ -47,6 +48,7 @@ from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from loraplex.adapter_format import stored_folder
 from loraplex.config import EngineConfig, RayConfig
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
@@ -64,7 +66,6 @@ from loraplex.errors import (
     ModelLoadError,
     PromptTooLongError,
 )
-from loraplex.registry.store import AdapterStore
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class EngineReplica:
                               f"gateway: {mismatch}")
         client.start()
         self._client = client
-        self._store = AdapterStore(adapter_dir)
+        self._store = Path(adapter_dir)
 
         async def resolve(adapter_key: str) -> AdapterRef:
             return self._resolve(adapter_key)
@@ -224,7 +225,7 @@ class EngineReplica:
         if match is None:
             raise InvalidRequestError("malformed adapter identity", param="model")
         adapter_id, digest = match.groups()
-        folder = self._store.path_for(digest)
+        folder = self._store / stored_folder(digest)
         if not folder.is_dir():
             raise AdapterError(f"adapter {adapter_id}@{digest[:12]} is not in this replica's "
                                "adapter store (is the store mounted here?)")
@@ -260,7 +261,8 @@ class EngineReplica:
         key = _stats_key(self._config)
         while True:
             try:
-                stats = await self._client.stats()
+                # The engine reports itself as replica 0; the deployment knows its ordinal.
+                stats = dataclasses.replace(await self._client.stats(), replica=self._ordinal)
                 await self._redis.hset(key, str(self._ordinal), json.dumps(
                     {"at": time.time(), "pid": os.getpid(), "stats": stats_to_json(stats)}))
             except EngineDeadError:
@@ -517,9 +519,7 @@ class RayEngineBackend:
         for ordinal, value in raw.items():
             record = json.loads(value)
             if now - float(record["at"]) <= STATS_STALE_S:
-                # The replica's engine reports itself as replica 0; its key is its ordinal.
-                listed.append((int(ordinal), dataclasses.replace(
-                    stats_from_json(record["stats"]), replica=int(ordinal))))
+                listed.append((int(ordinal), stats_from_json(record["stats"])))
         return tuple(stats for _, stats in sorted(listed, key=lambda item: item[0]))
 
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:
