@@ -82,6 +82,8 @@ class Deployment:
     model_dir: Path
     adapter_dirs: dict[str, Path]
     logs: list[Path]
+    argv: list[str]  # a gateway's command line, less --port
+    env: dict[str, str]
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def client(self, tenant: str, gateway: int = 0) -> openai.OpenAI:
@@ -218,19 +220,20 @@ def deployment(cluster: Cluster, tiny_llama_dir: Path, llama_adapters: dict[str,
         env.update(LORAPLEX_CACHE_SALT_SECRET="scale-out-test-secret",
                    LORAPLEX_HOME=str(root / "home"), **RAY_ENV)
         ports = [_free_port(), _free_port()]
+        argv = [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "2",
+                "--replica-cpus", "0.5", "--ray-address", cluster.address,
+                "--model", str(tiny_llama_dir), "--served-model-name", SERVED,
+                "--database-url", db_url, "--adapter-dir", str(store),
+                "--redis-url", REDIS_URL, "--redis-key-prefix", prefix,
+                "--num-kv-blocks", "128", "--max-loras", str(MAX_LORAS),
+                "--max-cpu-loras", str(MAX_LORAS), "--max-lora-rank", "16",
+                "--max-num-seqs", str(MAX_NUM_SEQS), "--log-level", "warning"]
         dep = Deployment([f"http://127.0.0.1:{p}" for p in ports], keys, admin_key, prefix,
-                         tiny_llama_dir, adapter_dirs, [root / "gw0.log", root / "gw1.log"])
+                         tiny_llama_dir, adapter_dirs, [root / "gw0.log", root / "gw1.log"],
+                         argv, env)
         try:
             for i, port in enumerate(ports):
-                cmd = [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "2",
-                       "--replica-cpus", "0.5", "--ray-address", cluster.address,
-                       "--model", str(tiny_llama_dir), "--served-model-name", SERVED,
-                       "--port", str(port), "--database-url", db_url,
-                       "--adapter-dir", str(store), "--redis-url", REDIS_URL,
-                       "--redis-key-prefix", prefix, "--num-kv-blocks", "128",
-                       "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_LORAS),
-                       "--max-lora-rank", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
-                       "--log-level", "warning"]
+                cmd = [*dep.argv, "--port", str(port)]
                 if i == 0:  # the deployer: each gateway holds two requests for busy replicas
                     cmd += ["--max-queued-requests", "2"]
                 with dep.logs[i].open("wb") as log:
@@ -337,6 +340,18 @@ def test_mixed_adapters_match_in_process_and_stick_to_replicas(
     assert hit_rate > random_rate
 
 
+def test_a_gateway_for_another_model_configuration_is_refused(
+        deployment: Deployment) -> None:
+    argv = [*deployment.argv, "--port", str(_free_port())]
+    argv[argv.index("--max-lora-rank") + 1] = "8"
+    proc = subprocess.run(argv, env=deployment.env, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("loraplex: error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "the running replicas serve another model: max_lora_rank 16 (expected 8)" \
+        in errors[0]
+
+
 def test_cross_tenant_requests_are_404_on_every_gateway(deployment: Deployment) -> None:
     for gateway in (0, 1):
         with pytest.raises(openai.NotFoundError):
@@ -357,6 +372,17 @@ def test_two_gateways_share_exact_rate_limits(deployment: Deployment) -> None:
         except openai.RateLimitError:
             outcomes.append("429")
     assert outcomes.count("ok") == RPM, outcomes
+    # Usage, metered by each gateway into the shared registry, adds up across them.
+    deadline = time.monotonic() + 10
+    while True:
+        report = httpx.get(f"{deployment.gateways[0]}/admin/api/usage?tenant=metered",
+                           headers={"Authorization": f"Bearer {deployment.admin_key}"},
+                           timeout=30).json()
+        totals = report["totals"][0] if report["totals"] else {"requests": 0}
+        if totals["requests"] == RPM or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert totals["requests"] == RPM and totals["completion_tokens"] <= RPM, totals
 
 
 def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
