@@ -1,7 +1,21 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded per request."""
+"""Turns logits into tokens, in vLLM's order:
+
+1. logprobs of the raw logits (what the model says, as vLLM's default ``raw_logprobs``);
+2. min_tokens (EOS and stop token ids at -inf) and ``logit_bias`` (added);
+3. penalties: repetition (vLLM's, over prompt and output tokens: a positive logit is
+   divided by it, a negative one multiplied), then frequency and presence (OpenAI's, over
+   output tokens: ``logit -= frequency * count + presence * (count > 0)``);
+4. greedy rows take the argmax of those logits; the others apply temperature, top-k,
+   top-p, min-p and draw, seeded per request.
+
+Steps 2 and 3 are batched over the rows that use them; each row's counts come from its own
+sequence's token ids, so a preempted (recomputed or swapped) sequence and each of ``n``
+samples get exactly the penalties of their own history.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +32,23 @@ class SamplingRow:
     min_p: float = 0.0
     generator: torch.Generator | None = None
     num_logprobs: int | None = None  # None: no logprobs; 0: only the sampled token's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_ids: tuple[int, ...] = ()  # never sampled this step (min_tokens' stops)
+    # The sequence's tokens so far, read for the penalties (not copied).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +62,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[SampledToken]:
     """Samples one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
     num_rows = logits.shape[0]
+    raw = logits
+    logits = apply_penalties(apply_bias(logits, rows), rows)
     token_ids = logits.argmax(dim=-1)  # [num_rows]; replaced below for random rows
     random_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
     if random_rows:
@@ -47,8 +76,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             noise = torch.empty_like(probs[j]).exponential_(generator=gen)
             token_ids[i] = torch.argmax(probs[j] / noise)
     need_logprobs = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
-    logprobs = torch.log_softmax(logits.index_select(
-        0, torch.tensor(need_logprobs, device=logits.device)), dim=-1) if need_logprobs else None
+    logprobs = torch.log_softmax(raw.index_select(
+        0, torch.tensor(need_logprobs, device=raw.device)), dim=-1) if need_logprobs else None
     ids = token_ids.tolist()
     out: list[SampledToken] = []
     pos = {i: j for j, i in enumerate(need_logprobs)}
@@ -65,6 +94,64 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             top = tuple(zip(top_ids.tolist(), vals.tolist(), strict=True))
         out.append(SampledToken(ids[i], float(row[ids[i]]), top))
     return out
+
+
+def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with min_tokens' banned ids at -inf and ``logit_bias`` added; the same
+    tensor when no row uses either."""
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+    biased = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
+    if not banned and not biased:
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    if biased:
+        at = torch.tensor([[i, t] for i, t, _ in biased], device=dev)  # [num_biased, 2]
+        values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=dev)
+        logits.index_put_((at[:, 0], at[:, 1]), values, accumulate=True)
+    if banned:
+        at = torch.tensor(banned, device=dev)  # [num_banned, 2]
+        logits[at[:, 0], at[:, 1]] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with repetition, frequency and presence penalties applied; the same
+    tensor when no row has one."""
+    penalised = [i for i, r in enumerate(rows) if r.has_penalties]
+    if not penalised:
+        return logits
+    dev = logits.device
+    num, vocab = len(penalised), logits.shape[1]
+    # One flat scatter per kind of token builds every row's counts at once.
+    output_counts = _counts([rows[i].output_token_ids for i in penalised], num, vocab, dev)
+    in_prompt = _counts([rows[i].prompt_token_ids for i in penalised], num, vocab, dev) > 0
+    idx = torch.tensor(penalised, device=dev)
+    sub = logits.index_select(0, idx)  # [num, vocab]
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(rows[i], name) for i in penalised], dtype=logits.dtype,
+                            device=dev)[:, None]  # [num, 1]
+
+    repetition = column("repetition_penalty")
+    seen = in_prompt | (output_counts > 0)
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub = (sub - column("frequency_penalty") * output_counts
+           - column("presence_penalty") * (output_counts > 0).to(logits.dtype))
+    return logits.index_copy(0, idx, sub)
+
+
+def _counts(token_ids: list[Sequence[int]], num_rows: int, vocab: int,
+            device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's ids: ``[num_rows, vocab]`` float32."""
+    counts = torch.zeros(num_rows, vocab, device=device)
+    flat = [t for ids in token_ids for t in ids]
+    if flat:
+        row_of = torch.repeat_interleave(torch.arange(num_rows),
+                                         torch.tensor([len(ids) for ids in token_ids]))
+        counts.index_put_((row_of.to(device), torch.tensor(flat, device=device)),
+                          torch.ones(len(flat), device=device), accumulate=True)
+    return counts
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
