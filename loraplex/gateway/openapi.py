@@ -61,7 +61,7 @@ def _error_responses() -> dict[str, Any]:
 def _below(limit: int) -> str:
     """An anchored pattern of the decimal integers 0 .. limit - 1 (no leading zeros)."""
     top = str(limit - 1)
-    shorter = [r"[1-9]\d{0,%d}" % (len(top) - 2)] if len(top) > 1 else []
+    shorter = [rf"[1-9]\d{{0,{len(top) - 2}}}"] if len(top) > 1 else []
     same = [top]
     for i, digit in enumerate(top):
         low = 1 if i == 0 and len(top) > 1 else 0

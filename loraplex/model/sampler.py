@@ -117,41 +117,47 @@ def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """``logits`` with repetition, frequency and presence penalties applied; the same
-    tensor when no row has one."""
+    tensor when no row has one.
+
+    Only the (row, token) cells a row's history holds change, so the work is one gather and
+    one scatter over those cells, whatever the vocabulary size."""
     penalised = [i for i, r in enumerate(rows) if r.has_penalties]
     if not penalised:
         return logits
     dev = logits.device
-    num, vocab = len(penalised), logits.shape[1]
-    # One flat scatter per kind of token builds every row's counts at once.
-    output_counts = _counts([rows[i].output_token_ids for i in penalised], num, vocab, dev)
-    in_prompt = _counts([rows[i].prompt_token_ids for i in penalised], num, vocab, dev) > 0
-    idx = torch.tensor(penalised, device=dev)
-    sub = logits.index_select(0, idx)  # [num, vocab]
+    vocab = logits.shape[1]
 
-    def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(rows[i], name) for i in penalised], dtype=logits.dtype,
-                            device=dev)[:, None]  # [num, 1]
+    def cells(attr: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # Flat indices row * vocab + token of every token of that kind, and their rows.
+        ids = [getattr(rows[i], attr) for i in penalised]
+        row_of = torch.repeat_interleave(torch.tensor(penalised),
+                                         torch.tensor([len(x) for x in ids]))
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
+        return row_of * vocab + flat, row_of
 
-    repetition = column("repetition_penalty")
-    seen = in_prompt | (output_counts > 0)
-    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    sub = (sub - column("frequency_penalty") * output_counts
-           - column("presence_penalty") * (output_counts > 0).to(logits.dtype))
-    return logits.index_copy(0, idx, sub)
+    out_cells, _ = cells("output_token_ids")
+    prompt_cells, _ = cells("prompt_token_ids")
+    # Each distinct cell once; output_counts[j]: how often cell j's token was generated.
+    seen, inverse = torch.unique(torch.cat([out_cells, prompt_cells]), return_inverse=True)
+    output_counts = torch.zeros(len(seen)).index_add_(
+        0, inverse[:len(out_cells)], torch.ones(len(out_cells)))  # [num_seen]
+    row_of_seen = seen // vocab
 
+    def per_cell(name: str) -> torch.Tensor:
+        values = torch.zeros(len(rows))
+        values[penalised] = torch.tensor([getattr(rows[i], name) for i in penalised])
+        return values[row_of_seen]  # [num_seen]
 
-def _counts(token_ids: list[Sequence[int]], num_rows: int, vocab: int,
-            device: torch.device) -> torch.Tensor:
-    """How often each token occurs in each row's ids: ``[num_rows, vocab]`` float32."""
-    counts = torch.zeros(num_rows, vocab, device=device)
-    flat = [t for ids in token_ids for t in ids]
-    if flat:
-        row_of = torch.repeat_interleave(torch.arange(num_rows),
-                                         torch.tensor([len(ids) for ids in token_ids]))
-        counts.index_put_((row_of.to(device), torch.tensor(flat, device=device)),
-                          torch.ones(len(flat), device=device), accumulate=True)
-    return counts
+    seen, output_counts = seen.to(dev), output_counts.to(dev)
+    flat = logits.reshape(-1)
+    values = flat[seen]  # [num_seen]
+    repetition = per_cell("repetition_penalty").to(dev)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = (values - per_cell("frequency_penalty").to(dev) * output_counts
+              - per_cell("presence_penalty").to(dev) * (output_counts > 0).float())
+    out = flat.clone()
+    out[seen] = values.to(logits.dtype)
+    return out.view_as(logits)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
