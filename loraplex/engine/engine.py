@@ -19,7 +19,7 @@ from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStat
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.stats import EngineStats
-from loraplex.engine.validation import check_prompt
+from loraplex.engine.validation import check_params, check_prompt
 from loraplex.errors import (
     AdapterError,
     EngineOverloadedError,
@@ -28,8 +28,8 @@ from loraplex.errors import (
 )
 from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapter
 from loraplex.model.args import ModelArgs
-from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
-from loraplex.model.sampler import SamplingRow
+from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput, SeqOutput
+from loraplex.model.sampler import SampledToken, SamplingRow
 
 
 def model_description(config: EngineConfig, args: ModelArgs) -> ModelDescription:
@@ -110,6 +110,7 @@ class LLMEngine:
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, params.max_tokens, vocab_size=self.vocab_size,
                      max_model_len=self.max_model_len)
+        check_params(params, vocab_size=self.vocab_size)
         total = len(prompt) + params.max_tokens
         if not self.kv.can_fit(total):
             raise PromptTooLongError(
@@ -172,7 +173,8 @@ class LLMEngine:
         self.runner.swap_in(out.swap_in)
         batch = BatchInputs([SeqInput(s.token_ids, s.request.num_computed_tokens,
                                       self.kv.block_table(s.request.request_id), s.lora_slot,
-                                      self._sampling_rows(s.request) if s.samples else ())
+                                      self._sampling_rows(s.request) if s.samples else (),
+                                      *self._prompt_targets(s.request, s.num_new_tokens))
                              for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
@@ -186,21 +188,46 @@ class LLMEngine:
         seq_ids = [request.request_id] + ([self._child_id(request, i) for i in range(1, p.n)]
                                           if starts_group else [])
         top_k = p.top_k if p.top_k > 0 else 0
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids + (() if p.ignore_eos else request.eos_token_ids)
+        # Penalties read the sequence's own token lists; the n samples of one prompt all
+        # start from the same (empty) output.
+        history = ((request.prompt_token_ids, request.output_token_ids) if p.has_penalties
+                   else ((), ()))
         return [SamplingRow(p.temperature, top_k, p.top_p, p.min_p,
                             self._generator(seq_id, i if starts_group else request.sample_index,
-                                            p), p.logprobs)
+                                            p), p.logprobs, p.presence_penalty,
+                            p.frequency_penalty, p.repetition_penalty, p.logit_bias, banned,
+                            *history)
                 for i, seq_id in enumerate(seq_ids)]
+
+    @staticmethod
+    def _prompt_targets(request: Request, num_new: int) -> tuple[list[int], int]:
+        """The prompt tokens this step's positions predict, while prompt logprobs are
+        wanted: position i scores prompt token i + 1."""
+        if not request.needs_prompt_logits:
+            return [], 0
+        start = request.num_computed_tokens
+        end = min(start + num_new, request.num_prompt_tokens - 1)
+        return request.prompt_token_ids[start + 1:end + 1], request.params.prompt_logprobs or 0
 
     @staticmethod
     def _child_id(request: Request, index: int) -> str:
         return f"{request.group_id}#{index}"
 
-    def _update(self, out: SchedulerOutput, results: list[list[Any]]) -> list[SequenceDelta]:
+    def _update(self, out: SchedulerOutput, results: list[SeqOutput]) -> list[SequenceDelta]:
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
-        for sched, tokens in zip(out.scheduled, results, strict=True):
+        for sched, result in zip(out.scheduled, results, strict=True):
             request = sched.request
+            if result.prompt_logprobs:
+                # A recomputed prompt (after preemption) scores positions it already has.
+                done = len(request.prompt_logprobs) - request.num_computed_tokens
+                request.prompt_logprobs.extend((t.logprob or 0.0, t.top_logprobs or ())
+                                               for t in result.prompt_logprobs[max(done, 0):])
             request.num_computed_tokens += sched.num_new_tokens
+            tokens = result.sampled
             if not tokens:
                 continue
             if len(tokens) > 1:
@@ -210,7 +237,7 @@ class LLMEngine:
             self._forget_finished(group_id)
         return deltas
 
-    def _fork_children(self, parent: Request, tokens: list[Any],
+    def _fork_children(self, parent: Request, tokens: list[SampledToken],
                        now: float) -> list[SequenceDelta]:
         deltas = []
         for i, token in enumerate(tokens, start=1):
@@ -219,6 +246,7 @@ class LLMEngine:
                             group_id=parent.group_id, sample_index=i,
                             eos_token_ids=parent.eos_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.prompt_logprobs = parent.prompt_logprobs  # complete, never appended to
             child.first_scheduled_time = parent.first_scheduled_time
             self.kv.fork(parent.request_id, child.request_id)
             slot = -1 if child.adapter is None else self.adapters.acquire(child.adapter)
@@ -227,11 +255,12 @@ class LLMEngine:
             deltas.append(self._append_token(child, token, now))
         return deltas
 
-    def _append_token(self, request: Request, token: Any, now: float) -> SequenceDelta:
+    def _append_token(self, request: Request, token: SampledToken,
+                      now: float) -> SequenceDelta:
         request.output_token_ids.append(token.token_id)
         logprob_entry = None
         if request.params.logprobs is not None:
-            logprob_entry = (token.logprob, token.top_logprobs or ())
+            logprob_entry = (token.logprob or 0.0, token.top_logprobs or ())
             request.output_logprobs.append(logprob_entry)
         if request.first_token_time is None:
             request.first_token_time = now
@@ -246,6 +275,8 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         p = request.params
+        if request.num_output_tokens < p.min_tokens:
+            return None  # the sampler kept EOS and stop ids out; nothing else ends it yet
         if not p.ignore_eos and token_id in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
@@ -265,12 +296,19 @@ class LLMEngine:
             metrics = RequestMetrics(request.arrival_time, request.queue_time, request.ttft,
                                      request.tpot, e2e, request.num_preemptions)
             self._generators.pop(request.request_id, None)
+        # The first token's delta carries the prompt's logprobs (the first prompt token
+        # has none: nothing precedes it).
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and new_ids \
+                and request.num_output_tokens == 1:
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return SequenceDelta(
             request_id=request.group_id or request.request_id, index=request.sample_index,
             new_token_ids=new_ids, text_delta=self.detokenizer.take_text_delta(request, finished),
             new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, metrics=metrics)
+            num_output_tokens=request.num_output_tokens, metrics=metrics,
+            prompt_logprobs=prompt_logprobs)
 
     def _error_delta(self, request: Request, error: AdapterError) -> SequenceDelta:
         request.status = RequestStatus.FINISHED_ABORTED

@@ -4,7 +4,9 @@ It states the limits this server enforces (``max_tokens``, ``n``, token ids, nam
 so generated clients and fuzzers know them: a request valid by this document is never refused
 for its shape (the tests send generated valid requests and expect them served). Bodies are
 closed (``additionalProperties: false``): the server refuses unknown fields. The vendor
-extras it also accepts (``top_k``...) are left out, so they are never generated.
+extras it also accepts, as vLLM does (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``), are
+left out, so they are never generated; the README lists them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
-from loraplex.engine.sampling_params import MAX_LOGPROBS
+from loraplex.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from loraplex.gateway.schemas import CHAT_ROLES, MAX_SEED, MAX_STOP_SEQUENCES
 from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
@@ -56,8 +58,22 @@ def _error_responses() -> dict[str, Any]:
     return out
 
 
-def _sampling(config: ServerConfig) -> dict[str, Any]:
+def _below(limit: int) -> str:
+    """An anchored pattern of the decimal integers 0 .. limit - 1 (no leading zeros)."""
+    top = str(limit - 1)
+    shorter = [rf"[1-9]\d{{0,{len(top) - 2}}}"] if len(top) > 1 else []
+    same = [top]
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 and len(top) > 1 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            same.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (r"\d" * rest))
+    return "^(" + "|".join(["0", *shorter, *same]) + ")$"
+
+
+def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     nullable_num = {"type": ["number", "null"]}
+    penalty = nullable_num | {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
     return {
         "model": {"type": "string", "minLength": 1,
                   "description": "The base model's name, your adapter's name, or a public "
@@ -76,6 +92,13 @@ def _sampling(config: ServerConfig) -> dict[str, Any]:
         "stream_options": {"type": ["object", "null"],
                            "properties": {"include_usage": {"type": "boolean"}}},
         "user": {"type": ["string", "null"]},
+        "presence_penalty": penalty,
+        "frequency_penalty": penalty,
+        "logit_bias": {"type": ["object", "null"],
+                       "description": "Token id (as a string) to a bias added to its logit",
+                       "propertyNames": {"pattern": _below(model.vocab_size)},
+                       "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                "maximum": MAX_LOGIT_BIAS}},
     }
 
 
@@ -95,7 +118,7 @@ def _pattern(regex: re.Pattern[str]) -> str:
 
 
 def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
-    sampling = _sampling(config)
+    sampling = _sampling(config, model)
     # Token ids the vocabulary has, and few enough to leave room for any max_tokens. A text
     # prompt's length in tokens is known only once tokenized: over the context it is 400
     # context_length_exceeded.
@@ -127,7 +150,10 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                     {"type": "array", "minItems": 1, "maxItems": 1,
                      "items": {"type": "string", "minLength": 1}}]},
                 "logprobs": {"type": ["integer", "null"], "minimum": 0,
-                             "maximum": MAX_LOGPROBS}}}),
+                             "maximum": MAX_LOGPROBS},
+                "echo": {"type": ["boolean", "null"],
+                         "description": "The prompt (with logprobs: its logprobs, null for "
+                                        "the first token) before the completion"}}}),
         "ChatCompletionRequest": _closed({
             "type": "object", "required": ["model", "messages"],
             # top_logprobs is read only with logprobs: true (400 otherwise).

@@ -2,11 +2,13 @@
 
 Parsing is strict about what it reads: a field of the wrong JSON type, or out of range, is a
 400 that names the field. A field it does not know is a 400 too, as OpenAI answers
-("Unrecognized request argument supplied"); the vendor extras loraplex accepts (``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids``, sent through the client's ``extra_body``)
-are known fields. Known OpenAI fields that loraplex cannot honour (``echo``, ``suffix``,
-a non-zero penalty, ``logit_bias``, tools...) are refused when set to anything but their
-neutral value, never silently dropped. ``cache_salt``/``salt`` in a body is accepted and
+("Unrecognized request argument supplied"); the vendor extras loraplex accepts, as vLLM
+does (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, sent through the client's
+``extra_body``), are known fields. Known OpenAI fields that loraplex cannot honour
+(``suffix``, ``best_of`` other than ``n``, tools...) are refused when set to anything but
+their neutral value, never silently dropped. Ranges of sampling options are checked once,
+by ``SamplingParams``; this module checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and
 ignored on purpose: the salt is derived by the server from the tenant.
 """
 
@@ -27,10 +29,6 @@ CHAT_ROLES: Final = ("system", "developer", "user", "assistant")
 # OpenAI fields with no effect here when left at their neutral value; anything else is
 # refused so a caller never believes a setting was applied when it was not.
 _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -43,7 +41,8 @@ _COMMON_FIELDS: Final = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
     # vendor extras, and the salt that is ignored on purpose
-    "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "salt",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "cache_salt", "salt",
 })
 COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS: Final = _COMMON_FIELDS | {
@@ -124,6 +123,34 @@ def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
     return value
 
 
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    # The type only: the range is SamplingParams' to check.
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _bad(key, f"expected a number, got {_type_name(value)}")
+    return float(value)
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", f"expected an object, got {_type_name(value)}")
+    pairs = []
+    for key, bias in value.items():
+        # OpenAI's keys are token ids written as JSON strings.
+        if not key.strip().lstrip("-").isdecimal():
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise _bad("logit_bias", f"values must be numbers, got {_type_name(bias)} for "
+                                     f"{key!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
     if value is None:
@@ -182,6 +209,12 @@ class GenerationOptions:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    include_stop_str_in_output: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    min_tokens: int
     logprobs: int | None  # top alternatives per token; 0: only the sampled token's
     stream: bool
     include_usage: bool
@@ -195,6 +228,7 @@ class CompletionRequest:
     options: GenerationOptions
     prompt: str | None
     prompt_token_ids: tuple[int, ...] | None
+    echo: bool  # the prompt (and, with logprobs, its logprobs) before the completion
 
 
 @dataclass(frozen=True)
@@ -245,6 +279,12 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
         stop=_stop(body),
         stop_token_ids=stop_token_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(body),
+        min_tokens=_int(body, "min_tokens", 0, max_tokens_limit) or 0,
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
@@ -261,6 +301,7 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
                        logprobs=logprobs, max_tokens_keys=("max_tokens",))
     if options.max_tokens is None:
         options = _replace_max_tokens(options, min(16, max_tokens_limit))  # OpenAI's default
+    echo = _bool(body, "echo", False)
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("prompt", "is required")
@@ -270,10 +311,10 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "must not be empty")
-        return CompletionRequest(options, _check_text("prompt", prompt), None)
+        return CompletionRequest(options, _check_text("prompt", prompt), None, echo)
     token_ids = _token_ids(prompt)
     if token_ids:
-        return CompletionRequest(options, None, token_ids)
+        return CompletionRequest(options, None, token_ids, echo)
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, (str, list)) for p in prompt):
         raise _bad("prompt", "batches of prompts are not supported: send one prompt per "

@@ -62,6 +62,14 @@ class Tokenizers:
         assistant's reply."""
         return await run_in_threadpool(self._render_chat, messages)
 
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        with self._lock:
+            return str(self._encoder.decode(list(token_ids)))
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """A prompt given as token ids, as text (for ``echo``)."""
+        return await run_in_threadpool(self._decode, token_ids)
+
     def token_text(self, token_id: int) -> str:
         """One token as text (event loop only)."""
         return str(self._decoder.decode([token_id]))

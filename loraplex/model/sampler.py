@@ -1,7 +1,21 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded per request."""
+"""Turns logits into tokens, in vLLM's order:
+
+1. logprobs of the raw logits (what the model says, as vLLM's default ``raw_logprobs``);
+2. min_tokens (EOS and stop token ids at -inf) and ``logit_bias`` (added);
+3. penalties: repetition (vLLM's, over prompt and output tokens: a positive logit is
+   divided by it, a negative one multiplied), then frequency and presence (OpenAI's, over
+   output tokens: ``logit -= frequency * count + presence * (count > 0)``);
+4. greedy rows take the argmax of those logits; the others apply temperature, top-k,
+   top-p, min-p and draw, seeded per request.
+
+Steps 2 and 3 are batched over the rows that use them; each row's counts come from its own
+sequence's token ids, so a preempted (recomputed or swapped) sequence and each of ``n``
+samples get exactly the penalties of their own history.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +32,23 @@ class SamplingRow:
     min_p: float = 0.0
     generator: torch.Generator | None = None
     num_logprobs: int | None = None  # None: no logprobs; 0: only the sampled token's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_ids: tuple[int, ...] = ()  # never sampled this step (min_tokens' stops)
+    # The sequence's tokens so far, read for the penalties (not copied).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +62,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[SampledToken]:
     """Samples one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
     num_rows = logits.shape[0]
+    raw = logits
+    logits = apply_penalties(apply_bias(logits, rows), rows)
     token_ids = logits.argmax(dim=-1)  # [num_rows]; replaced below for random rows
     random_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
     if random_rows:
@@ -47,8 +76,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             noise = torch.empty_like(probs[j]).exponential_(generator=gen)
             token_ids[i] = torch.argmax(probs[j] / noise)
     need_logprobs = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
-    logprobs = torch.log_softmax(logits.index_select(
-        0, torch.tensor(need_logprobs, device=logits.device)), dim=-1) if need_logprobs else None
+    logprobs = torch.log_softmax(raw.index_select(
+        0, torch.tensor(need_logprobs, device=raw.device)), dim=-1) if need_logprobs else None
     ids = token_ids.tolist()
     out: list[SampledToken] = []
     pos = {i: j for j, i in enumerate(need_logprobs)}
@@ -65,6 +94,70 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             top = tuple(zip(top_ids.tolist(), vals.tolist(), strict=True))
         out.append(SampledToken(ids[i], float(row[ids[i]]), top))
     return out
+
+
+def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with min_tokens' banned ids at -inf and ``logit_bias`` added; the same
+    tensor when no row uses either."""
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+    biased = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
+    if not banned and not biased:
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    if biased:
+        at = torch.tensor([[i, t] for i, t, _ in biased], device=dev)  # [num_biased, 2]
+        values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=dev)
+        logits.index_put_((at[:, 0], at[:, 1]), values, accumulate=True)
+    if banned:
+        at = torch.tensor(banned, device=dev)  # [num_banned, 2]
+        logits[at[:, 0], at[:, 1]] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with repetition, frequency and presence penalties applied; the same
+    tensor when no row has one.
+
+    Only the (row, token) cells a row's history holds change, so the work is one gather and
+    one scatter over those cells, whatever the vocabulary size."""
+    penalised = [i for i, r in enumerate(rows) if r.has_penalties]
+    if not penalised:
+        return logits
+    dev = logits.device
+    vocab = logits.shape[1]
+
+    def cells(attr: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # Flat indices row * vocab + token of every token of that kind, and their rows.
+        ids = [getattr(rows[i], attr) for i in penalised]
+        row_of = torch.repeat_interleave(torch.tensor(penalised),
+                                         torch.tensor([len(x) for x in ids]))
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
+        return row_of * vocab + flat, row_of
+
+    out_cells, _ = cells("output_token_ids")
+    prompt_cells, _ = cells("prompt_token_ids")
+    # Each distinct cell once; output_counts[j]: how often cell j's token was generated.
+    seen, inverse = torch.unique(torch.cat([out_cells, prompt_cells]), return_inverse=True)
+    output_counts = torch.zeros(len(seen)).index_add_(
+        0, inverse[:len(out_cells)], torch.ones(len(out_cells)))  # [num_seen]
+    row_of_seen = seen // vocab
+
+    def per_cell(name: str) -> torch.Tensor:
+        values = torch.zeros(len(rows))
+        values[penalised] = torch.tensor([getattr(rows[i], name) for i in penalised])
+        return values[row_of_seen]  # [num_seen]
+
+    seen, output_counts = seen.to(dev), output_counts.to(dev)
+    flat = logits.reshape(-1)
+    values = flat[seen]  # [num_seen]
+    repetition = per_cell("repetition_penalty").to(dev)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = (values - per_cell("frequency_penalty").to(dev) * output_counts
+              - per_cell("presence_penalty").to(dev) * (output_counts > 0).float())
+    out = flat.clone()
+    out[seen] = values.to(logits.dtype)
+    return out.view_as(logits)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
