@@ -12,6 +12,7 @@ from loraplex.config import (
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -75,6 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "its KV later, or swap it to host memory")
     g.add_argument("--swap-space-blocks", type=int, default=CacheConfig.swap_space_blocks,
                    help="host-memory KV blocks for --preemption-mode swap")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (default: off)')
     g.add_argument("--seed", type=int, default=0,
                    help="engine seed (sampling of requests that give no seed)")
 
@@ -88,4 +92,6 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   not args.no_chunked_prefill, args.preemption_mode),
+        speculative=(SpeculativeConfig.from_json(args.speculative_config)
+                     if args.speculative_config else None),
     )

@@ -5,8 +5,10 @@ They are built once (in ``cli.py``, ``LLM`` or ``create_app``) and passed explic
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from loraplex.errors import ConfigError
 
@@ -89,6 +91,64 @@ class SchedulerConfig:
         _require(self.max_waiting >= 1, "max_waiting must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling where it fits.
+
+    ``ngram``: proposals by prompt lookup: the sequence's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) matched against its own earlier
+    tokens, and the tokens that followed that match proposed. Speculation is off in a step
+    where at least ``disable_by_batch_size`` sequences run (a full batch already uses the
+    compute that proposals would take), and paused for a sequence whose recent acceptance
+    rate fell below ``min_acceptance_rate`` (it is probed again now and then).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 16
+    min_acceptance_rate: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                 f"got {self.method!r}")
+        _require(isinstance(self.num_speculative_tokens, int)
+                 and self.num_speculative_tokens >= 1,
+                 f"num_speculative_tokens must be an integer >= 1, got "
+                 f"{self.num_speculative_tokens!r}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+                 "disable_by_batch_size must be >= 1")
+        _require(0.0 <= self.min_acceptance_rate <= 1.0,
+                 "min_acceptance_rate must be in [0, 1]")
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """``--speculative-config``: a JSON object (or its mapping) of this class's fields;
+        anything else is refused in one line."""
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except ValueError as exc:
+            raise ConfigError(f"speculative config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        _require(not unknown, f"speculative config: unknown field(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(known))})")
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise ConfigError(f"speculative config: {exc}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
@@ -97,6 +157,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        spec = self.speculative
+        _require(spec is None or spec.num_speculative_tokens
+                 < self.scheduler.max_num_batched_tokens,
+                 "num_speculative_tokens must be below max_num_batched_tokens (a step "
+                 "verifies the proposals together with the token they follow)")
 
 
 def default_home() -> str:

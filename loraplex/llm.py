@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ from loraplex.config import (
     ModelConfig,
     PreemptionMode,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
@@ -48,7 +49,12 @@ class LLM:
                  enable_prefix_caching: bool = True, device: str | None = None, seed: int = 0,
                  enable_chunked_prefill: bool = True,
                  preemption_mode: PreemptionMode = "recompute", swap_space_blocks: int = 0,
-                 max_model_len: int | None = None, progress: bool = True) -> None:
+                 max_model_len: int | None = None,
+                 speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
+                 progress: bool = True) -> None:
+        if speculative_config is not None and not isinstance(speculative_config,
+                                                             SpeculativeConfig):
+            speculative_config = SpeculativeConfig.from_json(speculative_config)
         self.config = EngineConfig(
             model=ModelConfig(model, dtype, device, seed, max_model_len),  # type: ignore[arg-type]
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory,
@@ -56,6 +62,7 @@ class LLM:
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                       enable_chunked_prefill, preemption_mode),
+            speculative=speculative_config,
         )
         self.engine = LLMEngine(self.config, progress=progress)
         self.tokenizer = self.engine.tokenizer

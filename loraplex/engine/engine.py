@@ -17,11 +17,13 @@ from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from loraplex.engine.speculative import SpecController, SpecCounters
 from loraplex.engine.stats import EngineStats
 from loraplex.engine.validation import check_params, check_prompt
 from loraplex.errors import (
     AdapterError,
+    ConfigError,
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
@@ -61,6 +63,14 @@ class LLMEngine:
                                        self._load_adapter, self.runner.set_lora_slot)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
                                    max_adapter_wait_s)
+        self.spec = (SpecController(config.speculative, self.max_model_len)
+                     if config.speculative is not None else None)
+        if config.speculative is not None \
+                and config.speculative.num_speculative_tokens >= self.max_model_len:
+            raise ConfigError(f"num_speculative_tokens ({config.speculative.num_speculative_tokens}"
+                              f") must be below the context length ({self.max_model_len})")
+        # Verified proposals by adapter identity ("" for the base model).
+        self._spec_counters: dict[str, SpecCounters] = {}
         self._groups: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
@@ -163,7 +173,8 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
-        out = self.scheduler.schedule()
+        proposals = self.spec.propose(self.scheduler.running) if self.spec else None
+        out = self.scheduler.schedule(proposals)
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
             return deltas
@@ -174,7 +185,8 @@ class LLMEngine:
         batch = BatchInputs([SeqInput(s.token_ids, s.request.num_computed_tokens,
                                       self.kv.block_table(s.request.request_id), s.lora_slot,
                                       self._sampling_rows(s.request) if s.samples else (),
-                                      *self._prompt_targets(s.request, s.num_new_tokens))
+                                      *self._prompt_targets(s.request, s.num_new_tokens),
+                                      s.spec_token_ids)
                              for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
@@ -226,16 +238,36 @@ class LLMEngine:
                 done = len(request.prompt_logprobs) - request.num_computed_tokens
                 request.prompt_logprobs.extend((t.logprob or 0.0, t.top_logprobs or ())
                                                for t in result.prompt_logprobs[max(done, 0):])
+            if sched.spec_token_ids:
+                deltas.append(self._update_speculated(sched, result, now))
+                continue
             request.num_computed_tokens += sched.num_new_tokens
             tokens = result.sampled
             if not tokens:
                 continue
             if len(tokens) > 1:
                 deltas.extend(self._fork_children(request, tokens[1:], now))
-            deltas.append(self._append_token(request, tokens[0], now))
+            deltas.append(self._append_tokens(request, tokens[:1], now))
         for group_id in {d.request_id for d in deltas if d.finished}:
             self._forget_finished(group_id)
         return deltas
+
+    def _update_speculated(self, sched: ScheduledSeq, result: SeqOutput,
+                           now: float) -> SequenceDelta:
+        """A verify step: the KV of the accepted proposals is kept, the slots of the
+        rejected ones are released, and the kept tokens are appended (up to a stop)."""
+        request = sched.request
+        num_proposed, num_accepted = len(sched.spec_token_ids), len(result.accepted)
+        assert self.spec is not None
+        self.spec.record(request, num_proposed, num_accepted)
+        key = "" if request.adapter is None else _identity(request.adapter.key)
+        counters = self._spec_counters.setdefault(key, SpecCounters())
+        counters.num_drafts += 1
+        counters.num_draft_tokens += num_proposed
+        counters.num_accepted_tokens += num_accepted
+        request.num_computed_tokens += sched.num_new_tokens - num_proposed + num_accepted
+        self.kv.trim(request.request_id, request.num_computed_tokens)
+        return self._append_tokens(request, [*result.accepted, *result.sampled], now)
 
     def _fork_children(self, parent: Request, tokens: list[SampledToken],
                        now: float) -> list[SequenceDelta]:
@@ -252,26 +284,33 @@ class LLMEngine:
             slot = -1 if child.adapter is None else self.adapters.acquire(child.adapter)
             self.scheduler.add_running(child, slot)
             self._groups[parent.group_id or parent.request_id].append(child)
-            deltas.append(self._append_token(child, token, now))
+            deltas.append(self._append_tokens(child, [token], now))
         return deltas
 
-    def _append_token(self, request: Request, token: SampledToken,
-                      now: float) -> SequenceDelta:
-        request.output_token_ids.append(token.token_id)
-        logprob_entry = None
-        if request.params.logprobs is not None:
-            logprob_entry = (token.logprob or 0.0, token.top_logprobs or ())
-            request.output_logprobs.append(logprob_entry)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        status = self._check_stop(request, token.token_id)
-        stop_string = self.detokenizer.update(request)
-        if stop_string is not None:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
-        if status is not None:
-            self.scheduler.finish(request, status)
-        return self._delta(request, [token.token_id],
-                           [logprob_entry] if logprob_entry is not None else None)
+    def _append_tokens(self, request: Request, tokens: Sequence[SampledToken],
+                       now: float) -> SequenceDelta:
+        """Appends tokens in order until one ends the sequence; the rest are dropped (a
+        verify step may keep tokens past a stop)."""
+        new_ids: list[int] = []
+        new_logprobs: list[Any] = []
+        for token in tokens:
+            request.output_token_ids.append(token.token_id)
+            new_ids.append(token.token_id)
+            if request.params.logprobs is not None:
+                entry = (token.logprob or 0.0, token.top_logprobs or ())
+                request.output_logprobs.append(entry)
+                new_logprobs.append(entry)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._check_stop(request, token.token_id)
+            stop_string = self.detokenizer.update(request)
+            if stop_string is not None:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+            if status is not None:
+                self.scheduler.finish(request, status)
+                break
+        return self._delta(request, new_ids,
+                           new_logprobs if request.params.logprobs is not None else None)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         p = request.params
@@ -367,7 +406,21 @@ class LLMEngine:
             host_adapters=tuple(_identity(k) for k in ad.host),
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        counters = self._spec_counters.values()
+        drafts = sum(c.num_drafts for c in counters)
+        draft_tokens = sum(c.num_draft_tokens for c in counters)
+        accepted = sum(c.num_accepted_tokens for c in counters)
+        acceptance, mean_length = EngineStats.spec_rates(drafts, draft_tokens, accepted)
+        return dict(spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
+                    spec_num_accepted_tokens=accepted, spec_acceptance_rate=acceptance,
+                    spec_mean_accepted_length=mean_length,
+                    spec_by_adapter=tuple((name, c.num_drafts, c.num_draft_tokens,
+                                           c.num_accepted_tokens)
+                                          for name, c in sorted(self._spec_counters.items())))
 
 
 def _identity(key: AdapterKey) -> str:

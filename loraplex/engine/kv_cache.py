@@ -388,6 +388,28 @@ class KVCacheManager:
             return
         self._release_device_blocks(request)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrinks the request to its first ``num_tokens`` positions: the slots of rejected
+        speculative tokens, allocated like any append, go back to the pool at once.
+
+        Only positions past the tokens ``allocate_slots`` was told of should go; the blocks
+        those fill may be registered in the prefix cache, and dropping one is refused.
+        """
+        request = self._live(request_id)
+        if not 0 <= num_tokens <= request.num_tokens:
+            raise ValueError(f"cannot trim request {request_id!r} of {request.num_tokens} "
+                             f"tokens to {num_tokens}")
+        keep = self._num_blocks_for(num_tokens)
+        if keep < len(request.block_hashes):
+            raise ValueError(f"trimming request {request_id!r} to {num_tokens} tokens would "
+                             "drop blocks of known tokens (hashed for the prefix cache)")
+        tail = request.block_ids[keep:]
+        del request.block_ids[keep:]
+        self._release(tail)
+        self._num_live_blocks -= len(tail)
+        self._num_live_tokens -= request.num_tokens - num_tokens
+        request.num_tokens = num_tokens
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write copies ``(src, dst)`` to apply, in order, before the next forward."""
         copies, self._pending_copies = self._pending_copies, []
@@ -611,15 +633,18 @@ class KVCacheManager:
         return block_id
 
     def _release_device_blocks(self, request: _RequestBlocks) -> None:
-        for block_id in reversed(request.block_ids):
+        self._release(request.block_ids)
+        self._num_live_blocks -= len(request.block_ids)
+        self._num_live_tokens -= request.num_tokens
+
+    def _release(self, block_ids: Sequence[int]) -> None:
+        for block_id in reversed(block_ids):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 if self._block_hashes[block_id] is not None:
                     self._cached_free_ids[block_id] = None  # most recently used end
                 else:
                     self._free_ids.append(block_id)
-        self._num_live_blocks -= len(request.block_ids)
-        self._num_live_tokens -= request.num_tokens
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._block_hashes[block_id]

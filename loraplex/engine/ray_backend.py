@@ -121,9 +121,14 @@ def stats_to_json(stats: EngineStats) -> str:
 
 def stats_from_json(text: str | bytes) -> EngineStats:
     raw = json.loads(text)
-    values: dict[str, Any] = {f.name: tuple(raw[f.name]) if isinstance(raw[f.name], list)
-                              else raw[f.name] for f in dataclasses.fields(EngineStats)}
+    values: dict[str, Any] = {f.name: _tuples(raw[f.name])
+                              for f in dataclasses.fields(EngineStats)}
     return EngineStats(**values)
+
+
+def _tuples(value: Any) -> Any:
+    """JSON's lists as the tuples EngineStats holds, nested ones included."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _stats_key(config: RayConfig) -> str:

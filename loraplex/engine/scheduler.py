@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,8 +44,10 @@ class AdapterSlots(Protocol):
 @dataclass(frozen=True)
 class ScheduledSeq:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # speculative tokens included
     lora_slot: int
+    # Proposed tokens computed after the sequence's last token, to be verified.
+    spec_token_ids: tuple[int, ...] = ()
     # Captured when scheduled: the request's own counter moves on after the step.
     num_computed_tokens: int = field(init=False)
 
@@ -55,12 +57,14 @@ class ScheduledSeq:
     @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
-        return self.request.all_token_ids[start:start + self.num_new_tokens]
+        end = start + self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[start:end] + list(self.spec_token_ids)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token (so a token is sampled)."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -146,15 +150,27 @@ class Scheduler:
 
     # --- the step ----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """This step's work. ``proposals``: speculative tokens by request id, for running
+        decodes; each gets slots for as many as budget and free blocks allow (none rather
+        than preempting anyone for them)."""
         out = SchedulerOutput(scheduled=[])
         budget = self.config.max_num_batched_tokens
         now = self.clock()
+        proposals = proposals or {}
 
         # 1. running requests, oldest first; preempt from the newest end when out of blocks
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            spec = tuple(proposals.get(request.request_id, ()))[:budget - 1]
+            if spec and request.num_uncomputed_tokens == 1 \
+                    and self._allocate(request, 1 + len(spec)) is not None:
+                out.scheduled.append(ScheduledSeq(request, 1 + len(spec),
+                                                  self.slot_of(request), spec))
+                budget -= 1 + len(spec)
+                index += 1
+                continue
             num_new = min(request.num_uncomputed_tokens, budget)
             while self._allocate(request, num_new) is None:
                 victim = self.running[-1]

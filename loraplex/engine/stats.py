@@ -54,12 +54,33 @@ class EngineStats:
     # (queued, or swapped out to host memory), sorted.
     running_adapters: tuple[str, ...]
     waiting_adapters: tuple[str, ...]
+    # Speculative decoding (zeros when off): verify steps with proposals, tokens proposed,
+    # tokens accepted; accepted / proposed; tokens a verify step yields on average
+    # (accepted / drafts + the target's own one).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    # The three counters per adapter, ``(id@digest12 or "" for the base model, drafts,
+    # draft tokens, accepted tokens)``, sorted by name.
+    spec_by_adapter: tuple[tuple[str, int, int, int], ...] = ()
+
+    @classmethod
+    def spec_rates(cls, num_drafts: int, num_draft_tokens: int,
+                   num_accepted: int) -> tuple[float, float]:
+        """``spec_acceptance_rate`` and ``spec_mean_accepted_length`` of those counters."""
+        return (num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+                1.0 + num_accepted / num_drafts if num_drafts else 0.0)
 
 
+# Fields recomputed from the summed counters of a deployment, never summed themselves.
+RATES = ("prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization", "spec_acceptance_rate",
+         "spec_mean_accepted_length")
 # Fields whose deployment figure is the sum of the replicas' (counters, sizes, counts).
 _SUMMED = tuple(f.name for f in fields(EngineStats)
                 if f.type in ("int", "float") and f.name != "replica"
-                and f.name not in ("prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization"))
+                and f.name not in RATES)
 
 
 def _distinct(groups: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
@@ -73,11 +94,19 @@ def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
     ``kv_utilization`` is the replicas' weighted by the blocks they hold. ``adapter_slots``
     and ``host_adapters`` are concatenated in replica order (one entry per slot or cache
     entry, so their lengths still count capacity and residency); running and waiting
-    adapters are the distinct union. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
+    adapters are the distinct union; ``spec_by_adapter`` sums per adapter. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
     is live) gives zeros and empty tuples: a deployment that has nothing now.
     """
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
     used = sums["kv_blocks_used"]
+    by_adapter: dict[str, list[int]] = {}
+    for s in stats:
+        for name, *counts in s.spec_by_adapter:
+            totals = by_adapter.setdefault(name, [0, 0, 0])
+            for i, count in enumerate(counts):
+                totals[i] += count
+    acceptance, mean_length = EngineStats.spec_rates(
+        sums["spec_num_drafts"], sums["spec_num_draft_tokens"], sums["spec_num_accepted_tokens"])
     return EngineStats(
         replica=ALL_REPLICAS,
         prefix_cache_hit_rate=(sums["prefix_cache_hit_tokens"]
@@ -90,5 +119,9 @@ def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
         host_adapters=tuple(name for s in stats for name in s.host_adapters),
         running_adapters=_distinct(s.running_adapters for s in stats),
         waiting_adapters=_distinct(s.waiting_adapters for s in stats),
+        spec_acceptance_rate=acceptance,
+        spec_mean_accepted_length=mean_length,
+        spec_by_adapter=tuple((name, *counts) for name, counts in  # type: ignore[misc]
+                              sorted(by_adapter.items())),
         **sums,
     )

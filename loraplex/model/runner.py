@@ -7,7 +7,7 @@ LoRA slot weights. What to run comes in as ``BatchInputs``; the engine decides i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +18,7 @@ from loraplex.model.args import ModelArgs
 from loraplex.model.llama import DecoderLayer
 from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
-from loraplex.model.sampler import SampledToken, SamplingRow, sample
+from loraplex.model.sampler import SampledToken, SamplingRow, sample, verify
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
 from loraplex_kernels.ops import Backend, cpu_gemm_choice
 
@@ -43,6 +43,9 @@ class SeqInput:
     # computed this step predicts, whose logprob (and num_prompt_top best) is wanted.
     prompt_targets: Sequence[int] = ()
     num_prompt_top: int = 0
+    # Speculative decoding: the last len(spec_token_ids) of token_ids are proposals, to be
+    # verified against the logits of the positions before them (one sampling row).
+    spec_token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,13 @@ class BatchInputs:
 
 @dataclass(frozen=True)
 class SeqOutput:
-    """What one sequence got from a step: its sampled tokens (often none) and the prompt
-    logprobs it asked for (``token_id``: the prompt token scored)."""
+    """What one sequence got from a step: its sampled tokens (often none; one per sampling
+    row), the prompt logprobs it asked for (``token_id``: the prompt token scored) and, when
+    it speculated, the proposals accepted (they come before ``sampled[0]``)."""
 
     sampled: list[SampledToken]
     prompt_logprobs: list[SampledToken]
+    accepted: list[SampledToken] = field(default_factory=list)
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -186,17 +191,55 @@ class ModelRunner:
         hidden, starts = self._hidden(batch)
         prompt = [self._prompt_logprobs(hidden, start, s)
                   for s, start in zip(batch.seqs, starts, strict=True)]
-        rows = [row for s in batch.seqs for row in s.samplings]
-        if not rows:
+        if not any(s.samplings for s in batch.seqs):
             return [SeqOutput([], p) for p in prompt]
-        logits = self._last_logits(batch, hidden, starts)  # [num_sampling_seqs, vocab]
-        repeat = torch.tensor([len(s.samplings) for s in batch.seqs if s.samplings],
-                              device=logits.device)
+        if not any(s.spec_token_ids for s in batch.seqs):
+            logits = self._last_logits(batch, hidden, starts)  # [num_sampling_seqs, vocab]
+            sampled = iter(self._sample(logits, batch.seqs))
+            return [SeqOutput([next(sampled) for _ in s.samplings], p)
+                    for s, p in zip(batch.seqs, prompt, strict=True)]
+        return self._sample_with_spec(batch, hidden, starts, prompt)
+
+    def _sample(self, logits: torch.Tensor,
+                seqs: Sequence[SeqInput]) -> list[SampledToken]:
+        """The tokens of ``seqs``' sampling rows, from one row of ``logits`` per sampling
+        sequence."""
+        rows = [row for s in seqs for row in s.samplings]
         if len(rows) != logits.shape[0]:
+            repeat = torch.tensor([len(s.samplings) for s in seqs if s.samplings],
+                                  device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)  # [num_rows, vocab]
-        sampled = iter(sample(logits, rows, self.generator))
-        return [SeqOutput([next(sampled) for _ in s.samplings], p)
-                for s, p in zip(batch.seqs, prompt, strict=True)]
+        return sample(logits, rows, self.generator)
+
+    def _sample_with_spec(self, batch: BatchInputs, hidden: torch.Tensor, starts: list[int],
+                          prompt: list[list[SampledToken]]) -> list[SeqOutput]:
+        """Sampling when some sequences speculated: each scores the positions of its
+        proposals too, and keeps what ``verify`` accepts."""
+        positions: list[int] = []
+        first_row: dict[int, int] = {}  # batch index -> its first logits row
+        for i, (s, start) in enumerate(zip(batch.seqs, starts, strict=True)):
+            if s.samplings:
+                first_row[i] = len(positions)
+                end = start + len(s.token_ids)
+                positions.extend(range(end - 1 - len(s.spec_token_ids), end))
+        logits = self.model.compute_logits(hidden.index_select(
+            0, torch.tensor(positions, dtype=torch.int64, device=self.device)))  # [rows, vocab]
+        plain = [i for i in first_row if not batch.seqs[i].spec_token_ids]
+        sampled = iter(self._sample(
+            logits.index_select(0, torch.tensor([first_row[i] for i in plain],
+                                                dtype=torch.int64, device=self.device)),
+            [batch.seqs[i] for i in plain])) if plain else iter(())
+        outputs = []
+        for i, (s, p) in enumerate(zip(batch.seqs, prompt, strict=True)):
+            if not s.spec_token_ids:
+                outputs.append(SeqOutput([next(sampled) for _ in s.samplings], p))
+                continue
+            num_spec = len(s.spec_token_ids)
+            kept = verify(logits[first_row[i]:first_row[i] + num_spec + 1], s.spec_token_ids,
+                          s.samplings[0], self.generator)
+            tokens = [SampledToken(t, None, None) for t in kept]
+            outputs.append(SeqOutput(tokens[-1:], p, tokens[:-1]))
+        return outputs
 
     def forward_logits(self, batch: BatchInputs) -> torch.Tensor:
         """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token,

@@ -96,6 +96,50 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     return out
 
 
+def verify(logits: torch.Tensor, draft_ids: Sequence[int], row: SamplingRow,
+           default_generator: torch.Generator | None = None) -> list[int]:
+    """The tokens a sequence keeps of its proposals ``draft_ids`` (k of them), from the
+    target's ``logits`` ``[k + 1, vocab]`` at the k positions before them and the one after:
+    the accepted proposals, then one token of the target's own.
+
+    Greedy: the longest prefix equal to the target's argmax, then its argmax. Random: the
+    rejection-sampling rule for a draft that puts all its mass on its proposal (prompt
+    lookup): proposal i is kept with probability p_i(d_i); the first one refused is replaced
+    by a draw from the residual max(p_i - q_i, 0), i.e. p_i without d_i, renormalised; when
+    all are kept, the last position draws from p_k. Every kept token is thereby distributed
+    exactly as the target's own draw (Leviathan et al., 2023). The row's penalties, bias and
+    logprobs are not applied: requests using them do not speculate.
+    """
+    num_draft = len(draft_ids)
+    if row.is_greedy:
+        best = logits.argmax(dim=-1).tolist()
+        num_accepted = 0
+        while num_accepted < num_draft and best[num_accepted] == draft_ids[num_accepted]:
+            num_accepted += 1
+        return best[:num_accepted + 1]
+    probs = _filtered_probs(logits, [row] * (num_draft + 1))  # [k + 1, vocab]
+    gen = row.generator or default_generator
+    draft = torch.tensor(list(draft_ids), device=probs.device)
+    target_p = probs[:-1].gather(1, draft[:, None])[:, 0]  # [k]
+    uniform = torch.rand(num_draft, generator=gen, device=probs.device)
+    accepted = (uniform < target_p).tolist()
+    kept: list[int] = []
+    for i, ok in enumerate(accepted):
+        if not ok:
+            residual = probs[i].clone()
+            residual[draft_ids[i]] = 0.0
+            return kept + [_draw(residual, gen)]
+        kept.append(draft_ids[i])
+    return kept + [_draw(probs[-1], gen)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` ``[vocab]`` (unnormalised is fine), by the exponential race
+    ``sample`` uses."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
 def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """``logits`` with min_tokens' banned ids at -inf and ``logit_bias`` added; the same
     tensor when no row uses either."""

@@ -546,6 +546,24 @@ def test_check_invariants_detects_a_broken_ref_count() -> None:
         manager.check_invariants()
 
 
+def test_trim_releases_rejected_slots_and_keeps_known_blocks() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    prefill(manager, "r", list(range(BS + 1)))
+    # Three proposals past the known tokens reach into a third block.
+    assert manager.allocate_slots("r", list(range(BS + 1)), BS + 1, 2 * BS - 1) is not None
+    assert len(manager.block_table("r")) == 3
+    manager.trim("r", BS + 2)
+    assert len(manager.block_table("r")) == 2 and manager.num_tokens("r") == BS + 2
+    assert manager.stats().num_blocks_free == 6  # the released block was never registered
+    with pytest.raises(ValueError, match="known tokens"):
+        manager.trim("r", 0)
+    with pytest.raises(ValueError, match="cannot trim"):
+        manager.trim("r", BS + 3)
+    manager.check_invariants()
+    manager.free("r")
+    assert manager.all_free_or_cached()
+
+
 # ---- property tests -------------------------------------------------------------------------
 
 # token prefixes that requests share, so the prefix cache actually hits
@@ -677,6 +695,25 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len(set(new_ids)) == len(new_ids)
         self.live[request_id] = tokens
         self.write(request_id, len(old_tokens))
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 99), proposed=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+          num_accepted=st.integers(0, 5))
+    def speculate(self, index: int, proposed: list[int], num_accepted: int) -> None:
+        """A speculative append: slots for proposals the manager is not told the tokens of,
+        a forward over them, then the rejected tail trimmed away."""
+        request_id = sorted(self.live)[index % len(self.live)]
+        tokens = self.live[request_id]
+        before = self.snapshot()
+        new_ids = self.manager.allocate_slots(request_id, tokens, len(tokens), len(proposed))
+        if new_ids is None:
+            assert self.snapshot() == before
+            return
+        self.live[request_id] = tokens + proposed
+        self.write(request_id, len(tokens))
+        kept = tokens + proposed[:num_accepted]
+        self.manager.trim(request_id, len(kept))
+        self.live[request_id] = kept
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 99))

@@ -160,9 +160,24 @@ def test_combine_stats_of_no_replica_is_nothing() -> None:
 def test_every_numeric_field_is_combined() -> None:
     """A field added to EngineStats later is summed unless it is a rate."""
     numeric = {f.name for f in dataclasses.fields(EngineStats) if f.type in ("int", "float")}
-    rates = {"prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization"}
+    rates = {"prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization",
+             "spec_acceptance_rate", "spec_mean_accepted_length"}
     ones = EngineStats(**{f.name: (1 if f.type in ("int", "float") else ())
                           for f in dataclasses.fields(EngineStats)})
     total = combine_stats([ones, ones])
     for name in numeric - rates - {"replica"}:
         assert getattr(total, name) == 2, name
+
+
+def test_speculation_figures_combine_per_adapter() -> None:
+    zero = EngineStats(**{f.name: (0 if f.type in ("int", "float") else ())
+                          for f in dataclasses.fields(EngineStats)})
+    a = dataclasses.replace(zero, spec_num_drafts=2, spec_num_draft_tokens=6,
+                            spec_num_accepted_tokens=3,
+                            spec_by_adapter=(("", 1, 3, 1), ("a@1", 1, 3, 2)))
+    b = dataclasses.replace(zero, spec_num_drafts=2, spec_num_draft_tokens=4,
+                            spec_num_accepted_tokens=4, spec_by_adapter=(("a@1", 2, 4, 4),))
+    total = combine_stats([a, b])
+    assert total.spec_by_adapter == (("", 1, 3, 1), ("a@1", 3, 7, 6))
+    assert total.spec_acceptance_rate == 0.7
+    assert total.spec_mean_accepted_length == 1.0 + 7 / 4

@@ -1,0 +1,219 @@
+"""Speculative decoding: greedy outputs equal the oracle's (HF + PEFT) with speculation on,
+across the engine's hard cases; the controller and per-token rules; bad configurations."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.config import SpeculativeConfig
+from loraplex.engine.request import Request
+from loraplex.engine.speculative import NgramProposer, SpecController, can_speculate
+from loraplex.errors import ConfigError
+from loraplex.testing import load_reference, reference_greedy
+
+NUM_REQUESTS = 40
+LONGER = 10
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "disable_by_batch_size": None}
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
+    proposer = NgramProposer(1, 3)
+    # [2, 3] last occurred before 8, but the older 3-gram [1, 2, 3] wins.
+    assert proposer.propose([1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3], 2) == [9, 4]
+    assert proposer.propose([2, 3, 7, 5, 2, 3, 8, 1, 2, 3], 2) == [8, 1]  # the latest
+    assert proposer.propose([5, 6, 7, 8, 5, 6, 7], 3) == [8, 5, 6]
+    assert proposer.propose([1, 2, 3], 2) == []  # the last token never occurred before
+    assert NgramProposer(2, 3).propose([1, 2, 3, 2], 2) == []  # only a 1-gram matches
+    assert proposer.propose([4, 4], 3) == [4]  # a match may run into the suffix itself
+
+
+def test_config_is_refused_in_one_line(tiny_llama_dir: Path) -> None:
+    for bad, match in [('{"method": "eagle"}', "method must be one of ngram"),
+                       ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"num_speculative_tokens": "3"}', "num_speculative_tokens"),
+                       ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup"),
+                       ('{"model": "x", "draft": 1}', "unknown field"),
+                       ("[3]", "JSON object"), ("{", "not JSON")]:
+        with pytest.raises(ConfigError, match=match):
+            SpeculativeConfig.from_json(bad)
+    with pytest.raises(ConfigError, match="context length"):
+        LLM(str(tiny_llama_dir), progress=False, max_model_len=8,
+            speculative_config={"num_speculative_tokens": 8})
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        LLM(str(tiny_llama_dir), progress=False, max_num_batched_tokens=4,
+            speculative_config={"num_speculative_tokens": 4})
+
+
+def test_requests_with_per_token_logic_do_not_speculate() -> None:
+    def request(**params: Any) -> Request:
+        r = Request("r", [1, 2, 1], SamplingParams(max_tokens=8, **params))
+        r.output_token_ids = [2]
+        r.num_computed_tokens = 3
+        return r
+
+    controller = SpecController(SpeculativeConfig(prompt_lookup_min=1), max_model_len=64)
+    assert controller.propose([request()]) == {"r": [1, 2]}
+    for params in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.1},
+                   {"logit_bias": {3: 1.0}}, {"logprobs": 0}, {"min_tokens": 2}):
+        assert not can_speculate(request(**params))
+        assert controller.propose([request(**params)]) == {}
+    assert can_speculate(request(min_tokens=1))  # min_tokens already reached
+
+
+def test_controller_turns_speculation_off_by_batch_size_and_acceptance() -> None:
+    r = Request("r", [1, 2, 1], SamplingParams(max_tokens=8))
+    r.output_token_ids = [2]
+    r.num_computed_tokens = 3
+    controller = SpecController(SpeculativeConfig(prompt_lookup_min=1,
+                                                  disable_by_batch_size=2), max_model_len=64)
+    assert controller.propose([r]) == {"r": [1, 2]}
+    assert controller.propose([r, r]) == {}  # two running: the batch is full enough
+    controller.record(r, 3, 0)
+    controller.record(r, 3, 0)
+    controller.record(r, 3, 0)
+    controller.record(r, 3, 0)
+    assert r.spec_pause_steps > 0  # a poor acceptance rate pauses it ...
+    paused = r.spec_pause_steps
+    for _ in range(paused):
+        assert controller.propose([r]) == {}
+    assert controller.propose([r]) == {"r": [1, 2]}  # ... then it is probed again
+    # Proposals never reach past max_tokens: 8 - 7 output tokens leaves room for none.
+    r.output_token_ids = [2] * 7
+    r.num_computed_tokens = r.num_tokens - 1
+    assert controller.propose([r]) == {}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    adapters: list[str | None]
+    max_tokens: list[int]
+    arrivals: list[int]
+    salts: list[str | None]
+    expected: list[list[int]]
+
+
+def _workload(model_dir: Path, adapters: dict[str, Path], seed: int) -> Workload:
+    """Copy-heavy prompts (a random passage said two or three times) so that prompt lookup
+    proposes often; half share a system prefix (prefix hits)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(13)]
+    names: list[str | None] = [None, *sorted(adapters)]
+    prompts, chosen, max_tokens, arrivals, salts = [], [], [], [], []
+    for i in range(NUM_REQUESTS):
+        passage = [rng.randrange(3, 300) for _ in range(rng.randrange(2, 8))]
+        own = passage * rng.randrange(2, 4)
+        prompts.append(system + own if i % 2 == 0 else own)
+        chosen.append(names[rng.randrange(len(names))])
+        max_tokens.append(rng.randrange(4, 14))
+        arrivals.append(rng.randrange(0, 30))
+        salts.append(rng.choice([None, "tenant-a"]))
+    refs: dict[str | None, Any] = {}
+    expected = []
+    for prompt, name, n in zip(prompts, chosen, max_tokens, strict=True):
+        if name not in refs:
+            refs[name] = load_reference(model_dir, None if name is None else adapters[name])
+        expected.append(reference_greedy(refs[name], prompt, n + LONGER)[0])
+    return Workload(prompts, chosen, max_tokens, arrivals, salts, expected)
+
+
+@pytest.fixture(scope="module")
+def llama_workload(tiny_llama_dir: Path, llama_adapters: dict[str, Path]) -> Workload:
+    return _workload(tiny_llama_dir, llama_adapters, 7)
+
+
+@pytest.fixture(scope="module")
+def qwen2_workload(tiny_qwen2_dir: Path, qwen2_adapters: dict[str, Path]) -> Workload:
+    return _workload(tiny_qwen2_dir, qwen2_adapters, 8)
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "chunked_prefill": {"max_num_batched_tokens": 7, "block_size": 4, "num_kv_blocks": 400},
+    "prefix_hits": {"block_size": 4, "num_kv_blocks": 400},
+    # 20 blocks of 4 tokens: the longest request fits, few run side by side.
+    "preempt_recompute": {"block_size": 4, "num_kv_blocks": 20, "max_num_batched_tokens": 16},
+    "preempt_swap": {"block_size": 4, "num_kv_blocks": 20, "max_num_batched_tokens": 16,
+                     "preemption_mode": "swap", "swap_space_blocks": 40},
+    "n3": {"block_size": 4, "num_kv_blocks": 400, "n": 3},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_with_speculation_matches_the_oracle(arch: str, case: str,
+                                                    request: pytest.FixtureRequest) -> None:
+    model_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    adapters: dict[str, Path] = request.getfixturevalue(f"{arch}_adapters")
+    w: Workload = request.getfixturevalue(f"{arch}_workload")
+    kwargs = dict(CASES[case])
+    n = kwargs.pop("n", 1)
+    extra = LONGER if case.startswith("preempt") else 0
+    llm = LLM(str(model_dir), progress=False, max_lora_rank=16, speculative_config=SPEC,
+              **kwargs)
+    loras = [None if a is None else LoRARequest(a, str(adapters[a])) for a in w.adapters]
+    params = [SamplingParams(temperature=0.0, max_tokens=m + extra, ignore_eos=True, n=n)
+              for m in w.max_tokens]
+    outs = llm.generate(w.prompts, params, loras, cache_salt=w.salts, arrival_steps=w.arrivals)
+    for i, out in enumerate(outs):
+        assert len(out.outputs) == n
+        for seq in out.outputs:
+            assert seq.token_ids == w.expected[i][:w.max_tokens[i] + extra], f"request {i}"
+            assert seq.finish_reason == "length"
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.all_free_or_cached()
+    stats = llm.stats()
+    assert stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    if case.startswith("preempt"):
+        assert stats.num_preemptions > NUM_REQUESTS // 4
+    if case == "preempt_swap":
+        assert stats.num_swap_outs > 0
+    if case == "prefix_hits":
+        assert stats.prefix_cache_hit_tokens > 0
+    llm.close()
+
+
+def test_stop_strings_and_stop_ids_cut_the_accepted_tokens(tiny_llama_dir: Path) -> None:
+    """A verify step may accept tokens past a stop: the engine drops them, so outputs (text,
+    ids, finish reasons) equal those without speculation."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(6)] * 3 for _ in range(8)]
+    off = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_kv_blocks=200)
+    base = off.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    params = []
+    for out in base:
+        ids = out.outputs[0].token_ids
+        text = off.tokenizer.decode(ids[8:12])
+        params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                     stop=(text.strip()[:3],) if text.strip() else (),
+                                     stop_token_ids=(ids[15],)))
+    on = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_kv_blocks=200,
+             speculative_config=SPEC)
+    expected = off.generate(prompts, params)
+    got = on.generate(prompts, params)
+    for e, g in zip(expected, got, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].text == e.outputs[0].text
+        assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (
+            e.outputs[0].finish_reason, e.outputs[0].stop_reason)
+    assert on.stats().spec_num_accepted_tokens > 0
+    on.engine.kv.check_invariants()
+    assert on.engine.kv.all_free_or_cached()
+
+
+def test_cli_refuses_a_bad_speculative_config(capsys: pytest.CaptureFixture[str],
+                                              tiny_llama_dir: Path) -> None:
+    from loraplex.cli import main
+
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi",
+                 "--speculative-config", json.dumps({"method": "medusa"})]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "method must be one of ngram" in err
