@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -319,3 +320,35 @@ def bootstrap_admin(database_url: str, tenant: str = "ops") -> str:
     finally:
         engine.dispose()
     return admin_key
+
+
+def chi_square_fits(counts: Sequence[int], probs: Sequence[float], p_value: float = 0.001,
+                    min_expected: float = 5.0) -> tuple[bool, float, float]:
+    """Pearson's goodness-of-fit test of observed ``counts`` against ``probs``: whether the
+    fit holds at ``p_value``, the statistic, and its critical value.
+
+    Cells expected fewer than ``min_expected`` times are pooled into one (the chi-square
+    approximation needs it); a cell of probability 0 that was observed fails outright. The
+    critical value is the Wilson-Hilferty approximation of the chi-square quantile (within
+    1% from 3 degrees of freedom on), so no scipy is needed.
+    """
+    from statistics import NormalDist
+
+    total = sum(counts)
+    if any(c and p == 0.0 for c, p in zip(counts, probs, strict=True)):
+        return False, math.inf, 0.0
+    cells: list[tuple[float, float]] = []
+    pooled = [0.0, 0.0]
+    for c, p in zip(counts, probs, strict=True):
+        if p * total >= min_expected:
+            cells.append((c, p * total))
+        else:
+            pooled[0] += c
+            pooled[1] += p * total
+    if pooled[1] > 0:
+        cells.append((pooled[0], pooled[1]))
+    statistic = sum((c - e) ** 2 / e for c, e in cells)
+    df = len(cells) - 1
+    z = NormalDist().inv_cdf(1 - p_value)
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return statistic < critical, statistic, critical

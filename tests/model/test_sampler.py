@@ -8,8 +8,15 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.model.sampler import SamplingRow, apply_bias, apply_penalties, sample
-from loraplex.testing import reference_processed_logits
+from loraplex.model.sampler import (
+    SamplingRow,
+    _filtered_probs,
+    apply_bias,
+    apply_penalties,
+    sample,
+    verify,
+)
+from loraplex.testing import chi_square_fits, reference_processed_logits
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -135,3 +142,35 @@ def test_a_row_without_processing_leaves_the_logits_untouched() -> None:
     logits = torch.randn(3, 20)
     rows = [SamplingRow(prompt_token_ids=[1, 2], output_token_ids=[3])] * 3
     assert apply_penalties(apply_bias(logits, rows), rows) is logits
+
+
+@pytest.mark.parametrize("row", [SamplingRow(temperature=1.0),
+                                 SamplingRow(temperature=0.7, top_k=4, top_p=0.9)])
+def test_verify_keeps_the_target_distribution_at_every_position(row: SamplingRow) -> None:
+    """Rejection sampling of point-mass proposals: the first kept token is distributed as
+    the target's first position, the second (given the first proposal was kept) as its
+    second, and so on — whether the proposals are likely (2) or unlikely (5)."""
+    logits = torch.log(torch.tensor([[0.05, 0.1, 0.5, 0.2, 0.1, 0.05],
+                                     [0.1, 0.4, 0.1, 0.1, 0.1, 0.2],
+                                     [0.3, 0.2, 0.2, 0.1, 0.1, 0.1]]))  # [k + 1, vocab]
+    draft = [2, 5]
+    probs = _filtered_probs(logits, [row] * 3)
+    gen = _gen(7)
+    outs = [verify(logits, draft, row, gen) for _ in range(8000)]
+    counts = [[0] * 6 for _ in range(3)]
+    for out in outs:
+        for position, token in enumerate(out):
+            counts[position][token] += 1
+    for position in range(3):
+        fits, stat, critical = chi_square_fits(counts[position], probs[position].tolist())
+        assert fits, (position, stat, critical, counts[position])
+    assert sum(counts[1]) > 2000 and sum(counts[2]) > 400  # proposals were kept often
+
+
+def test_verify_greedy_keeps_the_matching_prefix_and_the_next_argmax() -> None:
+    logits = torch.full((4, 5), -1.0)
+    for position, best in enumerate([3, 1, 4, 0]):
+        logits[position, best] = 1.0
+    assert verify(logits, [3, 1, 2], SamplingRow()) == [3, 1, 4]
+    assert verify(logits, [0, 1, 4], SamplingRow()) == [3]
+    assert verify(logits, [3, 1, 4], SamplingRow()) == [3, 1, 4, 0]
