@@ -1,5 +1,5 @@
-// Engine: queue, KV cache, prefix-cache hit rate and adapter slots of the whole deployment,
-// then each replica's, refreshed every 2 s.
+// Engine: queue, KV cache, prefix-cache hit rate, adapter slots and speculative decoding of
+// the whole deployment, then each replica's, refreshed every 2 s.
 import { api } from "../api.js";
 import { errorLine, fmtInt, h, table } from "../dom.js";
 
@@ -38,6 +38,7 @@ export async function render(container) {
   const stats = h("div", { class: "stats", id: "engine-stats" });
   const slots = h("div", { id: "engine-slots" });
   const replicas = h("div", { id: "engine-replicas" });
+  const spec = h("div", { id: "engine-spec" });
   let timer = null;
   let stopped = false;
 
@@ -59,7 +60,19 @@ export async function render(container) {
         stat("Adapter slots", `${s.slots.filter(Boolean).length} / ${s.slots.length}`,
              `${fmtInt(s.adapter_slot_loads)} loads · ${fmtInt(s.adapter_slot_evictions)} ` +
              `evictions · ${s.adapter_load_seconds.toFixed(2)} s loading`),
-        stat("Steps", fmtInt(s.num_steps), `${fmtInt(s.num_preemptions)} preemptions`));
+        stat("Steps", fmtInt(s.num_steps), `${fmtInt(s.num_preemptions)} preemptions`),
+        stat("Speculation accepted", s.spec_num_drafts ? pct(s.spec_acceptance_rate) : "—",
+             `${fmtInt(s.spec_num_accepted_tokens)} of ${fmtInt(s.spec_num_draft_tokens)} ` +
+             `proposed tokens · ${s.spec_mean_accepted_length.toFixed(2)} tokens per verify step`,
+             s.spec_acceptance_rate));
+      spec.replaceChildren(table(["Adapter", "Verify steps", "Proposed", "Accepted",
+        "Acceptance rate", "Mean accepted length"],
+        s.spec_by_adapter.map(([name, drafts, proposed, accepted]) => [
+          name ? h("code", {}, name) : h("span", { class: "muted" }, "base model"),
+          fmtInt(drafts), fmtInt(proposed), fmtInt(accepted),
+          proposed ? pct(accepted / proposed) : "—",
+          drafts ? (1 + accepted / drafts).toFixed(2) : "—"]),
+        "No speculative decoding yet."));
       slots.replaceChildren(table(["Slot", "Adapter", "Version", "Identity"],
         s.slots.map((slot, i) => slot
           ? [String(i), h("strong", {}, slot.model || "(unknown)"),
@@ -79,7 +92,8 @@ export async function render(container) {
   container.append(
     h("div", { class: "page-head" }, h("h1", {}, "Engine"), stamp), error, stats,
     h("div", { class: "card" }, h("h2", {}, "Replicas"), replicas),
-    h("div", { class: "card" }, h("h2", {}, "Adapter slots"), slots));
+    h("div", { class: "card" }, h("h2", {}, "Adapter slots"), slots),
+    h("div", { class: "card" }, h("h2", {}, "Speculative decoding, by adapter"), spec));
   await refresh();
   return () => { stopped = true; clearTimeout(timer); };
 }

@@ -11,6 +11,10 @@ router such as llm-d's LoRA-affinity scorer reads): labels ``running_lora_adapte
 ``waiting_lora_adapters`` (comma-joined ``id@digest12``, sorted, at most
 ``MAX_INFO_ADAPTERS`` each), ``max_lora``, and its value the Unix time of the snapshot.
 Unlike vLLM, a replica keeps one series: the previous label set is removed when it changes.
+
+Speculative decoding: ``spec_decode_num_drafts``, ``_num_draft_tokens`` and
+``_num_accepted_tokens`` (counters, as vLLM's) by replica and adapter (``id@digest12``, or
+``base``; capped like the replica label), and each replica's acceptance rate.
 """
 
 from __future__ import annotations
@@ -64,9 +68,13 @@ class EngineMetrics:
     """The engine's gauges, counters and adapter-load histogram, labelled by replica."""
 
     def __init__(self, registry: CollectorRegistry, namespace: str,
-                 replica_label: Callable[[str], str]) -> None:
+                 replica_label: Callable[[str], str],
+                 adapter_label: Callable[[str], str]) -> None:
         self._replica_label = replica_label
+        self._adapter_label = adapter_label
         self._totals: dict[str, _Totals] = {}
+        # Speculative counters as of the previous snapshot, by (replica, adapter identity).
+        self._spec_totals: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._info_labels: dict[str, tuple[str, str, str]] = {}
         self._lock = threading.Lock()
 
@@ -103,9 +111,23 @@ class EngineMetrics:
         self.adapter_load_time = Histogram(
             "adapter_load_seconds", "Time to load an adapter into a device slot.", ["replica"],
             namespace=namespace, registry=registry, buckets=ADAPTER_LOAD_BUCKETS)
+        self.spec_acceptance_rate = gauge(
+            "spec_decode_acceptance_rate",
+            "Speculative tokens accepted / proposed since the replica started (0..1).")
+
+        def spec_counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["replica", "adapter"], namespace=namespace,
+                           registry=registry)
+
+        # By adapter ("base" for the base model), as vLLM's spec_decode_num_* counters.
+        self.spec_counters = (
+            spec_counter("spec_decode_num_drafts", "Verify steps with speculative proposals."),
+            spec_counter("spec_decode_num_draft_tokens", "Speculative tokens proposed."),
+            spec_counter("spec_decode_num_accepted_tokens",
+                         "Speculative tokens the target model accepted."))
         self._per_replica = (self.queue_depth, self.running, self.kv_blocks_used,
                              self.kv_blocks_free, self.kv_pool_usage,
-                             self.prefix_cache_hit_rate)
+                             self.prefix_cache_hit_rate, self.spec_acceptance_rate)
 
     def observe(self, replicas: Sequence[EngineStats]) -> None:
         """Sets every series from one snapshot of each replica; the gauges of a replica
@@ -117,12 +139,14 @@ class EngineMetrics:
                 seen.add(replica)
                 self._set_gauges(replica, stats)
                 self._count(replica, _Totals.of(stats))
+                self._count_spec(replica, stats)
             for replica in set(self._info_labels) - seen:
                 self._forget(replica)
 
     def _set_gauges(self, replica: str, stats: EngineStats) -> None:
         values = (stats.num_waiting, stats.num_running, stats.kv_blocks_used,
-                  stats.kv_blocks_free, stats.kv_pool_usage, stats.prefix_cache_hit_rate)
+                  stats.kv_blocks_free, stats.kv_pool_usage, stats.prefix_cache_hit_rate,
+                  stats.spec_acceptance_rate)
         for metric, value in zip(self._per_replica, values, strict=True):
             metric.labels(replica).set(value)
         resident = (sum(slot is not None for slot in stats.adapter_slots),
@@ -148,6 +172,18 @@ class EngineMetrics:
         for _ in range(step.loads):
             # Only the interval's total time is known: each of its loads gets the mean.
             load_time.observe(step.load_seconds / step.loads)
+
+    def _count_spec(self, replica: str, stats: EngineStats) -> None:
+        for name, *counts in stats.spec_by_adapter:
+            now = (counts[0], counts[1], counts[2])
+            before = self._spec_totals.get((replica, name), (0, 0, 0))
+            self._spec_totals[(replica, name)] = now
+            # A total that went down: a new replica under this ordinal, counted from zero.
+            step = now if any(n < b for n, b in zip(now, before, strict=True)) \
+                else tuple(n - b for n, b in zip(now, before, strict=True))
+            adapter = self._adapter_label(name or "base")
+            for counter, increment in zip(self.spec_counters, step, strict=True):
+                counter.labels(replica, adapter).inc(increment)
 
     def _forget(self, replica: str) -> None:
         for metric in self._per_replica:

@@ -115,7 +115,8 @@ class GatewayMetrics:
             registry=reg,
             buckets=E2E_BUCKETS,
         )
-        self._engine_series = EngineMetrics(reg, ns, _CappedLabel(max_label_values))
+        self._engine_series = EngineMetrics(reg, ns, _CappedLabel(max_label_values),
+                                            _CappedLabel(max_label_values))
 
     def observe_request(
         self,

@@ -12,7 +12,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
@@ -184,3 +191,34 @@ def test_info_names_at_most_a_bounded_number_of_adapters() -> None:
     names = [f"{i}@{i:012x}" for i in range(MAX_INFO_ADAPTERS + 5)]
     assert info_adapters(names).split(",") == names[:MAX_INFO_ADAPTERS]
     assert info_adapters([]) == ""
+
+
+def test_speculative_counters_by_replica_and_adapter(tiny_llama_dir: Path,
+                                                     refs: dict[str, AdapterRef]) -> None:
+    engine = LLMEngine(EngineConfig(
+        ModelConfig(str(tiny_llama_dir)), CacheConfig(block_size=16, num_kv_blocks=64),
+        LoRAConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=2),
+        speculative=SpeculativeConfig(prompt_lookup_min=1)), progress=False)
+    metrics = GatewayMetrics()
+    copy_heavy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    try:
+        for round_ in range(2):
+            engine.adapters.load_now(refs["r4"])
+            engine.add_request(f"a{round_}", PROMPT * 3, copy_heavy, refs["r4"])
+            engine.add_request(f"b{round_}", PROMPT * 3, copy_heavy)
+            while engine.has_unfinished():
+                engine.step()
+            stats = engine.stats()
+            metrics.observe_engine([stats])
+            for name, drafts, draft_tokens, accepted in stats.spec_by_adapter:
+                adapter = name or "base"
+                for metric, total in (("drafts", drafts), ("draft_tokens", draft_tokens),
+                                      ("accepted_tokens", accepted)):
+                    assert value(metrics, f"loraplex_spec_decode_num_{metric}_total",
+                                 replica="0", adapter=adapter) == total
+        assert {name for name, *_ in stats.spec_by_adapter} == {"", identity(refs["r4"])}
+        assert stats.spec_num_accepted_tokens > 0
+        assert value(metrics, "loraplex_spec_decode_acceptance_rate",
+                     replica="0") == stats.spec_acceptance_rate
+    finally:
+        engine.close()

@@ -27,6 +27,7 @@ from loraplex.config import (
     RegistryConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
@@ -55,7 +56,8 @@ def ui_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     client = EngineClient.from_config(EngineConfig(
         ModelConfig(str(tiny_llama_dir)), CacheConfig(block_size=16, num_kv_blocks=128),
         LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)))
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        SpeculativeConfig(prompt_lookup_min=1)))
     app = create_app(ServerConfig(served_model_name=SERVED, usage_flush_interval_s=0.2),
                      RegistryConfig(db_url, str(root / "store")), client)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

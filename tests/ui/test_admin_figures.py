@@ -121,6 +121,25 @@ def test_engine_page_headline_is_pool_use(browser: Any, ui_server: UIServer,
     page.close()
 
 
+def test_engine_page_shows_speculation_by_adapter(browser: Any, ui_server: UIServer,
+                                                 busy_engine: None) -> None:
+    page = signed_in_page(browser, ui_server, "engine")
+    # The busy streams repeat one token: prompt lookup proposes at every step.
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('#engine-spec tbody tr')]
+              .some(r => /base model/.test(r.textContent))""", timeout=30_000)
+    cells = json.loads(page.evaluate(
+        """() => JSON.stringify([...[...document.querySelectorAll('#engine-spec tbody tr')]
+              .find(r => /base model/.test(r.textContent))
+              .querySelectorAll('td')].map(td => td.textContent))"""))
+    drafts, proposed, accepted = (int(c.replace(",", "")) for c in cells[1:4])
+    assert 0 < drafts <= proposed and accepted <= proposed
+    assert cells[4].endswith("%")
+    card = page.locator("#engine-stats .stat", has_text="Speculation accepted")
+    assert "proposed tokens" in card.text_content()  # type: ignore[operator]
+    page.close()
+
+
 def test_usage_totals_stacked_by_tenant_name_the_tenant(
         browser: Any, ui_server: UIServer, ui_adapters: dict[str, Path]) -> None:
     tenant, key = new_tenant(ui_server)
