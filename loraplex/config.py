@@ -91,7 +91,7 @@ class SchedulerConfig:
         _require(self.max_waiting >= 1, "max_waiting must be >= 1")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "layer_skip")
 
 
 @dataclass(frozen=True)
@@ -104,12 +104,18 @@ class SpeculativeConfig:
     where at least ``disable_by_batch_size`` sequences run (a full batch already uses the
     compute that proposals would take), and paused for a sequence whose recent acceptance
     rate fell below ``min_acceptance_rate`` (it is probed again now and then).
+
+    ``layer_skip``: the target's own first ``num_draft_layers`` layers, its final norm and
+    LM head (with the request's adapter) propose greedily, one token per draft forward.
+    They share the target's weights and its KV cache: the first layers' KV of accepted
+    tokens is exactly what the draft computes, so it needs no cache of its own.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    num_draft_layers: int | None = None  # layer_skip only
     disable_by_batch_size: int | None = 16
     min_acceptance_rate: float = 0.1
 
@@ -124,6 +130,11 @@ class SpeculativeConfig:
         _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                  f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require((self.method == "layer_skip") == (self.num_draft_layers is not None),
+                 "num_draft_layers is required by the layer_skip method, and only by it")
+        _require(self.num_draft_layers is None or (isinstance(self.num_draft_layers, int)
+                                                   and self.num_draft_layers >= 1),
+                 f"num_draft_layers must be an integer >= 1, got {self.num_draft_layers!r}")
         _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
                  "disable_by_batch_size must be >= 1")
         _require(0.0 <= self.min_acceptance_rate <= 1.0,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, SpeculativeConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
@@ -65,15 +65,23 @@ class LLMEngine:
                                    max_adapter_wait_s)
         self.spec = (SpecController(config.speculative, self.max_model_len)
                      if config.speculative is not None else None)
-        if config.speculative is not None \
-                and config.speculative.num_speculative_tokens >= self.max_model_len:
-            raise ConfigError(f"num_speculative_tokens ({config.speculative.num_speculative_tokens}"
-                              f") must be below the context length ({self.max_model_len})")
+        self._check_speculative(config.speculative)
         # Verified proposals by adapter identity ("" for the base model).
         self._spec_counters: dict[str, SpecCounters] = {}
         self._groups: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
+
+    def _check_speculative(self, spec: SpeculativeConfig | None) -> None:
+        if spec is None:
+            return
+        if spec.num_speculative_tokens >= self.max_model_len:
+            raise ConfigError(f"num_speculative_tokens ({spec.num_speculative_tokens}) must be "
+                              f"below the context length ({self.max_model_len})")
+        num_layers = self.runner.args.num_layers
+        if spec.num_draft_layers is not None and spec.num_draft_layers >= num_layers:
+            raise ConfigError(f"num_draft_layers ({spec.num_draft_layers}) must be below the "
+                              f"model's {num_layers} layers")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.runner.args.eos_token_ids)
@@ -173,8 +181,15 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
-        proposals = self.spec.propose(self.scheduler.running) if self.spec else None
-        out = self.scheduler.schedule(proposals)
+        proposals: dict[str, list[int]] = {}
+        num_spec: dict[str, int] = {}
+        if self.spec is not None:
+            if self.spec.config.method == "ngram":
+                proposals = self.spec.propose(self.scheduler.running)
+                num_spec = {rid: len(ids) for rid, ids in proposals.items()}
+            else:
+                num_spec = self.spec.plan(self.scheduler.running)
+        out = self.scheduler.schedule(num_spec)
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
             return deltas
@@ -182,15 +197,35 @@ class LLMEngine:
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
-        batch = BatchInputs([SeqInput(s.token_ids, s.request.num_computed_tokens,
+        spec_ids = self._spec_token_ids(out, proposals)
+        batch = BatchInputs([SeqInput(s.token_ids + spec_ids.get(s.request.request_id, []),
+                                      s.request.num_computed_tokens,
                                       self.kv.block_table(s.request.request_id), s.lora_slot,
                                       self._sampling_rows(s.request) if s.samples else (),
                                       *self._prompt_targets(s.request, s.num_new_tokens),
-                                      s.spec_token_ids)
+                                      spec_ids.get(s.request.request_id, ()))
                              for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
         return deltas
+
+    def _spec_token_ids(self, out: SchedulerOutput,
+                        proposals: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The proposals of the sequences given slots for them: prompt lookup's (cut to
+        the slots), or the layer-skip draft's, run now that the slots exist."""
+        seqs = [s for s in out.scheduled if s.num_spec_tokens]
+        if not seqs:
+            return {}
+        assert self.spec is not None
+        if self.spec.config.method == "ngram":
+            return {s.request.request_id: proposals[s.request.request_id][:s.num_spec_tokens]
+                    for s in seqs}
+        assert self.spec.config.num_draft_layers is not None
+        drafts = self.runner.draft(
+            [SeqInput(s.token_ids, s.request.num_computed_tokens,
+                      self.kv.block_table(s.request.request_id), s.lora_slot) for s in seqs],
+            [s.num_spec_tokens for s in seqs], self.spec.config.num_draft_layers)
+        return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
     def _sampling_rows(self, request: Request) -> list[SamplingRow]:
         p = request.params
@@ -238,7 +273,7 @@ class LLMEngine:
                 done = len(request.prompt_logprobs) - request.num_computed_tokens
                 request.prompt_logprobs.extend((t.logprob or 0.0, t.top_logprobs or ())
                                                for t in result.prompt_logprobs[max(done, 0):])
-            if sched.spec_token_ids:
+            if sched.num_spec_tokens:
                 deltas.append(self._update_speculated(sched, result, now))
                 continue
             request.num_computed_tokens += sched.num_new_tokens
@@ -257,7 +292,7 @@ class LLMEngine:
         """A verify step: the KV of the accepted proposals is kept, the slots of the
         rejected ones are released, and the kept tokens are appended (up to a stop)."""
         request = sched.request
-        num_proposed, num_accepted = len(sched.spec_token_ids), len(result.accepted)
+        num_proposed, num_accepted = sched.num_spec_tokens, len(result.accepted)
         assert self.spec is not None
         self.spec.record(request, num_proposed, num_accepted)
         key = "" if request.adapter is None else _identity(request.adapter.key)

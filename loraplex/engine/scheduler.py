@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,8 +46,8 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int  # speculative tokens included
     lora_slot: int
-    # Proposed tokens computed after the sequence's last token, to be verified.
-    spec_token_ids: tuple[int, ...] = ()
+    # Slots for proposed tokens after the sequence's last token, to be verified.
+    num_spec_tokens: int = 0
     # Captured when scheduled: the request's own counter moves on after the step.
     num_computed_tokens: int = field(init=False)
 
@@ -56,14 +56,15 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
+        """The known tokens computed this step (the proposals follow them)."""
         start = self.num_computed_tokens
-        end = start + self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.all_token_ids[start:end] + list(self.spec_token_ids)
+        return self.request.all_token_ids[start:start + self.num_new_tokens
+                                          - self.num_spec_tokens]
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token (so a token is sampled)."""
-        return (self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+        return (self.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens
                 == self.request.num_tokens)
 
 
@@ -150,25 +151,25 @@ class Scheduler:
 
     # --- the step ----------------------------------------------------------------------
 
-    def schedule(self, proposals: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
-        """This step's work. ``proposals``: speculative tokens by request id, for running
-        decodes; each gets slots for as many as budget and free blocks allow (none rather
-        than preempting anyone for them)."""
+    def schedule(self, num_spec: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """This step's work. ``num_spec``: speculative tokens wanted, by request id, for
+        running decodes; each gets slots for as many as budget and free blocks allow (none
+        rather than preempting anyone for them)."""
         out = SchedulerOutput(scheduled=[])
         budget = self.config.max_num_batched_tokens
         now = self.clock()
-        proposals = proposals or {}
+        num_spec = num_spec or {}
 
         # 1. running requests, oldest first; preempt from the newest end when out of blocks
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            spec = tuple(proposals.get(request.request_id, ()))[:budget - 1]
-            if spec and request.num_uncomputed_tokens == 1 \
-                    and self._allocate(request, 1 + len(spec)) is not None:
-                out.scheduled.append(ScheduledSeq(request, 1 + len(spec),
-                                                  self.slot_of(request), spec))
-                budget -= 1 + len(spec)
+            spec = min(num_spec.get(request.request_id, 0), budget - 1)
+            if spec > 0 and request.num_uncomputed_tokens == 1 \
+                    and self._allocate(request, 1 + spec) is not None:
+                out.scheduled.append(ScheduledSeq(request, 1 + spec, self.slot_of(request),
+                                                  spec))
+                budget -= 1 + spec
                 index += 1
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)

@@ -1,9 +1,11 @@
 """Speculative decoding's engine side: who may speculate, how many tokens, and proposals.
 Pure Python (no torch).
 
-A proposer guesses the next tokens of a sequence; the target model scores them all in the
-step's one forward, next to the batch's other decodes and prefill chunks, and keeps the
-longest prefix it agrees with plus one token of its own (see ``model.sampler.verify``).
+Proposals guess a sequence's next tokens: prompt lookup here, before scheduling; or the
+layer-skip draft (``ModelRunner.draft``), once the scheduler has given the slots its KV
+goes to. The target model scores them all in the step's one forward, next to the batch's
+other decodes and prefill chunks, and keeps the longest prefix it agrees with plus one
+token of its own (see ``model.sampler.verify``).
 
 Per-token logic: a request with penalties, ``logit_bias``, per-token logprobs, or still
 under ``min_tokens`` does not speculate (its logits would need that logic at every verified
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from loraplex.config import SpeculativeConfig
 from loraplex.engine.request import Request
@@ -24,12 +25,6 @@ from loraplex.engine.request import Request
 PAUSE_STEPS = 16
 # Weight of the newest step in a sequence's running acceptance rate.
 ACCEPTANCE_DECAY = 0.5
-
-
-class Proposer(Protocol):
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` guesses of the tokens that follow ``token_ids``."""
-        ...
 
 
 class NgramProposer:
@@ -76,21 +71,24 @@ class SpecController:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min,
-                                                config.prompt_lookup_max)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
-        """Proposals by request id, for the sequences that should speculate this step."""
+    def plan(self, running: Sequence[Request]) -> dict[str, int]:
+        """How many tokens each sequence that should speculate this step may propose."""
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return {}
+        wanted = {r.request_id: self._num_tokens(r) for r in running}
+        return {rid: num for rid, num in wanted.items() if num > 0}
+
+    def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
+        """Prompt lookup's proposals by request id, for the sequences of ``plan``."""
+        by_id = {r.request_id: r for r in running}
         proposals = {}
-        for request in running:
-            num = self._num_tokens(request)
-            if num > 0:
-                ids = self.proposer.propose(request.all_token_ids, num)
-                if ids:
-                    proposals[request.request_id] = ids
+        for request_id, num in self.plan(running).items():
+            ids = self.proposer.propose(by_id[request_id].all_token_ids, num)
+            if ids:
+                proposals[request_id] = ids
         return proposals
 
     def _num_tokens(self, request: Request) -> int:

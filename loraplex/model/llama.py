@@ -159,11 +159,12 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMeta, lora: LoRAStep | None,
-                backend: Backend | None = None) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
+                backend: Backend | None = None, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` of a flat batch of tokens, after the final
+        norm; ``num_layers``: only the first that many layers (a layer-skip draft)."""
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         rope = self.rotary(positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for layer, kv in list(zip(self.layers, kv_caches, strict=True))[:num_layers]:
             x = layer(x, rope, kv, meta, lora, backend)
         return self.norm(x)
 

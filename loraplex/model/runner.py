@@ -271,9 +271,34 @@ class ModelRunner:
         return [SampledToken(t, lp, alts)
                 for t, lp, alts in zip(seq.prompt_targets, chosen, top, strict=True)]
 
-    def _hidden(self, batch: BatchInputs) -> tuple[torch.Tensor, list[int]]:
-        """One forward; the hidden states ``[num_tokens, hidden]`` of every token computed,
-        and where each sequence's first token is among them."""
+    def draft(self, seqs: Sequence[SeqInput], num_tokens: Sequence[int],
+              num_layers: int) -> list[list[int]]:
+        """Layer-skip proposals: each decode in ``seqs`` (its one last token) runs through
+        the first ``num_layers`` layers and the LM head, greedily, ``num_tokens[i]`` times.
+
+        Its KV goes to the slots the scheduler gave the proposals, in those layers only;
+        the verifying forward writes the same values there again for every token it keeps.
+        """
+        proposals: list[list[int]] = [[] for _ in seqs]
+        current = list(seqs)
+        live = list(range(len(seqs)))
+        while live:
+            batch = BatchInputs([current[i] for i in live])
+            hidden, starts = self._hidden(batch, num_layers)
+            logits = self.model.compute_logits(hidden.index_select(
+                0, torch.tensor(starts, dtype=torch.int64, device=self.device)))
+            for i, token in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
+                proposals[i].append(token)
+                s = current[i]
+                current[i] = SeqInput([token], s.num_computed + 1, s.block_table, s.lora_slot)
+            live = [i for i in live if len(proposals[i]) < num_tokens[i]]
+        return proposals
+
+    def _hidden(self, batch: BatchInputs,
+                num_layers: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """One forward (through the first ``num_layers`` layers only, if given); the hidden
+        states ``[num_tokens, hidden]`` of every token computed, and where each sequence's
+        first token is among them."""
         # Sequences of one adapter side by side: each slot's tokens form one contiguous run,
         # which the LoRA step slices instead of gathering and scattering.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].lora_slot)
@@ -298,7 +323,7 @@ class ModelRunner:
                             self.kernel_backend)
         hidden = self.model(torch.tensor(input_ids, device=dev),
                             torch.tensor(positions, device=dev), self.kv_caches, meta, lora,
-                            self.kernel_backend)  # [num_tokens, hidden]
+                            self.kernel_backend, num_layers)  # [num_tokens, hidden]
         return hidden, starts
 
 __all__ = ["BatchInputs", "ModelArgs", "ModelRunner", "SeqInput", "SeqOutput", "pick_device"]

@@ -22,6 +22,10 @@ NUM_REQUESTS = 40
 LONGER = 10
 SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "disable_by_batch_size": None}
+# The tiny models have two layers: the draft is the first one.
+LAYER_SKIP = {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 3,
+              "disable_by_batch_size": None}
+METHODS = {"ngram": SPEC, "layer_skip": LAYER_SKIP}
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
@@ -36,7 +40,10 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 
 def test_config_is_refused_in_one_line(tiny_llama_dir: Path) -> None:
-    for bad, match in [('{"method": "eagle"}', "method must be one of ngram"),
+    for bad, match in [('{"method": "eagle"}', "method must be one of ngram, layer_skip"),
+                       ('{"method": "layer_skip"}', "num_draft_layers is required"),
+                       ('{"num_draft_layers": 2}', "only by it"),
+                       ('{"method": "layer_skip", "num_draft_layers": 0}', "num_draft_layers"),
                        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
                        ('{"num_speculative_tokens": "3"}', "num_speculative_tokens"),
                        ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup"),
@@ -47,6 +54,9 @@ def test_config_is_refused_in_one_line(tiny_llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="context length"):
         LLM(str(tiny_llama_dir), progress=False, max_model_len=8,
             speculative_config={"num_speculative_tokens": 8})
+    with pytest.raises(ConfigError, match="below the model's 2 layers"):
+        LLM(str(tiny_llama_dir), progress=False,
+            speculative_config={"method": "layer_skip", "num_draft_layers": 2})
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         LLM(str(tiny_llama_dir), progress=False, max_num_batched_tokens=4,
             speculative_config={"num_speculative_tokens": 4})
@@ -146,9 +156,10 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_with_speculation_matches_the_oracle(arch: str, case: str,
+def test_greedy_with_speculation_matches_the_oracle(arch: str, case: str, method: str,
                                                     request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
     adapters: dict[str, Path] = request.getfixturevalue(f"{arch}_adapters")
@@ -156,8 +167,8 @@ def test_greedy_with_speculation_matches_the_oracle(arch: str, case: str,
     kwargs = dict(CASES[case])
     n = kwargs.pop("n", 1)
     extra = LONGER if case.startswith("preempt") else 0
-    llm = LLM(str(model_dir), progress=False, max_lora_rank=16, speculative_config=SPEC,
-              **kwargs)
+    llm = LLM(str(model_dir), progress=False, max_lora_rank=16,
+              speculative_config=METHODS[method], **kwargs)
     loras = [None if a is None else LoRARequest(a, str(adapters[a])) for a in w.adapters]
     params = [SamplingParams(temperature=0.0, max_tokens=m + extra, ignore_eos=True, n=n)
               for m in w.max_tokens]
@@ -216,10 +227,12 @@ def test_cli_refuses_a_bad_speculative_config(capsys: pytest.CaptureFixture[str]
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi",
                  "--speculative-config", json.dumps({"method": "medusa"})]) != 0
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "method must be one of ngram" in err
+    assert err.count("\n") == 0 and "method must be one of ngram, layer_skip" in err
 
 
-def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path,
+                                                       method: str) -> None:
     """temperature 1, top_k 3: the joint distribution of the first three tokens of 3000
     seeded samples (the second and third come from verify steps) fits the oracle's exact one
     (27 cells, p > 0.001; fixed seeds, so the outcome never changes)."""
@@ -245,7 +258,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path) -> 
             for t3, p3 in next_probs(prompt + [t1, t2]).items():
                 exact[(t1, t2, t3)] = p1 * p2 * p3
     llm = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_kv_blocks=1000,
-              speculative_config=SPEC)
+              speculative_config=METHODS[method])
     counts = dict.fromkeys(exact, 0)
     for first in range(0, num, 1000):  # under the engine's queue limit
         params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, ignore_eos=True,

@@ -1,0 +1,187 @@
+"""Speculative decoding (prompt lookup) against none, side by side in one run, on the demo
+model: tokens/s with and without, acceptance rate, mean accepted length.
+
+Workloads, each at batch sizes 1, 8 and 64 (``max_num_seqs``; twice as many requests as
+the batch holds, but 64 at batch 64, so that continuous batching refills the slots of
+sequences that finish early, as a server's would):
+
+- ``copy``: chat prompts that ask the model to repeat, quote or lightly edit a passage
+  given in the prompt (what prompt lookup is for);
+- ``offline``: the offline benchmark's random-token prompts (``_workload``), where proposals
+  are rarely right: the controller's test.
+
+Both systems decode greedily with EOS ignored (identical outputs, checked), prefix caching
+off (every round computes the same work). Rounds alternate off / on, so a burst of load
+from other jobs on this shared machine hits both alike; the ratio reported is the median of
+the rounds' ratios. Engine steps are counted too: unlike seconds they do not move with load.
+
+    python benchmarks/speculative.py            # the full run
+    python benchmarks/speculative.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see offline_throughput.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _workload import WorkloadSpec, make_workload  # noqa: E402
+
+from loraplex import LLM, SamplingParams  # noqa: E402
+from loraplex.model.demo import prepare_demo_model  # noqa: E402
+
+PASSAGES = [
+    "The committee met on Tuesday to review the budget for the coming year. After a long "
+    "discussion, members agreed to increase funding for the public library by ten percent, "
+    "to repair the bridge on Mill Street before winter, and to postpone the new parking "
+    "garage until a traffic study is complete.",
+    "To reset your password, open the settings page and choose Security. Enter your current "
+    "password, then type the new one twice. The new password must be at least twelve "
+    "characters long and may not match any of your last five passwords. You will be signed "
+    "out of every other device.",
+    "Preheat the oven to 180 degrees. Mix the flour, sugar and baking powder in a large "
+    "bowl, then add the eggs, milk and melted butter and stir until smooth. Pour the batter "
+    "into a greased tin and bake for thirty five minutes, until a knife comes out clean.",
+    "The river rises in the northern hills and flows south for about two hundred miles "
+    "before it reaches the sea. Along the way it passes through three large towns, feeds two "
+    "lakes, and drives the old mills that gave the valley its name and its first wealth.",
+]
+INSTRUCTIONS = [
+    "Repeat the following passage exactly, word for word:",
+    "Quote the passage below in full:",
+    "Rewrite the passage below, changing nothing except that every number is written in "
+    "digits:",
+    "Copy this text and correct any spelling mistakes:",
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}
+
+
+def copy_prompts(llm: LLM, num: int) -> list[list[int]]:
+    prompts = []
+    for i in range(num):
+        content = f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{PASSAGES[i % len(PASSAGES)]}"
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                add_generation_prompt=True)
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return prompts
+
+
+def offline_prompts(llm: LLM, num: int) -> list[list[int]]:
+    spec = WorkloadSpec(num_requests=num, num_adapters=0, min_prompt=32, max_prompt=256)
+    items = make_workload(spec, llm.engine.vocab_size, llm.tokenizer.all_special_ids)
+    return [item.prompt_ids for item in items]
+
+
+def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    before = llm.stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    return {"seconds": seconds, "steps": after.num_steps - before.num_steps,
+            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "ids": [o.outputs[0].token_ids for o in outs],
+            "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            "accepted": after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+            "drafts": after.spec_num_drafts - before.spec_num_drafts}
+
+
+def measure(model: str, batch: int, workload: str, max_tokens: int,
+            rounds: int) -> dict[str, Any]:
+    def make(spec: dict[str, Any] | None) -> LLM:
+        return LLM(model, max_num_seqs=batch, enable_prefix_caching=False, progress=False,
+                   speculative_config=spec)
+
+    off, on = make(None), make(SPEC)
+    num_requests = 2 * batch if batch < 64 else batch
+    prompts = (copy_prompts if workload == "copy" else offline_prompts)(off, num_requests)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in (off, on):  # warm up both
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for name, llm in (("off", off), ("on", on)):
+            runs[name].append(timed(llm, prompts, params))
+    assert all(r["ids"] == runs["off"][0]["ids"] for r in runs["on"]), "outputs differ"
+    ratios = [(b["tokens"] / b["seconds"]) / (a["tokens"] / a["seconds"])
+              for a, b in zip(runs["off"], runs["on"], strict=True)]
+    on_runs = runs["on"]
+    proposed = sum(r["draft_tokens"] for r in on_runs)
+    accepted = sum(r["accepted"] for r in on_runs)
+    drafts = sum(r["drafts"] for r in on_runs)
+    for llm in (off, on):
+        llm.close()
+    return {
+        "workload": workload, "batch": batch, "requests": len(prompts),
+        "max_tokens": max_tokens, "rounds": rounds,
+        "tokens_per_s_off": [r["tokens"] / r["seconds"] for r in runs["off"]],
+        "tokens_per_s_on": [r["tokens"] / r["seconds"] for r in on_runs],
+        "ratios": ratios, "median_ratio": statistics.median(ratios),
+        "steps_off": runs["off"][0]["steps"], "steps_on": on_runs[0]["steps"],
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+        "proposed_per_round": proposed // rounds,
+    }
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['workload']}\nbatch {r['batch']}" for r in results]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(labels, [r["median_ratio"] for r in results], color="#4a7ab5")
+    for y, style in ((1.5, "--"), (1.0, "-"), (0.97, ":")):
+        ax.axhline(y, color="grey", linestyle=style, linewidth=1)
+    ax.set_ylabel("tokens/s with / without speculation")
+    ax.set_title("Prompt-lookup speculation on the demo model (CPU, median of rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 8, short outputs")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="docs/benchmarks/speculative",
+                        help="output path without extension: writes .json and .png")
+    args = parser.parse_args(argv)
+    model = str(prepare_demo_model(progress=False))
+    batches = (1, 8) if args.quick else (1, 8, 64)
+    results = []
+    print(f"{'workload':<8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} "
+          f"{'steps off/on':>13} {'accept':>7} {'mean len':>8}", flush=True)
+    for workload in ("copy", "offline"):
+        for batch in batches:
+            max_tokens = 24 if args.quick else 32 if batch >= 64 else 64
+            r = measure(model, batch, workload, max_tokens, args.rounds)
+            results.append(r)
+            print(f"{workload:<8} {batch:>5} {statistics.median(r['tokens_per_s_off']):>10.1f} "
+                  f"{statistics.median(r['tokens_per_s_on']):>9.1f} "
+                  f"{r['median_ratio']:>6.2f} {r['steps_off']:>6}/{r['steps_on']:<6} "
+                  f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"speculative_config": SPEC, "load_average": os.getloadavg(),
+              "cpu_count": os.cpu_count(), "results": results}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
