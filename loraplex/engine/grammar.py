@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 _CACHE_SIZE: Final = 256  # compiled grammars kept
 # JSON is written as json.dumps writes it: free whitespace would let a model pad forever
 # instead of closing the document.
-_JSON_LAYOUT: Final["JsonCompileOptions"] = {
+_JSON_LAYOUT: Final[JsonCompileOptions] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 def _grammar_text(spec: GrammarSpec) -> str:
