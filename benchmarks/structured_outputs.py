@@ -96,9 +96,34 @@ def main() -> None:
               "tokens_per_s_half_constrained": half, "ratio": half / none,
               "compile_ms_cold_median": 1000 * statistics.median(cold),
               "compile_ms_cached_median": 1000 * statistics.median(cached)}
+    result["tokens_per_s_by_repeat"] = rates
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+        _plot(result, args.json.with_suffix(".png"))
+
+
+def _plot(result: dict[str, object], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = result["tokens_per_s_by_repeat"]
+    assert isinstance(rates, dict)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for offset, (name, label) in enumerate((("none", "no request constrained"),
+                                            ("half", "every other request: JSON schema"))):
+        xs = [i + 0.2 * offset for i in range(len(rates[name]))]
+        ax.bar(xs, rates[name], width=0.2, label=label)
+    ax.set_xticks([i + 0.1 for i in range(len(rates["none"]))],
+                  [str(i + 1) for i in range(len(rates["none"]))])
+    ax.set_xlabel("repeat (alternated, same run)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"Structured outputs on the demo model: median ratio {result['ratio']:.2f}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":
