@@ -48,6 +48,16 @@ def combine_digests(weights_sha256: bytes, config_sha256: bytes) -> str:
     return hashlib.sha256(DIGEST_DOMAIN + weights_sha256 + config_sha256).hexdigest()
 
 
+def stored_folder(digest: str) -> str:
+    """Where the content-addressed store keeps the adapter of ``digest``, relative to its
+    root: ``<digest[:2]>/<digest>``. Every process resolving by digest (the registry, an
+    engine replica on another host) uses this one layout. ValueError for anything but 64
+    lowercase hex digits, so no request text ever becomes a path."""
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"not a sha256 hex digest: {digest!r}")
+    return f"{digest[:2]}/{digest}"
+
+
 def file_sha256(path: str | os.PathLike[str]) -> bytes:
     """The raw sha256 digest of a file, read in chunks."""
     h = hashlib.sha256()

@@ -97,7 +97,9 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
                    help="route adapter requests like base ones, ignoring which replica holds "
                         "the adapter (for comparison)")
     g.add_argument("--max-queued-requests", type=int, default=RayConfig.max_queued_requests,
-                   help="requests this gateway holds for busy replicas before answering 503")
+                   help="requests each gateway holds for busy replicas before answering 503 "
+                        "(a setting of the deployment: the gateway that deploys the replicas "
+                        "sets it for all)")
 
 
 def _prepare_registry(args: argparse.Namespace) -> None:
@@ -243,7 +245,8 @@ def _serve(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
                 pass
         finally:
-            client.close()  # a no-op after the app's lifespan shut it down
+            client.close()  # the in-process engine: a no-op after the lifespan; Ray: a
+            # local cluster this process started goes with it
     finally:
         sock.close()
     return 0 if server.started else 1

@@ -187,6 +187,42 @@ def reference_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
     return out, first_logits
 
 
+def reference_processed_logits(logits: torch.Tensor, prompt_ids: Sequence[int],
+                               output_ids: Sequence[int], *, presence: float = 0.0,
+                               frequency: float = 0.0, repetition: float = 1.0,
+                               logit_bias: Sequence[tuple[int, float]] = (),
+                               banned_ids: Sequence[int] = ()) -> torch.Tensor:
+    """The oracle of the sampler's logit processing, one row ``[vocab]`` at a time, token by
+    token from the definitions (float64): min_tokens bans and OpenAI's ``logit_bias``, then
+    vLLM's repetition penalty over prompt and output tokens, then OpenAI's frequency and
+    presence penalties over output tokens."""
+    out = logits.double().clone()
+    for token_id, bias in logit_bias:
+        out[token_id] += bias
+    for token_id in banned_ids:
+        out[token_id] = float("-inf")
+    for token_id in set(prompt_ids) | set(output_ids):
+        value = float(out[token_id])
+        out[token_id] = value / repetition if value > 0 else value * repetition
+    for token_id in set(output_ids):
+        count = list(output_ids).count(token_id)
+        out[token_id] -= frequency * count + presence
+    return out
+
+
+def reference_greedy_processed(model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
+                               **processing: Any) -> list[int]:
+    """Greedy token ids (EOS ignored) by the oracle model, each step's logits processed by
+    ``reference_processed_logits`` with ``processing``."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([[*prompt_ids, *out]])).logits[0, -1]
+            out.append(int(reference_processed_logits(logits, prompt_ids, out,
+                                                      **processing).argmax()))
+    return out
+
+
 TEST_REDIS_URL_ENV = "LORAPLEX_TEST_REDIS_URL"
 
 

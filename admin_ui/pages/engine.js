@@ -1,4 +1,5 @@
-// Engine: queue, KV cache, prefix-cache hit rate and adapter slots, refreshed every 2 s.
+// Engine: queue, KV cache, prefix-cache hit rate and adapter slots of the whole deployment,
+// then each replica's, refreshed every 2 s.
 import { api } from "../api.js";
 import { errorLine, fmtInt, h, table } from "../dom.js";
 
@@ -17,11 +18,26 @@ function stat(label, value, sub, fraction) {
 
 const pct = (x) => `${(100 * x).toFixed(1)}%`;
 
+// One row per replica: its queue, KV pool and what sits in its device slots.
+function replicaRows(replicas) {
+  return replicas.map((r) => {
+    const loaded = r.slots.filter(Boolean);
+    return [String(r.replica), fmtInt(r.num_waiting), fmtInt(r.num_running),
+      pct(r.kv_pool_usage), `${loaded.length} / ${r.max_loras}`,
+      loaded.length
+        ? h("span", {}, loaded.flatMap((slot, i) => [i ? ", " : null,
+            h("strong", {}, slot.model || "(unknown)"), " ", h("code", {}, slot.identity)]))
+        : h("span", { class: "muted" }, "none"),
+      `${r.host_adapters.length} / ${r.max_cpu_loras}`];
+  });
+}
+
 export async function render(container) {
   const stamp = h("span", { class: "muted", id: "engine-updated" });
   const error = errorLine();
   const stats = h("div", { class: "stats", id: "engine-stats" });
   const slots = h("div", { id: "engine-slots" });
+  const replicas = h("div", { id: "engine-replicas" });
   let timer = null;
   let stopped = false;
 
@@ -50,6 +66,9 @@ export async function render(container) {
              slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}` : "—",
              h("code", {}, slot.identity)]
           : [String(i), h("span", { class: "muted" }, "empty"), "—", "—"]), "No slots."));
+      replicas.replaceChildren(table(["Replica", "Waiting", "Running", "KV pool",
+        "Slots in use", "Adapters in slots", "Host cache"], replicaRows(s.replicas),
+        "No replicas."));
       stamp.textContent = `Model ${s.served_model} · updated ${new Date().toLocaleTimeString("en-GB")}`;
     } catch (err) {
       error.show(err);
@@ -59,6 +78,7 @@ export async function render(container) {
 
   container.append(
     h("div", { class: "page-head" }, h("h1", {}, "Engine"), stamp), error, stats,
+    h("div", { class: "card" }, h("h2", {}, "Replicas"), replicas),
     h("div", { class: "card" }, h("h2", {}, "Adapter slots"), slots));
   await refresh();
   return () => { stopped = true; clearTimeout(timer); };

@@ -28,7 +28,7 @@ class AdapterStats:
     total_load_seconds: float
     slots: tuple[AdapterKey | None, ...]
     pins: tuple[int, ...]
-    num_host_cached: int
+    host: tuple[AdapterKey, ...]  # in the host-memory cache, least recently used first
 
 
 class AdapterManager:
@@ -153,7 +153,7 @@ class AdapterManager:
 
     def stats(self) -> AdapterStats:
         with self._lock:
-            num_host = len(self._host)
+            host = tuple(self._host)
         return AdapterStats(self.num_slot_loads, self.num_slot_evictions, self.num_disk_loads,
                             self.total_load_seconds, tuple(self._slots), tuple(self._pins),
-                            num_host)
+                            host)

@@ -67,7 +67,12 @@ class EngineBackend(Protocol):
         ...
 
     async def stats(self) -> EngineStats:
-        """The engine's figures now."""
+        """The engine's figures now: the whole deployment's (see ``combine_stats``)."""
+        ...
+
+    async def replica_stats(self) -> tuple[EngineStats, ...]:
+        """Each replica's figures now, ordered by ordinal (``replica`` 0..N-1); what the
+        admin API and the metrics show per replica."""
         ...
 
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:

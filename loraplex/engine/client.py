@@ -245,6 +245,10 @@ class EngineClient:
         return await self.run_in_engine(
             lambda engine: replace(engine.stats(), num_unfinished=self.num_unfinished))
 
+    async def replica_stats(self) -> tuple[EngineStats, ...]:
+        """The one engine of this process, as replica 0."""
+        return (await self.stats(),)
+
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version from the engine (see ``LLMEngine.forget_adapter``)."""
         await self.run_in_engine(lambda engine: engine.forget_adapter(adapter_id, digest))

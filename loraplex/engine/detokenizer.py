@@ -23,7 +23,7 @@ class Detokenizer:
                                      skip_special_tokens=params.skip_special_tokens)
         previous = len(request.output_text)
         request.output_text = text
-        if not params.stop:
+        if not params.stop or request.num_output_tokens < params.min_tokens:
             return None
         longest = max(len(s) for s in params.stop)
         search_from = max(0, previous - longest + 1)

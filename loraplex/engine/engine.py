@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -13,13 +16,14 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.grammar import GrammarCompiler, MaskFiller
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
-from loraplex.engine.request import AdapterRef, Request, RequestStatus
+from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.stats import EngineStats
-from loraplex.engine.validation import check_prompt
+from loraplex.engine.validation import check_params, check_prompt
 from loraplex.errors import (
     AdapterError,
     EngineOverloadedError,
@@ -28,8 +32,8 @@ from loraplex.errors import (
 )
 from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapter
 from loraplex.model.args import ModelArgs
-from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
-from loraplex.model.sampler import SamplingRow
+from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput, SeqOutput
+from loraplex.model.sampler import SampledToken, SamplingRow
 
 
 def model_description(config: EngineConfig, args: ModelArgs) -> ModelDescription:
@@ -61,6 +65,11 @@ class LLMEngine:
                                        self._load_adapter, self.runner.set_lora_slot)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
                                    max_adapter_wait_s)
+        self._grammar: GrammarCompiler | None = None  # made on the first grammar request
+        self._masks: MaskFiller | None = None
+        # One thread computes a step's grammar masks while the forward pass runs.
+        self._mask_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="loraplex-masks")
         self._groups: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
@@ -89,6 +98,19 @@ class LLMEngine:
 
     def close(self) -> None:
         self.adapters.close()
+        self._mask_thread.shutdown(wait=True)
+
+    def _compiler(self) -> GrammarCompiler:
+        """The structured-output compiler (reading the tokenizer takes about a second, so
+        only an engine that gets a grammar request pays it)."""
+        if self._grammar is None:
+            backend = copy.copy(self.tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            self._grammar = GrammarCompiler(backend.to_str(), self.vocab_size,
+                                            self.eos_token_ids)
+            self._masks = MaskFiller(self.vocab_size)
+        return self._grammar
 
     def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version: its cached prefix blocks, its host copy, and its
@@ -110,6 +132,7 @@ class LLMEngine:
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, params.max_tokens, vocab_size=self.vocab_size,
                      max_model_len=self.max_model_len)
+        check_params(params, vocab_size=self.vocab_size)
         total = len(prompt) + params.max_tokens
         if not self.kv.can_fit(total):
             raise PromptTooLongError(
@@ -125,10 +148,14 @@ class LLMEngine:
                                       f"({sched.max_num_seqs})", param="n")
         if self.scheduler.num_unfinished >= sched.max_waiting:
             raise EngineOverloadedError(f"engine queue is full ({sched.max_waiting} requests)")
+        # Compiled here, before the request is queued: a grammar that cannot compile is
+        # refused with the field that holds it.
+        constraint = (None if params.grammar is None
+                      else self._compiler().constraint(params.grammar))
         request = Request(request_id, prompt, params, adapter, cache_salt,
                           arrival_time if arrival_time is not None else time.monotonic(),
                           group_id=request_id, sample_index=0,
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, constraint=constraint)
         self._groups[request_id] = [request]
         self.scheduler.add(request)
 
@@ -170,15 +197,31 @@ class LLMEngine:
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
+        masks = self._start_masks([s.request for s in out.scheduled if s.samples])
         batch = BatchInputs([SeqInput(s.token_ids, s.request.num_computed_tokens,
                                       self.kv.block_table(s.request.request_id), s.lora_slot,
-                                      self._sampling_rows(s.request) if s.samples else ())
+                                      self._sampling_rows(s.request, masks.get(
+                                          s.request.request_id)) if s.samples else (),
+                                      *self._prompt_targets(s.request, s.num_new_tokens))
                              for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
         return deltas
 
-    def _sampling_rows(self, request: Request) -> list[SamplingRow]:
+    def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
+        """Starts computing the grammar masks of this step's constrained sequences (on the
+        mask thread, while the forward pass runs); each one's mask, when it is needed."""
+        constrained = [r for r in sampling if r.constraint is not None]
+        if not constrained:
+            return {}
+        assert self._masks is not None  # made with the compiler of their grammars
+        future = self._mask_thread.submit(self._masks.fill,
+                                          [r.constraint for r in constrained])
+        return {r.request_id: functools.partial(lambda i: future.result()[i], i)
+                for i, r in enumerate(constrained)}
+
+    def _sampling_rows(self, request: Request,
+                       allowed: Callable[[], torch.Tensor] | None = None) -> list[SamplingRow]:
         p = request.params
         # The prompt's last position samples all n sequences' first tokens at once.
         starts_group = (p.n > 1 and request.num_output_tokens == 0
@@ -186,21 +229,46 @@ class LLMEngine:
         seq_ids = [request.request_id] + ([self._child_id(request, i) for i in range(1, p.n)]
                                           if starts_group else [])
         top_k = p.top_k if p.top_k > 0 else 0
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids + (() if p.ignore_eos else request.eos_token_ids)
+        # Penalties read the sequence's own token lists; the n samples of one prompt all
+        # start from the same (empty) output.
+        prompt_ids, output_ids = ((request.prompt_token_ids, request.output_token_ids)
+                                  if p.has_penalties else ((), ()))
         return [SamplingRow(p.temperature, top_k, p.top_p, p.min_p,
                             self._generator(seq_id, i if starts_group else request.sample_index,
-                                            p), p.logprobs)
+                                            p), p.logprobs, p.presence_penalty,
+                            p.frequency_penalty, p.repetition_penalty, p.logit_bias, banned,
+                            prompt_ids, output_ids, allowed)
                 for i, seq_id in enumerate(seq_ids)]
+
+    @staticmethod
+    def _prompt_targets(request: Request, num_new: int) -> tuple[list[int], int]:
+        """The prompt tokens this step's positions predict, while prompt logprobs are
+        wanted: position i scores prompt token i + 1."""
+        if not request.needs_prompt_logits:
+            return [], 0
+        start = request.num_computed_tokens
+        end = min(start + num_new, request.num_prompt_tokens - 1)
+        return request.prompt_token_ids[start + 1:end + 1], request.params.prompt_logprobs or 0
 
     @staticmethod
     def _child_id(request: Request, index: int) -> str:
         return f"{request.group_id}#{index}"
 
-    def _update(self, out: SchedulerOutput, results: list[list[Any]]) -> list[SequenceDelta]:
+    def _update(self, out: SchedulerOutput, results: list[SeqOutput]) -> list[SequenceDelta]:
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
-        for sched, tokens in zip(out.scheduled, results, strict=True):
+        for sched, result in zip(out.scheduled, results, strict=True):
             request = sched.request
+            if result.prompt_logprobs:
+                # A recomputed prompt (after preemption) scores positions it already has.
+                done = len(request.prompt_logprobs) - request.num_computed_tokens
+                request.prompt_logprobs.extend((t.logprob or 0.0, t.top_logprobs or ())
+                                               for t in result.prompt_logprobs[max(done, 0):])
             request.num_computed_tokens += sched.num_new_tokens
+            tokens = result.sampled
             if not tokens:
                 continue
             if len(tokens) > 1:
@@ -210,7 +278,7 @@ class LLMEngine:
             self._forget_finished(group_id)
         return deltas
 
-    def _fork_children(self, parent: Request, tokens: list[Any],
+    def _fork_children(self, parent: Request, tokens: list[SampledToken],
                        now: float) -> list[SequenceDelta]:
         deltas = []
         for i, token in enumerate(tokens, start=1):
@@ -219,6 +287,9 @@ class LLMEngine:
                             group_id=parent.group_id, sample_index=i,
                             eos_token_ids=parent.eos_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.prompt_logprobs = parent.prompt_logprobs  # complete, never appended to
+            if parent.constraint is not None:  # the parent has not taken its own token yet
+                child.constraint = parent.constraint.fork()
             child.first_scheduled_time = parent.first_scheduled_time
             self.kv.fork(parent.request_id, child.request_id)
             slot = -1 if child.adapter is None else self.adapters.acquire(child.adapter)
@@ -227,15 +298,20 @@ class LLMEngine:
             deltas.append(self._append_token(child, token, now))
         return deltas
 
-    def _append_token(self, request: Request, token: Any, now: float) -> SequenceDelta:
+    def _append_token(self, request: Request, token: SampledToken,
+                      now: float) -> SequenceDelta:
         request.output_token_ids.append(token.token_id)
         logprob_entry = None
         if request.params.logprobs is not None:
-            logprob_entry = (token.logprob, token.top_logprobs or ())
+            logprob_entry = (token.logprob or 0.0, token.top_logprobs or ())
             request.output_logprobs.append(logprob_entry)
         if request.first_token_time is None:
             request.first_token_time = now
         status = self._check_stop(request, token.token_id)
+        if request.constraint is not None and status is None:
+            request.constraint.advance(token.token_id)
+            if request.constraint.is_finished:  # the grammar admits nothing more
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
         stop_string = self.detokenizer.update(request)
         if stop_string is not None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
@@ -246,6 +322,8 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         p = request.params
+        if request.num_output_tokens < p.min_tokens:
+            return None  # the sampler kept EOS and stop ids out; nothing else ends it yet
         if not p.ignore_eos and token_id in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
@@ -265,12 +343,19 @@ class LLMEngine:
             metrics = RequestMetrics(request.arrival_time, request.queue_time, request.ttft,
                                      request.tpot, e2e, request.num_preemptions)
             self._generators.pop(request.request_id, None)
+        # The first token's delta carries the prompt's logprobs (the first prompt token
+        # has none: nothing precedes it).
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and new_ids \
+                and request.num_output_tokens == 1:
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return SequenceDelta(
             request_id=request.group_id or request.request_id, index=request.sample_index,
             new_token_ids=new_ids, text_delta=self.detokenizer.take_text_delta(request, finished),
             new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, metrics=metrics)
+            num_output_tokens=request.num_output_tokens, metrics=metrics,
+            prompt_logprobs=prompt_logprobs)
 
     def _error_delta(self, request: Request, error: AdapterError) -> SequenceDelta:
         request.status = RequestStatus.FINISHED_ABORTED
@@ -294,11 +379,14 @@ class LLMEngine:
     # --- figures -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
+        """The engine's figures now, as replica 0 (a deployment sets its own ordinal)."""
         kv = self.kv.stats()
         ad = self.adapters.stats()
+        sched = self.scheduler
         return EngineStats(
+            replica=0,
             num_preemptions=kv.num_preemptions,
-            num_swap_outs=self.scheduler.num_swap_outs,
+            num_swap_outs=sched.num_swap_outs,
             prefix_cache_queried_tokens=kv.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=kv.prefix_cache_hit_tokens,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
@@ -311,16 +399,29 @@ class LLMEngine:
             kv_utilization=kv.kv_utilization,
             host_blocks_total=kv.num_host_blocks_total,
             host_blocks_used=kv.num_host_blocks_used,
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            num_swapped=len(self.scheduler.swapped),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
             num_unfinished=len(self._groups),
             num_steps=self.num_steps,
             adapter_slot_loads=ad.num_slot_loads,
             adapter_slot_evictions=ad.num_slot_evictions,
             adapter_disk_loads=ad.num_disk_loads,
             adapter_load_seconds=ad.total_load_seconds,
-            adapter_slots=tuple(None if k is None else f"{k[0]}@{k[1][:12]}"
-                                for k in ad.slots),
+            max_loras=self.adapters.max_loras,
+            max_cpu_loras=self.adapters.max_cpu_loras,
+            adapter_slots=tuple(None if k is None else _identity(k) for k in ad.slots),
+            host_adapters=tuple(_identity(k) for k in ad.host),
+            running_adapters=_adapters_of(sched.running),
+            waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
         )
 
+
+def _identity(key: AdapterKey) -> str:
+    """How stats spell an adapter version: short enough to read, digest enough to tell
+    versions apart."""
+    return f"{key[0]}@{key[1][:12]}"
+
+
+def _adapters_of(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({_identity(r.adapter.key) for r in requests if r.adapter is not None}))

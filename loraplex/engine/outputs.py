@@ -32,6 +32,9 @@ class SequenceDelta:
     num_output_tokens: int
     metrics: RequestMetrics | None = None  # on the final delta
     error: str | None = None
+    # On the first token's delta when prompt logprobs were asked for: one per prompt
+    # token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +58,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: list[RequestMetrics | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,6 +66,8 @@ class RequestOutput:
 
     def apply(self, delta: SequenceDelta) -> None:
         out = self.outputs[delta.index]
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         out.text += delta.text_delta
         out.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs is not None:

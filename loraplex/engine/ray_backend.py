@@ -39,6 +39,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import ray
@@ -47,13 +48,14 @@ from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from loraplex.adapter_format import stored_folder
 from loraplex.config import EngineConfig, RayConfig
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.stats import EngineStats
+from loraplex.engine.stats import EngineStats, combine_stats
 from loraplex.errors import (
     AdapterError,
     ConfigError,
@@ -64,7 +66,6 @@ from loraplex.errors import (
     ModelLoadError,
     PromptTooLongError,
 )
-from loraplex.registry.store import AdapterStore
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class EngineReplica:
                               f"gateway: {mismatch}")
         client.start()
         self._client = client
-        self._store = AdapterStore(adapter_dir)
+        self._store = Path(adapter_dir)
 
         async def resolve(adapter_key: str) -> AdapterRef:
             return self._resolve(adapter_key)
@@ -224,7 +225,7 @@ class EngineReplica:
         if match is None:
             raise InvalidRequestError("malformed adapter identity", param="model")
         adapter_id, digest = match.groups()
-        folder = self._store.path_for(digest)
+        folder = self._store / stored_folder(digest)
         if not folder.is_dir():
             raise AdapterError(f"adapter {adapter_id}@{digest[:12]} is not in this replica's "
                                "adapter store (is the store mounted here?)")
@@ -260,7 +261,8 @@ class EngineReplica:
         key = _stats_key(self._config)
         while True:
             try:
-                stats = await self._client.stats()
+                # The engine reports itself as replica 0; the deployment knows its ordinal.
+                stats = dataclasses.replace(await self._client.stats(), replica=self._ordinal)
                 await self._redis.hset(key, str(self._ordinal), json.dumps(
                     {"at": time.time(), "pid": os.getpid(), "stats": stats_to_json(stats)}))
             except EngineDeadError:
@@ -326,6 +328,8 @@ def connect_ray(ray_config: RayConfig) -> bool:
     address = ray_config.address or os.environ.get(ENV_RAY_ADDRESS) or None
     # Without it Ray binds a non-loopback address even when told 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is not None:
+        _check_reachable(address)
     try:
         if address is None:
             ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
@@ -333,7 +337,6 @@ def connect_ray(ray_config: RayConfig) -> bool:
                      object_store_memory=ray_config.object_store_memory,
                      configure_logging=False, log_to_driver=False)
             return True
-        _check_reachable(address)
         ray.init(address=address, configure_logging=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
@@ -380,7 +383,8 @@ class RayEngineBackend:
         self._redis: aioredis.Redis | None = None
         self._healthy = True
         self._health_task: asyncio.Task[None] | None = None
-        self._closed = False
+        self._stopped = False  # by shutdown: this gateway sends no more requests
+        self._closed = False  # by close: the cluster this process started is gone too
 
     @classmethod
     def deploy(cls, engine_config: EngineConfig, ray_config: RayConfig, adapter_dir: str,
@@ -428,7 +432,7 @@ class RayEngineBackend:
 
     @property
     def is_ready(self) -> bool:
-        return self._healthy and not self._closed
+        return self._healthy and not self._stopped
 
     def start(self) -> None:
         """Opens the Redis client and starts the readiness probe (on the serving loop)."""
@@ -436,27 +440,23 @@ class RayEngineBackend:
         self._health_task = asyncio.get_running_loop().create_task(self._probe())
 
     async def shutdown(self) -> None:
-        if self._closed:
+        """Stops this gateway's use of the replicas (they serve other gateways on); a local
+        cluster this process started goes in ``close``, once the server has stopped."""
+        if self._stopped:
             return
-        self._closed = True
+        self._stopped = True
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         if self._redis is not None:
             await self._redis.aclose()
-        if self._owns_cluster:
-            # The replicas live in the cluster this process started: they go with it.
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(serve.shutdown)
-            await asyncio.to_thread(ray.shutdown)
 
     def close(self) -> None:
-        """The synchronous end, for a server whose lifespan never ran; a no-op after
-        ``shutdown``."""
+        """The end: a local cluster this process started goes, with its replicas."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._stopped = True
         if self._owns_cluster:
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -465,7 +465,7 @@ class RayEngineBackend:
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        lora: AdapterRef | None, cache_salt: str | None,
                        request_id: str) -> AsyncGenerator[SequenceDelta, None]:
-        if self._closed:
+        if self._stopped:
             raise EngineDeadError("the engine backend is shut down")
         key = model_id(lora)
         if self._config.adapter_affinity:
@@ -487,6 +487,7 @@ class RayEngineBackend:
                 finished = True
                 return
             except BackPressureError:
+                finished = True  # never assigned to a replica
                 raise EngineOverloadedError("every engine replica is busy") from None
             except LoraplexError:
                 finished = True
@@ -502,11 +503,12 @@ class RayEngineBackend:
                                           "failed") from None
             finally:
                 if not finished:
-                    response.cancel()  # a consumer gone, or a failure: free the replica
+                    # A consumer gone, or a failure: free the replica. Serve re-raises the
+                    # request's own failure here, which was handled above.
+                    with contextlib.suppress(Exception):
+                        response.cancel()
 
     async def stats(self) -> EngineStats:
-        from loraplex.engine.stats import combine_stats
-
         return combine_stats(await self.replica_stats())
 
     async def replica_stats(self) -> tuple[EngineStats, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.engine.kv_cache import ExtraKey, extra_keys_for
 from loraplex.engine.sampling_params import SamplingParams
@@ -65,6 +66,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(
         default_factory=list)
+    # Prompt tokens 1.. (the first has none); shared by the n samples of one prompt.
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -74,6 +78,9 @@ class Request:
     # Text state kept by the engine's detokenizer.
     output_text: str = ""
     num_text_sent: int = 0
+    # Structured output: the sequence's position in its grammar (a grammar.Constraint,
+    # which keeps torch out of this module); it only ever reads this sequence's output.
+    constraint: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -94,6 +101,13 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt must run through
+        the model, prefix-cache hits or not."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def extra_keys(self) -> tuple[ExtraKey, ...]:

@@ -1,12 +1,76 @@
-"""What a caller asks of generation. Pure Python: validated here, used by the engine."""
+"""What a caller asks of generation. Pure Python: validated here, used by the engine.
+
+Every range is checked here, once; what needs the served model (a ``logit_bias`` token id
+below the vocabulary size) is checked at admission (``loraplex.engine.validation``).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Final, Literal
 
 from loraplex.errors import InvalidRequestError
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS: Final = 20
+MAX_PENALTY: Final = 2.0  # presence and frequency penalties: OpenAI's [-2, 2]
+MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's [-100, 100]
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+KINDS: Final = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SOURCE_BYTES: Final = 64 * 1024  # schemas, regexes, grammars, choice lists
+MAX_CHOICES: Final = 1024
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint. ``source``: the JSON schema (canonical JSON text), the
+    regex, the choices (a JSON list of strings) or the Lark/GBNF grammar; empty for
+    ``json_object``. ``param``: the request field it came from, named in errors."""
+
+    kind: GrammarKind
+    source: str = ""
+    param: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str = "response_format") -> GrammarSpec:
+        if not isinstance(schema, dict) and not isinstance(schema, bool):
+            raise InvalidRequestError("the JSON schema must be an object", param=param)
+        return cls("json_schema", _canonical(schema, param), param)
+
+    @classmethod
+    def choice(cls, choices: Any, param: str = "guided_choice") -> GrammarSpec:
+        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise InvalidRequestError(f"must be a list of 1 to {MAX_CHOICES} non-empty "
+                                      "strings", param=param)
+        return cls("choice", _canonical(choices, param), param)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"unknown constraint {self.kind!r}", param=self.param)
+        if len(self.source.encode("utf-8", "surrogatepass")) > MAX_SOURCE_BYTES:
+            raise InvalidRequestError(f"is longer than {MAX_SOURCE_BYTES} bytes",
+                                      param=self.param)
+        if self.kind in ("regex", "grammar") and not self.source:
+            raise InvalidRequestError("must not be empty", param=self.param)
+
+    @property
+    def digest(self) -> str:
+        """Names the compiled grammar: equal specs compile once."""
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode(
+            "utf-8", "surrogatepass")).hexdigest()
+
+
+def _canonical(value: Any, param: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"is not plain JSON: {exc}", param=param) from None
 
 
 @dataclass(frozen=True)
@@ -24,8 +88,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k alternatives per generated token
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: over prompt and output tokens; 1: off
+    # (token id, bias) pairs, sorted by id; a mapping is accepted and stored so.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings are ignored before this
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: what every token must keep to
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +108,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted(
+            (int(t), float(v)) for t, v in pairs)))
         self._validate()
 
     def _validate(self) -> None:
@@ -54,8 +130,25 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for token_id, value in self.logit_bias:
+            if token_id < 0:
+                raise bad("logit_bias", f"token ids must be >= 0, got {token_id}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                        f"{MAX_LOGIT_BIAS:g}], got {value} for {token_id}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]"
+                                    f", got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "entries must be non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -64,3 +157,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

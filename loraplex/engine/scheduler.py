@@ -223,7 +223,7 @@ class Scheduler:
                     self.adapters.prefetch(ref)
                     continue
             cached = None
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logits:
                 cached = self.kv.get_computed_blocks(request.all_token_ids, request.extra_keys)
             num_computed = cached.num_tokens if cached else request.num_computed_tokens
             num_new = request.num_tokens - num_computed

@@ -1,15 +1,27 @@
-"""The engine's figures at one moment, as one typed, frozen object."""
+"""The engine's figures at one moment, as one typed, frozen object, and how the figures of
+several replicas add up to those of the deployment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+# The replica ordinal of figures that add up every replica of a deployment.
+ALL_REPLICAS = -1
 
 
 @dataclass(frozen=True)
 class EngineStats:
     """Queue, KV pool, prefix cache and adapter slots; counters are running totals since
-    the engine started. The admin API shows these fields under the same names."""
+    the engine started. The admin API shows these fields under the same names.
 
+    Adapters are spelled ``id@digest12`` everywhere (``adapter_slots``, ``host_adapters``,
+    ``running_adapters``, ``waiting_adapters``).
+    """
+
+    # Which replica: an ordinal 0..N-1 that a replacement replica inherits (0 in process,
+    # ALL_REPLICAS for a sum made by ``combine_stats``).
+    replica: int
     num_preemptions: int
     num_swap_outs: int
     prefix_cache_queried_tokens: int
@@ -34,4 +46,49 @@ class EngineStats:
     adapter_slot_evictions: int
     adapter_disk_loads: int
     adapter_load_seconds: float
+    max_loras: int  # device slots
+    max_cpu_loras: int  # capacity of the host-memory cache
     adapter_slots: tuple[str | None, ...]  # per device slot: ``id@digest12`` or empty
+    host_adapters: tuple[str, ...]  # in the host-memory cache, least recently used first
+    # Distinct adapters of the requests in the running batch, and of those waiting for it
+    # (queued, or swapped out to host memory), sorted.
+    running_adapters: tuple[str, ...]
+    waiting_adapters: tuple[str, ...]
+
+
+# Fields whose deployment figure is the sum of the replicas' (counters, sizes, counts).
+_SUMMED = tuple(f.name for f in fields(EngineStats)
+                if f.type in ("int", "float") and f.name != "replica"
+                and f.name not in ("prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization"))
+
+
+def _distinct(groups: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    return tuple(sorted({name for group in groups for name in group}))
+
+
+def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """The figures of a deployment from those of its replicas.
+
+    Counters, block counts and capacities are summed and rates recomputed from the sums;
+    ``kv_utilization`` is the replicas' weighted by the blocks they hold. ``adapter_slots``
+    and ``host_adapters`` are concatenated in replica order (one entry per slot or cache
+    entry, so their lengths still count capacity and residency); running and waiting
+    adapters are the distinct union. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
+    is live) gives zeros and empty tuples: a deployment that has nothing now.
+    """
+    sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
+    used = sums["kv_blocks_used"]
+    return EngineStats(
+        replica=ALL_REPLICAS,
+        prefix_cache_hit_rate=(sums["prefix_cache_hit_tokens"]
+                               / sums["prefix_cache_queried_tokens"]
+                               if sums["prefix_cache_queried_tokens"] else 0.0),
+        kv_pool_usage=used / sums["kv_blocks_total"] if sums["kv_blocks_total"] else 0.0,
+        kv_utilization=(sum(s.kv_utilization * s.kv_blocks_used for s in stats) / used
+                        if used else 0.0),
+        adapter_slots=tuple(slot for s in stats for slot in s.adapter_slots),
+        host_adapters=tuple(name for s in stats for name in s.host_adapters),
+        running_adapters=_distinct(s.running_adapters for s in stats),
+        waiting_adapters=_distinct(s.waiting_adapters for s in stats),
+        **sums,
+    )

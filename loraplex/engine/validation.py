@@ -9,7 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loraplex.engine.sampling_params import SamplingParams
 from loraplex.errors import InvalidRequestError, PromptTooLongError
+
+
+def check_params(params: SamplingParams, *, vocab_size: int) -> None:
+    """Raises InvalidRequestError for what only the served model can rule out: token ids
+    in ``logit_bias`` or ``stop_token_ids`` outside its vocabulary (ranges that need no
+    model are ``SamplingParams``' own checks)."""
+    for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                       ("stop_token_ids", list(params.stop_token_ids))):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{param}: token ids out of range [0, {vocab_size}): "
+                                      f"{bad[:5]}", param=param)
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, vocab_size: int,

@@ -4,26 +4,29 @@ Nothing is registered globally or at import time: each ``GatewayMetrics`` owns a
 ``CollectorRegistry``, so tests and several apps in one process never collide.
 
 Label values are bounded so a tenant with many adapters (or a bug passing raw input)
-cannot blow up the series count: each of ``tenant`` and ``adapter`` keeps at most
-``max_label_values`` distinct values (first come, first kept) and maps the rest to
-``"other"``; ``status`` must be one of ``REQUEST_STATUSES``.
+cannot blow up the series count: each of ``tenant``, ``adapter`` and the engine's
+``replica`` keeps at most ``max_label_values`` distinct values (first come, first kept) and
+maps the rest to ``"other"``; ``status`` must be one of ``REQUEST_STATUSES``. The engine's
+series are in ``engine_metrics``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
 )
 
 from loraplex.engine.outputs import RequestMetrics
+from loraplex.engine.stats import EngineStats
+from loraplex.gateway.engine_metrics import EngineMetrics
 
 OTHER_LABEL: Final = "other"
 
@@ -39,7 +42,6 @@ REQUEST_STATUSES: Final = (
 TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-ADAPTER_LOAD_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def status_for_http(code: int) -> str:
@@ -113,55 +115,7 @@ class GatewayMetrics:
             registry=reg,
             buckets=E2E_BUCKETS,
         )
-        self.queue_depth = Gauge(
-            "queue_depth",
-            "Requests waiting to be scheduled.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.running = Gauge(
-            "running_requests",
-            "Requests in the running batch.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.kv_blocks_used = Gauge(
-            "kv_blocks_used",
-            "KV cache blocks referenced by live requests.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.kv_blocks_free = Gauge(
-            "kv_blocks_free",
-            "KV cache blocks free or cached with no reference.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.prefix_cache_hit_rate = Gauge(
-            "prefix_cache_hit_rate",
-            "Fraction of prompt tokens served from the prefix cache.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.adapter_loads = Counter(
-            "adapter_loads",
-            "Adapters loaded into a device slot.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.adapter_evictions = Counter(
-            "adapter_evictions",
-            "Adapters evicted from a device slot.",
-            namespace=ns,
-            registry=reg,
-        )
-        self.adapter_load_time = Histogram(
-            "adapter_load_seconds",
-            "Time to load an adapter into a device slot.",
-            namespace=ns,
-            registry=reg,
-            buckets=ADAPTER_LOAD_BUCKETS,
-        )
+        self._engine_series = EngineMetrics(reg, ns, _CappedLabel(max_label_values))
 
     def observe_request(
         self,
@@ -192,35 +146,10 @@ class GatewayMetrics:
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
 
-    def set_engine_gauges(
-        self,
-        *,
-        queue_depth: int | None = None,
-        running: int | None = None,
-        kv_blocks_used: int | None = None,
-        kv_blocks_free: int | None = None,
-        prefix_cache_hit_rate: float | None = None,
-    ) -> None:
-        """Sets the engine's gauges; ``None`` leaves a gauge as it was."""
-        pairs = (
-            (self.queue_depth, queue_depth),
-            (self.running, running),
-            (self.kv_blocks_used, kv_blocks_used),
-            (self.kv_blocks_free, kv_blocks_free),
-            (self.prefix_cache_hit_rate, prefix_cache_hit_rate),
-        )
-        for gauge, value in pairs:
-            if value is not None:
-                gauge.set(value)
-
-    def record_adapter_load(self, seconds: float) -> None:
-        """Records one adapter loaded into a slot and how long it took."""
-        self.adapter_loads.inc()
-        self.adapter_load_time.observe(seconds)
-
-    def record_adapter_eviction(self) -> None:
-        """Records one adapter evicted from a slot."""
-        self.adapter_evictions.inc()
+    def observe_engine(self, replicas: Sequence[EngineStats]) -> None:
+        """Sets the engine's series from one snapshot of each replica (see
+        ``EngineMetrics.observe``)."""
+        self._engine_series.observe(replicas)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""

@@ -4,7 +4,9 @@ It states the limits this server enforces (``max_tokens``, ``n``, token ids, nam
 so generated clients and fuzzers know them: a request valid by this document is never refused
 for its shape (the tests send generated valid requests and expect them served). Bodies are
 closed (``additionalProperties: false``): the server refuses unknown fields. The vendor
-extras it also accepts (``top_k``...) are left out, so they are never generated.
+extras it also accepts, as vLLM does (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``), are
+left out, so they are never generated; the README lists them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
-from loraplex.engine.sampling_params import MAX_LOGPROBS
+from loraplex.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from loraplex.gateway.schemas import CHAT_ROLES, MAX_SEED, MAX_STOP_SEQUENCES
 from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
@@ -56,8 +58,22 @@ def _error_responses() -> dict[str, Any]:
     return out
 
 
-def _sampling(config: ServerConfig) -> dict[str, Any]:
+def _below(limit: int) -> str:
+    """An anchored pattern of the decimal integers 0 .. limit - 1 (no leading zeros)."""
+    top = str(limit - 1)
+    shorter = [rf"[1-9]\d{{0,{len(top) - 2}}}"] if len(top) > 1 else []
+    same = [top]
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 and len(top) > 1 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            same.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (r"\d" * rest))
+    return "^(" + "|".join(["0", *shorter, *same]) + ")$"
+
+
+def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     nullable_num = {"type": ["number", "null"]}
+    penalty = nullable_num | {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
     return {
         "model": {"type": "string", "minLength": 1,
                   "description": "The base model's name, your adapter's name, or a public "
@@ -76,6 +92,33 @@ def _sampling(config: ServerConfig) -> dict[str, Any]:
         "stream_options": {"type": ["object", "null"],
                            "properties": {"include_usage": {"type": "boolean"}}},
         "user": {"type": ["string", "null"]},
+        "presence_penalty": penalty,
+        "frequency_penalty": penalty,
+        "response_format": {"oneOf": [
+            {"type": "null"},
+            _closed({"type": "object", "required": ["type"],
+                     "properties": {"type": {"enum": ["text", "json_object"]}}}),
+            _closed({"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": _closed({
+                    "type": "object", "required": ["schema"],
+                    "description": "The output is constrained to the schema (strict or not). "
+                                   "Any JSON Schema the grammar engine compiles is accepted "
+                                   "(a 400 names what it cannot); this document lists the "
+                                   "simplest.",
+                    "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                        "description": {"type": "string"},
+                        "strict": {"type": ["boolean", "null"]},
+                        "schema": _closed({"type": "object", "required": ["type"],
+                                           "properties": {"type": {"enum": [
+                                               "object", "array", "string", "integer",
+                                               "number", "boolean", "null"]}}})}})}})]},
+        "logit_bias": {"type": ["object", "null"],
+                       "description": "Token id (as a string) to a bias added to its logit",
+                       "propertyNames": {"pattern": _below(model.vocab_size)},
+                       "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                "maximum": MAX_LOGIT_BIAS}},
     }
 
 
@@ -95,7 +138,7 @@ def _pattern(regex: re.Pattern[str]) -> str:
 
 
 def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
-    sampling = _sampling(config)
+    sampling = _sampling(config, model)
     # Token ids the vocabulary has, and few enough to leave room for any max_tokens. A text
     # prompt's length in tokens is known only once tokenized: over the context it is 400
     # context_length_exceeded.
@@ -127,7 +170,10 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                     {"type": "array", "minItems": 1, "maxItems": 1,
                      "items": {"type": "string", "minLength": 1}}]},
                 "logprobs": {"type": ["integer", "null"], "minimum": 0,
-                             "maximum": MAX_LOGPROBS}}}),
+                             "maximum": MAX_LOGPROBS},
+                "echo": {"type": ["boolean", "null"],
+                         "description": "The prompt (with logprobs: its logprobs, null for "
+                                        "the first token) before the completion"}}}),
         "ChatCompletionRequest": _closed({
             "type": "object", "required": ["model", "messages"],
             # top_logprobs is read only with logprobs: true (400 otherwise).
@@ -197,6 +243,23 @@ _LIMITS = {f: _LIMIT for f in ("max_requests_per_minute", "max_tokens_per_minute
                                "max_concurrent_requests")}
 
 
+_REPLICA_STATS = {"type": "object", "description": (
+    "One replica's figures (the fields of EngineStats): replica (its ordinal 0..N-1), "
+    "queue, KV pool, device slots (adapter_slots, and slots with each adapter's name), "
+    "host_adapters, running_adapters and waiting_adapters (id@digest12)"),
+    "required": ["replica", "num_waiting", "num_running", "kv_pool_usage", "max_loras",
+                 "adapter_slots", "host_adapters", "running_adapters", "waiting_adapters",
+                 "slots"],
+    "properties": {"replica": {"type": "integer", "minimum": 0}}}
+_ENGINE_STATS = {"type": "object", "description": (
+    "The whole deployment's figures at the top level (replica -1: the replicas' sums, "
+    "rates recomputed from them, slots concatenated in replica order), and each live "
+    "replica's under replicas, ordered by ordinal (none while no replica is up)"),
+    "required": ["replica", "slots", "served_model", "replicas"],
+    "properties": {"replica": {"const": -1},
+                   "replicas": {"type": "array", "items": _REPLICA_STATS}}}
+
+
 _TENANT_NAME = {"type": "string", "pattern": _pattern(TENANT_NAME_RE)}
 _ADAPTER_NAME = {"type": "string", "pattern": _pattern(ADAPTER_NAME_RE)}
 
@@ -253,7 +316,7 @@ def _admin_paths() -> dict[str, Any]:
     admin = _errors(400, 401, 403, 404)
     return {
         "/admin/api/engine": {"get": {"summary": "Engine statistics (admin)", "responses": {
-            "200": _json(_OBJ, "Engine statistics"), **_errors(401, 403)}}},
+            "200": _json(_ENGINE_STATS, "Engine statistics"), **_errors(401, 403)}}},
         "/admin/api/usage": {"get": {
             "summary": "Hourly usage per tenant and model (admin)",
             "parameters": [_query(n, {"type": "string", "format": "date-time"})

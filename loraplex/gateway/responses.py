@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -34,6 +34,14 @@ def _lp(value: float) -> float:
     return max(float(value), MIN_LOGPROB)
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, sent back before its text (``echo``)."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class CompletionLogprobs:
     """The legacy completions ``logprobs`` object, accumulated token by token."""
@@ -41,19 +49,26 @@ class CompletionLogprobs:
     top_k: int
     text_offset_start: int = 0
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def extend(self, entries: list[TokenLogprob], token_ids: list[int],
+    def extend(self, entries: Sequence[TokenLogprob | None], token_ids: list[int],
                token_text: TokenText) -> None:
+        """Appends tokens; an entry of None (an echoed prompt's first token, which nothing
+        predicts) has null logprobs, as OpenAI's."""
         offset = self.text_offset_start + sum(len(t) for t in self.tokens)
-        for token_id, (logprob, alternatives) in zip(token_ids, entries, strict=False):
+        for token_id, entry in zip(token_ids, entries, strict=False):
             text = token_text(token_id)
             self.tokens.append(text)
-            self.token_logprobs.append(_lp(logprob))
             self.text_offset.append(offset)
             offset += len(text)
+            if entry is None:
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                continue
+            logprob, alternatives = entry
+            self.token_logprobs.append(_lp(logprob))
             top: dict[str, float] = {}
             for alt_id, alt_lp in alternatives[: self.top_k]:
                 top.setdefault(token_text(alt_id), _lp(alt_lp))
@@ -95,10 +110,12 @@ class Choice:
 class Accumulator:
     """Collects deltas into the choices of a whole (non-streaming) response."""
 
-    def __init__(self, n: int, logprobs: int | None, token_text: TokenText) -> None:
-        self.choices = [Choice(i) for i in range(n)]
+    def __init__(self, n: int, logprobs: int | None, token_text: TokenText,
+                 echo: Echo | None = None) -> None:
+        self.choices = [Choice(i, echo.text if echo else "") for i in range(n)]
         self._top_k = logprobs
         self._token_text = token_text
+        self._echo = echo
         self.aborted = False
 
     def add(self, delta: SequenceDelta) -> None:
@@ -107,6 +124,10 @@ class Accumulator:
         if delta.finish_reason == "abort":
             self.aborted = True
         choice.finish_reason = finish_reason(delta) or choice.finish_reason
+        if self._top_k is not None and self._echo and delta.prompt_logprobs is not None:
+            choice.completion_logprobs = CompletionLogprobs(self._top_k)
+            choice.completion_logprobs.extend(delta.prompt_logprobs, self._echo.token_ids,
+                                              self._token_text)
         if self._top_k is not None and delta.new_logprobs:
             if choice.completion_logprobs is None:
                 choice.completion_logprobs = CompletionLogprobs(self._top_k)
@@ -146,8 +167,11 @@ class ChunkWriter:
     """Turns deltas into streaming chunks (completions or chat)."""
 
     def __init__(self, chat: bool, rid: str, created: int, model: str, n: int,
-                 logprobs: int | None, include_usage: bool, token_text: TokenText) -> None:
+                 logprobs: int | None, include_usage: bool, token_text: TokenText,
+                 echo: Echo | None = None) -> None:
         self.chat = chat
+        self._echo = echo
+        self._echo_pending = [echo is not None] * n
         self._head = {"id": rid, "object": "chat.completion.chunk" if chat
                       else "text_completion", "created": created, "model": model}
         self._top_k = logprobs
@@ -174,10 +198,20 @@ class ChunkWriter:
     def delta_chunk(self, delta: SequenceDelta) -> str | None:
         reason = finish_reason(delta)
         has_logprobs = self._top_k is not None and bool(delta.new_logprobs)
-        if not delta.text_delta and reason is None and not has_logprobs:
+        # Completions only: a choice's first chunk opens with the echoed prompt.
+        echo = self._echo if self._echo_pending[delta.index] else None
+        self._echo_pending[delta.index] = False
+        text = (echo.text if echo else "") + delta.text_delta
+        if not text and reason is None and not has_logprobs:
             return None  # text held back (stop string or partial character): nothing new
         logprobs: Any = None
-        if has_logprobs and delta.new_logprobs is not None and self._top_k is not None:
+        if echo is not None and self._top_k is not None:
+            lp = CompletionLogprobs(self._top_k)
+            lp.extend(delta.prompt_logprobs or [], echo.token_ids, self._token_text)
+            lp.extend(delta.new_logprobs or [], delta.new_token_ids, self._token_text)
+            self._offsets[delta.index] += sum(len(t) for t in lp.tokens)
+            logprobs = lp.to_json()
+        elif has_logprobs and delta.new_logprobs is not None and self._top_k is not None:
             if self.chat:
                 logprobs = {"content": chat_logprobs(delta.new_logprobs, delta.new_token_ids,
                                                      self._top_k, self._token_text)}
@@ -191,7 +225,7 @@ class ChunkWriter:
             choice = {"index": delta.index, "delta": body, "logprobs": logprobs,
                       "finish_reason": reason}
         else:
-            choice = {"index": delta.index, "text": delta.text_delta, "logprobs": logprobs,
+            choice = {"index": delta.index, "text": text, "logprobs": logprobs,
                       "finish_reason": reason}
         return self._chunk([choice])
 

@@ -2,21 +2,25 @@
 
 Parsing is strict about what it reads: a field of the wrong JSON type, or out of range, is a
 400 that names the field. A field it does not know is a 400 too, as OpenAI answers
-("Unrecognized request argument supplied"); the vendor extras loraplex accepts (``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids``, sent through the client's ``extra_body``)
-are known fields. Known OpenAI fields that loraplex cannot honour (``echo``, ``suffix``,
-a non-zero penalty, ``logit_bias``, tools...) are refused when set to anything but their
-neutral value, never silently dropped. ``cache_salt``/``salt`` in a body is accepted and
+("Unrecognized request argument supplied"); the vendor extras loraplex accepts, as vLLM
+does (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, sent through the client's
+``extra_body``), are known fields. Known OpenAI fields that loraplex cannot honour
+(``suffix``, ``best_of`` other than ``n``, tools...) are refused when set to anything but
+their neutral value, never silently dropped. Ranges of sampling options are checked once,
+by ``SamplingParams``; this module checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and
 ignored on purpose: the salt is derived by the server from the tenant.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from loraplex.engine.sampling_params import MAX_LOGPROBS
+from loraplex.engine.sampling_params import MAX_LOGPROBS, GrammarSpec
 from loraplex.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES: Final = 4
@@ -27,10 +31,6 @@ CHAT_ROLES: Final = ("system", "developer", "user", "assistant")
 # OpenAI fields with no effect here when left at their neutral value; anything else is
 # refused so a caller never believes a setting was applied when it was not.
 _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -42,12 +42,16 @@ _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
 _COMMON_FIELDS: Final = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+    "response_format",
+    # structured outputs as vLLM spells them: its older guided_* fields and its newer object
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     # vendor extras, and the salt that is ignored on purpose
-    "top_k", "min_p", "ignore_eos", "stop_token_ids", "cache_salt", "salt",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "cache_salt", "salt",
 })
 COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS: Final = _COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+    "messages", "max_completion_tokens", "top_logprobs", "tools",
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "store", "metadata",
 }
 
@@ -124,6 +128,34 @@ def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
     return value
 
 
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    # The type only: the range is SamplingParams' to check.
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _bad(key, f"expected a number, got {_type_name(value)}")
+    return float(value)
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", f"expected an object, got {_type_name(value)}")
+    pairs = []
+    for key, bias in value.items():
+        # OpenAI's keys are token ids written as JSON strings.
+        if not key.strip().lstrip("-").isdecimal():
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise _bad("logit_bias", f"values must be numbers, got {_type_name(bias)} for "
+                                     f"{key!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
     if value is None:
@@ -159,9 +191,90 @@ def _check_neutral(body: dict[str, Any]) -> None:
     n, best_of = body.get("n", 1), body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise _bad("best_of", "is not supported by this server (leave it unset)")
+
+
+def _grammar(body: dict[str, Any]) -> GrammarSpec | None:
+    """The request's output constraint, from whichever one field sets it: OpenAI's
+    ``response_format`` (``json_object``, ``json_schema``), vLLM's ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or vLLM's
+    ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``). Two set at once is a 400 naming the second."""
+    found: list[GrammarSpec] = []
     fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+    if fmt is not None:
+        found.extend(_response_format(fmt))
+    for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(key) is not None:
+            found.append(_guided(key, key.removeprefix("guided_"), body[key]))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", f"expected an object, got {_type_name(so)}")
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise _bad("structured_outputs", f"unknown field {unknown[0]!r}")
+        for key, value in so.items():
+            if value is None or (key == "json_object" and value is False):
+                continue
+            if key == "json_object":
+                if value is not True:
+                    raise _bad("structured_outputs", "json_object must be true")
+                found.append(GrammarSpec("json_object", "", "structured_outputs"))
+            else:
+                found.append(_guided("structured_outputs", key, value))
+    if len(found) > 1:
+        raise _bad(found[1].param, f"sets a second output constraint (besides "
+                                   f"{found[0].param}): set one")
+    return found[0] if found else None
+
+
+def _response_format(fmt: Any) -> list[GrammarSpec]:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad("response_format", "expected an object with a string 'type'")
+    kind = fmt["type"]
+    extra = sorted(set(fmt) - {"type", "json_schema"})
+    if extra:
+        raise _bad("response_format", f"unknown field {extra[0]!r}")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [GrammarSpec("json_object", "", "response_format")]
+    if kind != "json_schema":
+        raise _bad("response_format", f"type must be text, json_object or json_schema, got "
+                                      f"{kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format", "json_schema must be an object with a 'schema'")
+    extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if extra:
+        raise _bad("response_format", f"unknown field json_schema.{extra[0]}")
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}",
+                                                                         name)):
+        raise _bad("response_format", "json_schema.name must be 1 to 64 of a-z, A-Z, 0-9, "
+                                      "_ and -")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _bad("response_format", "json_schema.strict must be a boolean")
+    if "schema" not in spec:
+        raise _bad("response_format", "json_schema.schema is required")
+    # Strict or not, the schema is enforced: a constrained decoder has no looser mode.
+    return [GrammarSpec.json_schema(spec["schema"], "response_format")]
+
+
+def _guided(param: str, kind: str, value: Any) -> GrammarSpec:
+    if kind == "json":
+        if isinstance(value, str):  # vLLM accepts the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _bad(param, "the JSON schema is not valid JSON") from None
+        return GrammarSpec.json_schema(value, param)
+    if kind == "choice":
+        return GrammarSpec.choice(value, param)
+    if not isinstance(value, str):
+        raise _bad(param, f"expected a string, got {_type_name(value)}")
+    return GrammarSpec("regex" if kind == "regex" else "grammar", _check_text(param, value),
+                       param)
 
 
 # --- the requests ------------------------------------------------------------------------
@@ -182,7 +295,14 @@ class GenerationOptions:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    include_stop_str_in_output: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    min_tokens: int
     logprobs: int | None  # top alternatives per token; 0: only the sampled token's
+    grammar: GrammarSpec | None  # the output's constraint (structured outputs)
     stream: bool
     include_usage: bool
     user: str | None
@@ -195,6 +315,7 @@ class CompletionRequest:
     options: GenerationOptions
     prompt: str | None
     prompt_token_ids: tuple[int, ...] | None
+    echo: bool  # the prompt (and, with logprobs, its logprobs) before the completion
 
 
 @dataclass(frozen=True)
@@ -245,7 +366,14 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
         stop=_stop(body),
         stop_token_ids=stop_token_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(body),
+        min_tokens=_int(body, "min_tokens", 0, max_tokens_limit) or 0,
         logprobs=logprobs,
+        grammar=_grammar(body),
         stream=stream,
         include_usage=include_usage,
         user=_str(body, "user"),
@@ -261,6 +389,7 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
                        logprobs=logprobs, max_tokens_keys=("max_tokens",))
     if options.max_tokens is None:
         options = _replace_max_tokens(options, min(16, max_tokens_limit))  # OpenAI's default
+    echo = _bool(body, "echo", False)
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("prompt", "is required")
@@ -270,10 +399,10 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "must not be empty")
-        return CompletionRequest(options, _check_text("prompt", prompt), None)
+        return CompletionRequest(options, _check_text("prompt", prompt), None, echo)
     token_ids = _token_ids(prompt)
     if token_ids:
-        return CompletionRequest(options, None, token_ids)
+        return CompletionRequest(options, None, token_ids, echo)
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, (str, list)) for p in prompt):
         raise _bad("prompt", "batches of prompts are not supported: send one prompt per "

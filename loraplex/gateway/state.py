@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -62,6 +62,14 @@ class Tokenizers:
         assistant's reply."""
         return await run_in_threadpool(self._render_chat, messages)
 
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        with self._lock:
+            return str(self._encoder.decode(list(token_ids)))
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """A prompt given as token ids, as text (for ``echo``)."""
+        return await run_in_threadpool(self._decode, token_ids)
+
     def token_text(self, token_id: int) -> str:
         """One token as text (event loop only)."""
         return str(self._decoder.decode([token_id]))
@@ -83,8 +91,6 @@ class Gateway:
     served_model_name: str
     salt_secret: bytes
     limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
-    # Cumulative engine counters already exported, to turn totals into counter increments.
-    exported: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate_limiter(self) -> RateLimiter:

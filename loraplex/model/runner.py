@@ -39,11 +39,24 @@ class SeqInput:
     # One row per token to sample from this sequence's last position: empty mid-prefill,
     # several when n > 1 parallel samples start from one prompt.
     samplings: Sequence[SamplingRow] = ()
+    # Prompt logprobs: the prompt token each of the first len(prompt_targets) positions
+    # computed this step predicts, whose logprob (and num_prompt_top best) is wanted.
+    prompt_targets: Sequence[int] = ()
+    num_prompt_top: int = 0
 
 
 @dataclass(frozen=True)
 class BatchInputs:
     seqs: Sequence[SeqInput]
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    """What one sequence got from a step: its sampled tokens (often none) and the prompt
+    logprobs it asked for (``token_id``: the prompt token scored)."""
+
+    sampled: list[SampledToken]
+    prompt_logprobs: list[SampledToken]
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -168,22 +181,56 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------
 
-    def execute(self, batch: BatchInputs) -> list[list[SampledToken]]:
-        """Runs one forward; returns the tokens sampled for each sequence (often none)."""
-        logits = self.forward_logits(batch)  # [num_sampling_seqs, vocab]
+    def execute(self, batch: BatchInputs) -> list[SeqOutput]:
+        """Runs one forward; returns what each sequence got, in the batch's order."""
+        hidden, starts = self._hidden(batch)
+        prompt = [self._prompt_logprobs(hidden, start, s)
+                  for s, start in zip(batch.seqs, starts, strict=True)]
         rows = [row for s in batch.seqs for row in s.samplings]
         if not rows:
-            return [[] for _ in batch.seqs]
+            return [SeqOutput([], p) for p in prompt]
+        logits = self._last_logits(batch, hidden, starts)  # [num_sampling_seqs, vocab]
         repeat = torch.tensor([len(s.samplings) for s in batch.seqs if s.samplings],
                               device=logits.device)
         if len(rows) != logits.shape[0]:
             logits = logits.repeat_interleave(repeat, dim=0)  # [num_rows, vocab]
         sampled = iter(sample(logits, rows, self.generator))
-        return [[next(sampled) for _ in s.samplings] for s in batch.seqs]
+        return [SeqOutput([next(sampled) for _ in s.samplings], p)
+                for s, p in zip(batch.seqs, prompt, strict=True)]
 
     def forward_logits(self, batch: BatchInputs) -> torch.Tensor:
         """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token,
         in the batch's order."""
+        hidden, starts = self._hidden(batch)
+        return self._last_logits(batch, hidden, starts)
+
+    def _last_logits(self, batch: BatchInputs, hidden: torch.Tensor,
+                     starts: list[int]) -> torch.Tensor:
+        rows = [start + len(s.token_ids) - 1
+                for s, start in zip(batch.seqs, starts, strict=True) if s.samplings]
+        return self.model.compute_logits(
+            hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device)))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int,
+                         seq: SeqInput) -> list[SampledToken]:
+        if not seq.prompt_targets:
+            return []
+        num = len(seq.prompt_targets)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[start:start + num]),
+                                     dim=-1)  # [num, vocab]
+        targets = torch.tensor(seq.prompt_targets, device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top: list[tuple[tuple[int, float], ...]] = [()] * num
+        if seq.num_prompt_top > 0:
+            values, ids = logprobs.topk(min(seq.num_prompt_top, logprobs.shape[1]), dim=-1)
+            top = [tuple(zip(i, v, strict=True))
+                   for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        return [SampledToken(t, lp, alts)
+                for t, lp, alts in zip(seq.prompt_targets, chosen, top, strict=True)]
+
+    def _hidden(self, batch: BatchInputs) -> tuple[torch.Tensor, list[int]]:
+        """One forward; the hidden states ``[num_tokens, hidden]`` of every token computed,
+        and where each sequence's first token is among them."""
         # Sequences of one adapter side by side: each slot's tokens form one contiguous run,
         # which the LoRA step slices instead of gathering and scattering.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].lora_slot)
@@ -191,16 +238,13 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
-        sample_rows: list[int] = []
-        sampling_order: list[int] = []
+        starts = [0] * len(batch.seqs)
         for i, s in zip(order, seqs, strict=True):
             n = len(s.token_ids)
+            starts[i] = len(input_ids)
             input_ids.extend(s.token_ids)
             positions.extend(range(s.num_computed, s.num_computed + n))
             token_slots.extend([s.lora_slot] * n)
-            if s.samplings:
-                sample_rows.append(len(input_ids) - 1)
-                sampling_order.append(i)
         dev = self.device
         meta = AttentionMeta.build(
             [s.block_table for s in seqs], [s.num_computed + len(s.token_ids) for s in seqs],
@@ -212,10 +256,6 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, device=dev),
                             torch.tensor(positions, device=dev), self.kv_caches, meta, lora,
                             self.kernel_backend)  # [num_tokens, hidden]
-        # Rows back in the batch's order of sampling sequences.
-        rank = {seq_index: r for r, seq_index in enumerate(sampling_order)}
-        rows = [sample_rows[rank[i]] for i in sorted(sampling_order)]
-        return self.model.compute_logits(
-            hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev)))
+        return hidden, starts
 
-__all__ = ["BatchInputs", "ModelArgs", "ModelRunner", "SeqInput", "pick_device"]
+__all__ = ["BatchInputs", "ModelArgs", "ModelRunner", "SeqInput", "SeqOutput", "pick_device"]

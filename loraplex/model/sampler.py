@@ -1,8 +1,25 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded per request."""
+"""Turns logits into tokens, in vLLM's order:
+
+1. logprobs of the raw logits (what the model says, as vLLM's default ``raw_logprobs``);
+2. min_tokens (EOS and stop token ids at -inf) and ``logit_bias`` (added);
+3. penalties: repetition (vLLM's, over prompt and output tokens: a positive logit is
+   divided by it, a negative one multiplied), then frequency and presence (OpenAI's, over
+   output tokens: ``logit -= frequency * count + presence * (count > 0)``);
+4. structured output: tokens the row's grammar refuses at -inf (the mask was computed
+   while the forward pass ran);
+5. greedy rows take the argmax of those logits; the others apply temperature, top-k,
+   top-p, min-p and draw, seeded per request.
+
+Steps 2 and 3 are batched over the rows that use them; each row's counts come from its own
+sequence's token ids, so a preempted (recomputed or swapped) sequence and each of ``n``
+samples get exactly the penalties of their own history.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
@@ -18,10 +35,26 @@ class SamplingRow:
     min_p: float = 0.0
     generator: torch.Generator | None = None
     num_logprobs: int | None = None  # None: no logprobs; 0: only the sampled token's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_ids: tuple[int, ...] = ()  # never sampled this step (min_tokens' stops)
+    # The sequence's tokens so far, read for the penalties (not copied).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    # Structured output: the row's allowed next tokens as a packed bitmask (int32 words,
+    # bit t % 32 of word t // 32), computed while the forward pass runs; called once.
+    allowed: Callable[[], torch.Tensor] | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +68,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[SampledToken]:
     """Samples one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
     num_rows = logits.shape[0]
+    raw = logits
+    logits = apply_allowed(apply_penalties(apply_bias(logits, rows), rows), raw, rows)
     token_ids = logits.argmax(dim=-1)  # [num_rows]; replaced below for random rows
     random_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
     if random_rows:
@@ -47,8 +82,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             noise = torch.empty_like(probs[j]).exponential_(generator=gen)
             token_ids[i] = torch.argmax(probs[j] / noise)
     need_logprobs = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
-    logprobs = torch.log_softmax(logits.index_select(
-        0, torch.tensor(need_logprobs, device=logits.device)), dim=-1) if need_logprobs else None
+    logprobs = torch.log_softmax(raw.index_select(
+        0, torch.tensor(need_logprobs, device=raw.device)), dim=-1) if need_logprobs else None
     ids = token_ids.tolist()
     out: list[SampledToken] = []
     pos = {i: j for j, i in enumerate(need_logprobs)}
@@ -65,6 +100,100 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             top = tuple(zip(top_ids.tolist(), vals.tolist(), strict=True))
         out.append(SampledToken(ids[i], float(row[ids[i]]), top))
     return out
+
+
+def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with min_tokens' banned ids at -inf and ``logit_bias`` added; the same
+    tensor when no row uses either."""
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+    biased = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
+    if not banned and not biased:
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    if biased:
+        at = torch.tensor([[i, t] for i, t, _ in biased], device=dev)  # [num_biased, 2]
+        values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=dev)
+        logits.index_put_((at[:, 0], at[:, 1]), values, accumulate=True)
+    if banned:
+        at = torch.tensor(banned, device=dev)  # [num_banned, 2]
+        logits[at[:, 0], at[:, 1]] = float("-inf")
+    return logits
+
+
+_BITS: Final = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 bitmasks ``[rows, words]`` as booleans ``[rows, vocab]``."""
+    bits = (masks.unsqueeze(-1) >> _BITS) & 1
+    return bits.view(masks.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_allowed(logits: torch.Tensor, raw: torch.Tensor,
+                  rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with every token a row's grammar refuses at -inf; the same tensor when no
+    row has a grammar. The grammar wins over ``min_tokens`` and ``logit_bias``: a row they
+    would leave with no token at all keeps its raw logits, masked by the grammar alone."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not constrained:
+        return logits
+    masks = torch.stack([rows[i].allowed() for i in constrained])  # type: ignore[misc]
+    allowed = unpack_bitmask(masks, logits.shape[1]).to(logits.device)
+    index = torch.tensor(constrained, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    dead = ~torch.isfinite(masked).any(dim=-1)
+    if bool(dead.any()):
+        masked[dead] = raw.index_select(0, index)[dead].masked_fill(~allowed[dead],
+                                                                    float("-inf"))
+    out = logits.clone() if logits is raw else logits
+    out[index] = masked
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with repetition, frequency and presence penalties applied; the same
+    tensor when no row has one.
+
+    Only the (row, token) cells a row's history holds change, so the work is one gather and
+    one scatter over those cells, whatever the vocabulary size."""
+    penalised = [i for i, r in enumerate(rows) if r.has_penalties]
+    if not penalised:
+        return logits
+    dev = logits.device
+    vocab = logits.shape[1]
+
+    def cells(attr: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # Flat indices row * vocab + token of every token of that kind, and their rows.
+        ids = [getattr(rows[i], attr) for i in penalised]
+        row_of = torch.repeat_interleave(torch.tensor(penalised),
+                                         torch.tensor([len(x) for x in ids]))
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
+        return row_of * vocab + flat, row_of
+
+    out_cells, _ = cells("output_token_ids")
+    prompt_cells, _ = cells("prompt_token_ids")
+    # Each distinct cell once; output_counts[j]: how often cell j's token was generated.
+    seen, inverse = torch.unique(torch.cat([out_cells, prompt_cells]), return_inverse=True)
+    output_counts = torch.zeros(len(seen)).index_add_(
+        0, inverse[:len(out_cells)], torch.ones(len(out_cells)))  # [num_seen]
+    row_of_seen = seen // vocab
+
+    def per_cell(name: str) -> torch.Tensor:
+        values = torch.zeros(len(rows))
+        values[penalised] = torch.tensor([getattr(rows[i], name) for i in penalised])
+        return values[row_of_seen]  # [num_seen]
+
+    seen, output_counts = seen.to(dev), output_counts.to(dev)
+    flat = logits.reshape(-1)
+    values = flat[seen]  # [num_seen]
+    repetition = per_cell("repetition_penalty").to(dev)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = (values - per_cell("frequency_penalty").to(dev) * output_counts
+              - per_cell("presence_penalty").to(dev) * (output_counts > 0).float())
+    out = flat.clone()
+    out[seen] = values.to(logits.dtype)
+    return out.view_as(logits)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

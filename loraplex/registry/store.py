@@ -41,6 +41,7 @@ from loraplex.adapter_format import (
     WEIGHTS_FILE,
     combine_digests,
     parse_adapter_config,
+    stored_folder,
 )
 from loraplex.errors import AdapterError
 from loraplex.files import fsync_dir
@@ -154,9 +155,7 @@ class AdapterStore:
     @staticmethod
     def relative_path_for(digest: str) -> str:
         """``<digest[:2]>/<digest>``; refuses anything but 64 lowercase hex digits."""
-        if not _DIGEST_RE.match(digest):
-            raise ValueError(f"not a sha256 hex digest: {digest!r}")
-        return f"{digest[:2]}/{digest}"
+        return stored_folder(digest)
 
     def resolve(self, relative_path: str) -> Path:
         """The absolute folder of a path recorded in the registry, kept inside the root."""

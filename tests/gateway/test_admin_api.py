@@ -412,6 +412,22 @@ def test_engine_and_usage(api: Admin, llama_adapters: dict[str, Path]) -> None:
         assert field in stats
     assert len(stats["slots"]) == 2
     assert f"{tenant}/fast" in [s["model"] for s in stats["slots"] if s]
+    # The top level adds up the replicas; in process there is one, replica 0.
+    (replica,) = stats["replicas"]
+    assert stats["replica"] == -1 and replica["replica"] == 0
+    for field in ("num_waiting", "num_running", "kv_blocks_used", "kv_pool_usage",
+                  "adapter_slots", "host_adapters", "running_adapters", "waiting_adapters",
+                  "max_loras", "max_cpu_loras"):
+        assert replica[field] == stats[field], field
+    assert replica["slots"] == stats["slots"] and replica["max_loras"] == 2
+    fast = next(s for s in replica["slots"] if s and s["model"] == f"{tenant}/fast")
+    assert fast["identity"] in replica["host_adapters"]
+    # What /openapi.json promises of the response is there.
+    doc = api.http.get("/openapi.json").json()
+    declared = doc["paths"]["/admin/api/engine"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"]
+    assert set(declared["required"]) <= set(stats)
+    assert set(declared["properties"]["replicas"]["items"]["required"]) <= set(replica)
 
     report = api.ok("GET", f"/admin/api/usage?tenant={tenant}")
     models = {r["model"]: r for r in report["data"]}

@@ -72,9 +72,21 @@ COMPLETION_CASES = [
     ({"prompt": [999999]}, "prompt", "out of range"),
     ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
     ({"prompt": "\ud800"}, "prompt", "surrogate"),
-    ({"echo": True}, "echo", "not supported"),
-    ({"presence_penalty": 1.0}, "presence_penalty", "not supported"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({"echo": "yes"}, "echo", "boolean"),
+    ({"suffix": "x"}, "suffix", "not supported"),
+    ({"best_of": 3}, "best_of", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "must be in"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "must be in"),
+    ({"frequency_penalty": "a"}, "frequency_penalty", "number"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"min_tokens": 5}, "min_tokens", "max_tokens"),
+    ({"logit_bias": []}, "logit_bias", "object"),
+    ({"logit_bias": {"x1": 5}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias", "numbers"),
+    ({"logit_bias": {"1": 100.5}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias", ">= 0"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias", "out of range"),
+    ({"stop_token_ids": [999999]}, "stop_token_ids", "out of range"),
 ]
 
 
@@ -99,7 +111,26 @@ CHAT_CASES = [
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", "between"),
     ({"max_completion_tokens": -3}, "max_completion_tokens", "between"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"schema": {"type": "strnig"}}}},
+     "response_format", "compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "string", "format": "no-such-format"}}}},
+     "response_format", "compiled"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "compiled"),
+    ({"guided_grammar": "start: nowhere"}, "guided_grammar", "compiled"),
+    ({"guided_choice": []}, "guided_choice", "list"),
+    ({"guided_json": "{not json"}, "guided_json", "JSON"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
+     "second"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "unknown"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+     "second"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}, "strict": "yes"}}}, "response_format", "boolean"),
 ]
 
 

@@ -59,31 +59,6 @@ def test_latency_histograms() -> None:
     assert value(metrics, f"{e2e}_bucket", le="1.0") == 1
 
 
-def test_engine_gauges() -> None:
-    metrics = GatewayMetrics()
-    metrics.set_engine_gauges(
-        queue_depth=7, running=3, kv_blocks_used=120, kv_blocks_free=8, prefix_cache_hit_rate=0.25
-    )
-    metrics.set_engine_gauges(queue_depth=5)  # the others keep their values
-    assert value(metrics, "loraplex_queue_depth") == 5
-    assert value(metrics, "loraplex_running_requests") == 3
-    assert value(metrics, "loraplex_kv_blocks_used") == 120
-    assert value(metrics, "loraplex_kv_blocks_free") == 8
-    assert value(metrics, "loraplex_prefix_cache_hit_rate") == 0.25
-
-
-def test_adapter_loads_and_evictions() -> None:
-    metrics = GatewayMetrics()
-    metrics.record_adapter_load(0.02)
-    metrics.record_adapter_load(0.3)
-    metrics.record_adapter_eviction()
-    assert value(metrics, "loraplex_adapter_loads_total") == 2
-    assert value(metrics, "loraplex_adapter_evictions_total") == 1
-    assert value(metrics, "loraplex_adapter_load_seconds_count") == 2
-    assert value(metrics, "loraplex_adapter_load_seconds_sum") == pytest.approx(0.32)
-    assert value(metrics, "loraplex_adapter_load_seconds_bucket", le="0.025") == 1
-
-
 def test_label_cardinality_is_capped() -> None:
     metrics = GatewayMetrics(max_label_values=5)
     for i in range(50):
@@ -145,6 +120,4 @@ def test_status_for_http(code: int, status: str) -> None:
 def test_instances_do_not_share_state() -> None:
     first, second = GatewayMetrics(), GatewayMetrics()
     first.observe_request("t", "a", "ok")
-    first.record_adapter_eviction()
     assert not [s for s in samples(second) if s.name == "loraplex_requests_total"]
-    assert value(second, "loraplex_adapter_evictions_total") == 0

@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from loraplex.config import (
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
 from loraplex.registry import db, service
+from loraplex.testing import bootstrap_admin, build_tiny_model
 
 LiveServer = Any  # tests/gateway/conftest.py's LiveServer
 
@@ -259,3 +261,118 @@ def test_in_process_limiter_without_redis(tiny_queue: tuple[str, str, str]) -> N
             client.completions.create(model="tiny", prompt="hi", max_tokens=1)
     assert int(refused.value.response.headers["retry-after"]) >= 1
     assert refused.value.body["type"] == "requests"  # type: ignore[index]
+
+
+@dataclass
+class OneSeqServer:
+    """A server whose engine runs one sequence at a time, with two adapters of tenant
+    ``obs``: ``one`` and ``two``, by their engine identities."""
+
+    url: str
+    admin_key: str
+    key: str
+    identities: dict[str, str]
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60,
+                            headers={"Authorization": f"Bearer {self.admin_key}"})
+
+    def metrics(self) -> dict[str, list[Any]]:
+        with self.admin() as http:
+            response = http.get("/metrics")
+        assert response.status_code == 200, response.text
+        out: dict[str, list[Any]] = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append(sample)
+        return out
+
+    def body(self, model: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+        return {"model": model, "prompt": [5] * 8, "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": stream}
+
+
+# Tokens of the request that holds the one sequence slot: seconds of decoding, so the
+# scrapes taken meanwhile see it running however fast the machine is (it is aborted then).
+LONG_TOKENS = 4000
+
+
+@pytest.fixture(scope="module")
+def one_seq(llama_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+            serve_app: Any) -> Iterator[OneSeqServer]:
+    root = tmp_path_factory.mktemp("one_seq")
+    # The tiny Llama's shapes (its adapters fit) with room for a long completion.
+    model_dir = build_tiny_model(root / "model", arch="llama", max_position_embeddings=4096)
+    db_url = f"sqlite:///{root / 'registry.db'}"
+    admin_key = bootstrap_admin(db_url)
+    client = EngineClient.from_config(EngineConfig(
+        ModelConfig(str(model_dir)), CacheConfig(block_size=16, num_kv_blocks=300),
+        LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
+        SchedulerConfig(max_num_seqs=1)))
+    app = create_app(ServerConfig(served_model_name="tiny"),
+                     RegistryConfig(db_url, str(root / "store")), client)
+    try:
+        with serve_app(app) as url:
+            server = OneSeqServer(url, admin_key, "", {})
+            with server.admin() as http:
+                assert http.post("/admin/api/tenants", json={"name": "obs"}).status_code == 201
+                server.key = http.post("/admin/api/tenants/obs/keys", json={}).json()["key"]
+                for name, spec in (("one", "r4"), ("two", "r8qv")):
+                    files = {f: (f, (llama_adapters[spec] / f).read_bytes())
+                             for f in ("adapter_config.json", "adapter_model.safetensors")}
+                    made = http.post("/admin/api/tenants/obs/adapters", data={"name": name},
+                                     files=files)
+                    assert made.status_code == 201, made.text
+                    row = made.json()
+                    server.identities[name] = f"{row['id']}@{row['digest'][:12]}"
+            yield server
+    finally:
+        client.close()
+
+
+def lora_info(metrics: dict[str, list[Any]]) -> dict[str, str]:
+    (sample,) = metrics["loraplex_lora_requests_info"]
+    return dict(sample.labels)
+
+
+def test_metrics_name_running_and_waiting_adapters_mid_stream(one_seq: OneSeqServer) -> None:
+    one, two = one_seq.identities["one"], one_seq.identities["two"]
+    headers = {"Authorization": f"Bearer {one_seq.key}"}
+    with httpx.Client(base_url=one_seq.url, timeout=60, headers=headers) as http, \
+            ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", "/v1/completions",
+                         json=one_seq.body("one", LONG_TOKENS, stream=True)) as streaming:
+            assert streaming.status_code == 200
+            # Held, not dropped: a collected line iterator would close the stream.
+            lines = streaming.iter_lines()
+            next(lines)  # the first token: "one" runs
+            running = lora_info(one_seq.metrics())
+            assert running == {"replica": "0", "max_lora": "2", "running_lora_adapters": one,
+                               "waiting_lora_adapters": ""}
+            # The only sequence slot is taken: a request on "two" waits for it.
+            queued = pool.submit(http.post, "/v1/completions",
+                                 json=one_seq.body("two", 2, stream=False))
+            deadline = time.monotonic() + 30
+            while (info := lora_info(metrics := one_seq.metrics()))[
+                    "waiting_lora_adapters"] != two:
+                assert time.monotonic() < deadline and not queued.done(), info
+            assert info["running_lora_adapters"] == one
+            assert metrics["loraplex_queue_depth"][0].labels == {"replica": "0"}
+            assert metrics["loraplex_queue_depth"][0].value == 1
+            assert metrics["loraplex_running_requests"][0].value == 1
+            with one_seq.admin() as admin:
+                replica = admin.get("/admin/api/engine").json()["replicas"][0]
+            assert replica["running_adapters"] == [one]
+        # Closing the stream aborts "one": "two" runs and ends.
+        assert queued.result(timeout=60).status_code == 200
+
+    after = one_seq.metrics()
+    assert lora_info(after) == {"replica": "0", "max_lora": "2",
+                                "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    resident = {(s.labels["replica"], s.labels["level"]): s.value
+                for s in after["loraplex_adapter_resident"]}
+    assert resident == {("0", "device"): 2, ("0", "host"): 2}
+    capacity = {s.labels["level"]: s.value for s in after["loraplex_adapter_capacity"]}
+    assert capacity == {"device": 2, "host": 4}
+    loads = after["loraplex_adapter_loads_total"]
+    assert [(s.labels, s.value) for s in loads] == [({"replica": "0"}, 2)]

@@ -56,7 +56,7 @@ def _mixed_batch_matches(model_dir: Path, adapters: dict[str, Path], seed: int) 
             g.append(t)
         seqs = [SeqInput([g[-1]], len(p) + len(g) - 1, t, s.lora_slot, [GREEDY])
                 for p, g, t, s in zip(prompts, generated, tables, seqs, strict=True)]
-        tokens = [r[0].token_id for r in runner.execute(BatchInputs(seqs))]
+        tokens = [r.sampled[0].token_id for r in runner.execute(BatchInputs(seqs))]
     for g, t in zip(generated, tokens, strict=True):
         g.append(t)
 

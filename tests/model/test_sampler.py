@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from loraplex.model.sampler import SamplingRow, sample
+from loraplex.model.sampler import SamplingRow, apply_bias, apply_penalties, sample
+from loraplex.testing import reference_processed_logits
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -72,3 +74,64 @@ def test_logprobs_are_the_models_log_softmax(k: int) -> None:
     expected = torch.topk(ref, k) if k else None
     if expected is not None:
         assert [t for t, _ in top] == expected.indices.tolist()
+
+
+# --- logit processing: min_tokens bans, logit_bias, penalties -------------------------
+
+
+def _processing_rows(vocab: int) -> list[SamplingRow]:
+    """A mixed batch: untouched rows next to every kind of processing, alone and combined,
+    each row with its own history."""
+    rng = torch.Generator().manual_seed(5)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=rng).tolist()
+
+    specs: list[dict[str, Any]] = [
+        {},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": -0.7},
+        {"repetition_penalty": 1.3},
+        {"repetition_penalty": 0.6, "presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"logit_bias": ((3, 100.0), (7, -100.0), (vocab - 1, 0.25))},
+        {"banned_ids": (0, 1), "logit_bias": ((0, 5.0),), "repetition_penalty": 1.1},
+        {"frequency_penalty": 0.5},  # no output yet: nothing to penalise
+    ]
+    return [SamplingRow(prompt_token_ids=ids(3 + 5 * i),
+                        output_token_ids=[] if i == len(specs) - 1 else ids(2 + 3 * i), **spec)
+            for i, spec in enumerate(specs)]
+
+
+def test_processed_logits_match_the_definitions_over_a_mixed_batch() -> None:
+    vocab = 40
+    rows = _processing_rows(vocab)
+    logits = torch.randn(len(rows), vocab) * 3
+    got = apply_penalties(apply_bias(logits, rows), rows)
+    for i, r in enumerate(rows):
+        expected = reference_processed_logits(
+            logits[i], r.prompt_token_ids, r.output_token_ids, presence=r.presence_penalty,
+            frequency=r.frequency_penalty, repetition=r.repetition_penalty,
+            logit_bias=r.logit_bias, banned_ids=r.banned_ids)
+        assert torch.allclose(got[i].double(), expected, atol=1e-5), f"row {i}: {r}"
+    assert torch.equal(got[0], logits[0])
+
+
+def test_greedy_takes_the_argmax_of_processed_logits_and_logprobs_stay_raw() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 4] = 5.0
+    rows = [SamplingRow(logit_bias=((8, 10.0),), num_logprobs=0), SamplingRow(num_logprobs=0)]
+    out = sample(logits, rows)
+    assert [t.token_id for t in out] == [8, 4]
+    raw = torch.log_softmax(logits[0], -1)
+    assert out[0].logprob == pytest.approx(float(raw[8]), abs=1e-6)
+
+
+def test_banned_ids_are_never_drawn() -> None:
+    row = SamplingRow(temperature=1.0, banned_ids=(0, 1), generator=_gen(4))
+    assert _counts(row, draws=500)[:2] == [0, 0]
+
+
+def test_a_row_without_processing_leaves_the_logits_untouched() -> None:
+    logits = torch.randn(3, 20)
+    rows = [SamplingRow(prompt_token_ids=[1, 2], output_token_ids=[3])] * 3
+    assert apply_penalties(apply_bias(logits, rows), rows) is logits

@@ -82,6 +82,8 @@ class Deployment:
     model_dir: Path
     adapter_dirs: dict[str, Path]
     logs: list[Path]
+    argv: list[str]  # a gateway's command line, less --port
+    env: dict[str, str]
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def client(self, tenant: str, gateway: int = 0) -> openai.OpenAI:
@@ -123,15 +125,53 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
     raise AssertionError(f"gateway not ready:\n{log.read_text()[-3000:]}")
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_cluster(head: subprocess.Popen[bytes]) -> None:
+    """Stops a ``ray start --block`` head and everything it started (SIGINT is its graceful
+    stop; a few of its agents outlive it otherwise)."""
+    spawned = _descendants(head.pid)
+    head.send_signal(signal.SIGINT)
+    try:
+        head.wait(30)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait()
+    for pid in spawned:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class Cluster:
+    address: str
+    head: subprocess.Popen[bytes]
+
+
 @pytest.fixture(scope="module")
-def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A real local Ray cluster on loopback (two CPUs, a small object store)."""
     port = _free_port()
     temp = tmp_path_factory.mktemp("ray")
     env = {**os.environ, **RAY_ENV}
     head = subprocess.Popen(
         [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", "--num-cpus=2", f"--object-store-memory={200 << 20}",
+         f"--port={port}", f"--ray-client-server-port={_free_port()}",
+         f"--dashboard-agent-listen-port={_free_port()}", "--num-cpus=2",
+         f"--object-store-memory={200 << 20}",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -142,18 +182,13 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     break
             assert head.poll() is None and time.monotonic() < deadline, "ray did not start"
             time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
+        yield Cluster(f"127.0.0.1:{port}", head)
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(30)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop_cluster(head)
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_address: str, tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+def deployment(cluster: Cluster, tiny_llama_dir: Path, llama_adapters: dict[str, Path],
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("scaleout")
     store = root / "store"
@@ -185,19 +220,22 @@ def deployment(ray_address: str, tiny_llama_dir: Path, llama_adapters: dict[str,
         env.update(LORAPLEX_CACHE_SALT_SECRET="scale-out-test-secret",
                    LORAPLEX_HOME=str(root / "home"), **RAY_ENV)
         ports = [_free_port(), _free_port()]
+        argv = [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "2",
+                "--replica-cpus", "0.5", "--ray-address", cluster.address,
+                "--model", str(tiny_llama_dir), "--served-model-name", SERVED,
+                "--database-url", db_url, "--adapter-dir", str(store),
+                "--redis-url", REDIS_URL, "--redis-key-prefix", prefix,
+                "--num-kv-blocks", "128", "--max-loras", str(MAX_LORAS),
+                "--max-cpu-loras", str(MAX_LORAS), "--max-lora-rank", "16",
+                "--max-num-seqs", str(MAX_NUM_SEQS), "--log-level", "warning"]
         dep = Deployment([f"http://127.0.0.1:{p}" for p in ports], keys, admin_key, prefix,
-                         tiny_llama_dir, adapter_dirs, [root / "gw0.log", root / "gw1.log"])
+                         tiny_llama_dir, adapter_dirs, [root / "gw0.log", root / "gw1.log"],
+                         argv, env)
         try:
             for i, port in enumerate(ports):
-                cmd = [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "2",
-                       "--replica-cpus", "0.5", "--ray-address", ray_address,
-                       "--model", str(tiny_llama_dir), "--served-model-name", SERVED,
-                       "--port", str(port), "--database-url", db_url,
-                       "--adapter-dir", str(store), "--redis-url", REDIS_URL,
-                       "--redis-key-prefix", prefix, "--num-kv-blocks", "128",
-                       "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_LORAS),
-                       "--max-lora-rank", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
-                       "--log-level", "warning"]
+                cmd = [*dep.argv, "--port", str(port)]
+                if i == 0:  # the deployer: each gateway holds two requests for busy replicas
+                    cmd += ["--max-queued-requests", "2"]
                 with dep.logs[i].open("wb") as log:
                     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
                 dep.procs.append(proc)
@@ -302,6 +340,18 @@ def test_mixed_adapters_match_in_process_and_stick_to_replicas(
     assert hit_rate > random_rate
 
 
+def test_a_gateway_for_another_model_configuration_is_refused(
+        deployment: Deployment) -> None:
+    argv = [*deployment.argv, "--port", str(_free_port())]
+    argv[argv.index("--max-lora-rank") + 1] = "8"
+    proc = subprocess.run(argv, env=deployment.env, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("loraplex: error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "the running replicas serve another model: max_lora_rank 16 (expected 8)" \
+        in errors[0]
+
+
 def test_cross_tenant_requests_are_404_on_every_gateway(deployment: Deployment) -> None:
     for gateway in (0, 1):
         with pytest.raises(openai.NotFoundError):
@@ -322,6 +372,17 @@ def test_two_gateways_share_exact_rate_limits(deployment: Deployment) -> None:
         except openai.RateLimitError:
             outcomes.append("429")
     assert outcomes.count("ok") == RPM, outcomes
+    # Usage, metered by each gateway into the shared registry, adds up across them.
+    deadline = time.monotonic() + 10
+    while True:
+        report = httpx.get(f"{deployment.gateways[0]}/admin/api/usage?tenant=metered",
+                           headers={"Authorization": f"Bearer {deployment.admin_key}"},
+                           timeout=30).json()
+        totals = report["totals"][0] if report["totals"] else {"requests": 0}
+        if totals["requests"] == RPM or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert totals["requests"] == RPM and totals["completion_tokens"] <= RPM, totals
 
 
 def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
@@ -331,8 +392,9 @@ def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> None:
-        client.completions.create(model="mlp", prompt=f"spill {i}", max_tokens=40,
-                                  temperature=0, extra_body={"ignore_eos": True})
+        with contextlib.suppress(openai.InternalServerError):  # 503: over the bounded queue
+            client.completions.create(model="mlp", prompt=f"spill {i}", max_tokens=40,
+                                      temperature=0, extra_body={"ignore_eos": True})
 
     digest12 = folder_digest(deployment.adapter_dirs["alice/mlp"])[:12]
 
@@ -351,6 +413,34 @@ def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
         client.completions.create(model="mlp", prompt="x", max_tokens=1)
     deployment.wait_replicas(lambda seen: len(seen) == 2 and not holders(seen), timeout_s=5)
     assert time.monotonic() - deleted_at < 5
+
+
+def test_every_replica_is_listed_and_labelled_by_ordinal(deployment: Deployment) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    digest12 = folder_digest(deployment.adapter_dirs["alice/qv"])[:12]
+    deployment.client("alice").completions.create(model="qv", prompt="observe", max_tokens=2)
+    deployment.wait_replicas(lambda seen: len(seen) == 2 and any(
+        slot and slot.endswith(digest12) for s in seen.values() for slot in s["adapter_slots"]))
+    admin = {"Authorization": f"Bearer {deployment.admin_key}"}
+    for url in deployment.gateways:  # each gateway lists both replicas
+        engine = httpx.get(f"{url}/admin/api/engine", headers=admin, timeout=30).json()
+        replicas = engine["replicas"]
+        assert [r["replica"] for r in replicas] == [0, 1] and engine["replica"] == -1
+        assert [r["max_loras"] for r in replicas] == [MAX_LORAS, MAX_LORAS]
+        assert engine["max_loras"] == 2 * MAX_LORAS == len(engine["adapter_slots"])
+        assert any(s and s["model"] == "alice/qv" for r in replicas for s in r["slots"])
+        text = httpx.get(f"{url}/metrics", headers=admin, timeout=30).text
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        for name in ("loraplex_queue_depth", "loraplex_kv_pool_usage",
+                     "loraplex_lora_requests_info", "loraplex_adapter_loads_total"):
+            assert sorted(s.labels["replica"] for s in samples if s.name == name) == [
+                "0", "1"], name
+        assert {s.labels["max_lora"] for s in samples
+                if s.name == "loraplex_lora_requests_info"} == {str(MAX_LORAS)}
+        device = [s.value for s in samples if s.name == "loraplex_adapter_resident"
+                  and s.labels["level"] == "device"]
+        assert len(device) == 2 and sum(device) >= 1
 
 
 def test_replica_killed_mid_stream(deployment: Deployment) -> None:
@@ -382,3 +472,43 @@ def test_replica_killed_mid_stream(deployment: Deployment) -> None:
         timeout_s=60)
     assert sorted(replaced) == [0, 1]  # the replacement took the ordinal back
     assert httpx.get(f"{deployment.gateways[0]}/ready", timeout=10).status_code == 200
+
+
+def test_overflow_is_503_with_retry_after(deployment: Deployment) -> None:
+    # 2 replicas x 2*max_num_seqs running or queued in their engines, two more held by the
+    # gateway: the rest are refused at once.
+    async def one(http: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await http.post("/v1/completions", json={
+            "model": SERVED, "prompt": f"flood {i}", "max_tokens": 300, "ignore_eos": True})
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+                base_url=deployment.gateways[0], timeout=120,
+                headers={"Authorization": f"Bearer {deployment.keys['alice']}"}) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(60)))
+
+    responses = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    refused = [r for r in responses if r.status_code == 503]
+    assert set(codes) == {200, 503}, codes
+    assert codes.count(200) >= 4 * MAX_NUM_SEQS
+    for response in refused:
+        assert response.json()["error"]["code"] == "engine_overloaded"
+        assert int(response.headers["Retry-After"]) >= 1
+    result = deployment.client("alice", 0).completions.create(model=SERVED, prompt="after",
+                                                              max_tokens=2)
+    assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_losing_ray_makes_ready_503(deployment: Deployment, cluster: Cluster) -> None:
+    # Last: the cluster goes for good.
+    stop_cluster(cluster.head)
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.get(f"{deployment.gateways[0]}/ready", timeout=10)
+        if response.status_code == 503:
+            break
+        assert time.monotonic() < deadline, "/ready stayed 200 without Ray"
+        time.sleep(0.5)
+    assert response.json()["engine"] is False
+    assert all(proc.poll() is None for proc in deployment.procs)  # the gateways stay up

@@ -149,3 +149,36 @@ def test_usage_totals_stacked_by_tenant_name_the_tenant(
     models = sorted(r.locator("td").nth(1).text_content() for r in by_model.all())
     assert models == sorted([f"{SERVED} (base)", f"{tenant}/tone v1"])
     page.close()
+
+
+def test_engine_page_lists_each_replica(browser: Any, ui_server: UIServer,
+                                        ui_adapters: dict[str, Path], busy_engine: None) -> None:
+    tenant, key = new_tenant(ui_server)
+    with admin(ui_server) as http:
+        files = {name: (name, (ui_adapters["good"] / name).read_bytes()) for name in FILES}
+        made = http.post(f"/admin/api/tenants/{tenant}/adapters", data={"name": "lens"},
+                         files=files)
+        assert made.status_code == 201, made.text
+    identity = f"{made.json()['id']}@{made.json()['digest'][:12]}"
+    complete(ui_server, key, "lens", 2)  # into a device slot, where it stays meanwhile
+    page = signed_in_page(browser, ui_server, "engine")
+    # Refreshed every 2 s: wait for a render taken while a stream ran.
+    page.wait_for_function(
+        """(model) => {
+             const row = document.querySelector('#engine-replicas tbody tr');
+             return row !== null && row.textContent.includes(model)
+                    && Number(row.querySelector('td[data-label=Running]').textContent) >= 1;
+           }""", arg=f"{tenant}/lens", timeout=30_000)
+    rows = json.loads(page.evaluate(
+        "() => JSON.stringify([...document.querySelectorAll('#engine-replicas tbody tr')]"
+        ".map(r => [...r.cells].map(c => c.textContent)))"))
+    assert len(rows) == 1  # in process: one replica
+    replica, waiting, running, kv, slots, adapters, host = rows[0]
+    assert replica == "0" and waiting.isdigit() and int(running) >= 1
+    # Live streams hold blocks: the pool is in use.
+    assert re.fullmatch(r"\d+\.\d%", kv) and float(kv[:-1]) > 0
+    in_use, max_loras = (int(n) for n in slots.split(" / "))
+    assert max_loras == 2 and 1 <= in_use <= 2
+    assert f"{tenant}/lens {identity}" in adapters
+    assert re.fullmatch(r"\d / 4", host)
+    page.close()

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex.engine.stats import combine_stats
 from loraplex.errors import AdapterNotFoundError, InvalidRequestError
 from loraplex.gateway.auth import admin_principal
 from loraplex.gateway.http import MAX_INT32, parse_time_param
@@ -24,17 +25,15 @@ DEFAULT_USAGE_WINDOW: Final = timedelta(hours=48)
 MAX_USAGE_WINDOW: Final = timedelta(days=366)
 
 
-def _slot_names(gw: Gateway, slots: list[str | None]) -> list[dict[str, Any] | None]:
-    """Engine slots (``id@digest12``) with the adapter each holds, by owner and name."""
-    out: list[dict[str, Any] | None] = []
+def _adapter_entries(gw: Gateway, identities: set[str]) -> dict[str, dict[str, Any]]:
+    """Each engine identity (``id@digest12``) with the adapter it is, by owner and name
+    (``None`` where the registry does not know the id)."""
+    out: dict[str, dict[str, Any]] = {}
     with transaction(gw.sessions) as session:
-        for index, slot in enumerate(slots):
-            if slot is None:
-                out.append(None)
-                continue
-            raw_id = slot.partition("@")[0]
-            entry: dict[str, Any] = {"slot": index, "identity": slot, "model": None,
-                                     "version": None, "status": None}
+        for identity in identities:
+            raw_id = identity.partition("@")[0]
+            entry: dict[str, Any] = {"identity": identity, "model": None, "version": None,
+                                     "status": None}
             if raw_id.isdigit() and int(raw_id) <= MAX_INT32:
                 try:
                     row = service.get_adapter(session, int(raw_id))
@@ -43,16 +42,29 @@ def _slot_names(gw: Gateway, slots: list[str | None]) -> list[dict[str, Any] | N
                 else:
                     entry |= {"model": f"{row.tenant.name}/{row.name}",
                               "version": row.version, "status": row.status}
-            out.append(entry)
+            out[identity] = entry
     return out
 
 
+def _slots(slots: tuple[str | None, ...],
+           entries: dict[str, dict[str, Any]]) -> list[dict[str, Any] | None]:
+    return [None if slot is None else {"slot": index} | entries[slot]
+            for index, slot in enumerate(slots)]
+
+
 async def engine_stats(request: Request) -> Response:
-    """The engine's figures: queue, running requests, KV blocks, adapter slots."""
+    """The engine's figures: queue, running requests, KV blocks, adapter slots; at the top
+    level for the whole deployment, and under ``replicas`` for each replica."""
     gw, _ = await admin_principal(request)
-    stats = await gw.backend.stats()
-    slots = await run_in_threadpool(_slot_names, gw, list(stats.adapter_slots))
-    return JSONResponse(asdict(stats) | {"slots": slots, "served_model": gw.served_model_name})
+    replicas = await gw.backend.replica_stats()
+    total = combine_stats(replicas)
+    entries = await run_in_threadpool(
+        _adapter_entries, gw, {slot for slot in total.adapter_slots if slot is not None})
+    return JSONResponse(asdict(total) | {
+        "slots": _slots(total.adapter_slots, entries),
+        "served_model": gw.served_model_name,
+        "replicas": [asdict(r) | {"slots": _slots(r.adapter_slots, entries)}
+                     for r in replicas]})
 
 
 def _usage(gw: Gateway, tenant: str | None, since: datetime,

@@ -34,7 +34,7 @@ from loraplex.gateway.http import (
     sse,
 )
 from loraplex.gateway.metrics import Observation, status_for_http
-from loraplex.gateway.responses import Accumulator, ChunkWriter, dumps, usage
+from loraplex.gateway.responses import Accumulator, ChunkWriter, Echo, dumps, usage
 from loraplex.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -124,7 +124,7 @@ async def get_model(request: Request, gw: Gateway, obs: Observation) -> Response
 
 
 def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
-                     default_max_tokens: int) -> SamplingParams:
+                     default_max_tokens: int, *, echo: bool = False) -> SamplingParams:
     max_tokens = options.max_tokens
     if max_tokens is None:
         # As many as fit; the engine refuses a prompt that leaves room for none.
@@ -134,7 +134,13 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
         n=options.n, temperature=options.temperature, top_p=options.top_p,
         top_k=options.top_k, min_p=options.min_p, seed=options.seed, max_tokens=max_tokens,
         stop=options.stop, stop_token_ids=options.stop_token_ids,
-        ignore_eos=options.ignore_eos, logprobs=options.logprobs)
+        ignore_eos=options.ignore_eos, logprobs=options.logprobs,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
+        min_tokens=options.min_tokens, grammar=options.grammar,
+        # An echoed prompt's logprobs need the prompt's logits: the engine computes them.
+        prompt_logprobs=options.logprobs if echo else None)
 
 
 async def _prepare(request: Request, gw: Gateway, obs: Observation,
@@ -153,9 +159,14 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
     token_ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
                  else await gw.tokenizers.encode(req.prompt or ""))
     # OpenAI's default of 16 applies only when max_tokens is left out.
-    params = _sampling_params(gw, req.options, len(token_ids), default_max_tokens=16)
+    params = _sampling_params(gw, req.options, len(token_ids), default_max_tokens=16,
+                              echo=req.echo)
+    echo = None
+    if req.echo:
+        text = req.prompt if req.prompt is not None else await gw.tokenizers.decode(token_ids)
+        echo = Echo(text, token_ids)
     return await _generate(request, gw, obs, principal, target, token_ids, params,
-                           req.options, chat=False)
+                           req.options, chat=False, echo=echo)
 
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
@@ -170,7 +181,8 @@ async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> R
 
 async def _generate(request: Request, gw: Gateway, obs: Observation, principal: Principal,
                     target: Target, token_ids: list[int], params: SamplingParams,
-                    options: GenerationOptions, *, chat: bool) -> Response:
+                    options: GenerationOptions, *, chat: bool,
+                    echo: Echo | None = None) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(gw, principal, target, token_ids, params, rid, obs)
     try:
@@ -179,11 +191,12 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
         await shielded(job.finish(_failure_status(exc)))
         raise
     if options.stream:
-        return EventStreamResponse(_events(gw, job, options, chat),
+        return EventStreamResponse(_events(gw, job, options, chat, echo),
                                    on_close=lambda gone: job.finish(
                                        "aborted" if gone else job.stream_status))
     try:
-        body = await run_until_disconnect(request, lambda: _collect(gw, job, options, chat))
+        body = await run_until_disconnect(request,
+                                          lambda: _collect(gw, job, options, chat, echo))
     except BaseException as exc:
         await shielded(job.finish(_failure_status(exc)))
         raise
@@ -198,9 +211,9 @@ def _failure_status(exc: BaseException) -> str:
     return status_for_http(describe(exc).status)
 
 
-async def _collect(gw: Gateway, job: Job, options: GenerationOptions,
-                   chat: bool) -> dict[str, Any]:
-    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text)
+async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
+                   echo: Echo | None) -> dict[str, Any]:
+    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text, echo)
     async for delta in job.deltas():
         acc.add(delta)
     if acc.aborted:
@@ -210,10 +223,11 @@ async def _collect(gw: Gateway, job: Job, options: GenerationOptions,
     return build(job.request_id, job.created, job.target.model, usage_)
 
 
-async def _events(gw: Gateway, job: Job, options: GenerationOptions,
-                  chat: bool) -> AsyncGenerator[bytes, None]:
+async def _events(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
+                  echo: Echo | None) -> AsyncGenerator[bytes, None]:
     writer = ChunkWriter(chat, job.request_id, job.created, job.target.model, job.params.n,
-                         options.logprobs, options.include_usage, gw.tokenizers.token_text)
+                         options.logprobs, options.include_usage, gw.tokenizers.token_text,
+                         echo)
     try:
         for chunk in writer.role_chunks():
             yield sse(chunk)

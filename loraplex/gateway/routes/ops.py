@@ -41,30 +41,10 @@ async def ready(request: Request) -> Response:
                         status_code=200 if ok else 503)
 
 
-async def _refresh_engine_metrics(gw: Gateway) -> None:
-    stats = await gw.backend.stats()
-    gw.metrics.set_engine_gauges(
-        queue_depth=stats.num_waiting, running=stats.num_running,
-        kv_blocks_used=stats.kv_blocks_used, kv_blocks_free=stats.kv_blocks_free,
-        prefix_cache_hit_rate=stats.prefix_cache_hit_rate)
-    # The engine keeps running totals; the counters get what happened since the last scrape.
-    seen = gw.exported
-    loads = stats.adapter_slot_loads - int(seen.get("loads", 0))
-    seconds = stats.adapter_load_seconds - seen.get("load_seconds", 0.0)
-    evictions = stats.adapter_slot_evictions - int(seen.get("evictions", 0))
-    for _ in range(max(loads, 0)):
-        # Only the total time is known: each load of the interval gets the mean.
-        gw.metrics.record_adapter_load(max(seconds, 0.0) / loads)
-    for _ in range(max(evictions, 0)):
-        gw.metrics.record_adapter_eviction()
-    seen.update(loads=stats.adapter_slot_loads, load_seconds=stats.adapter_load_seconds,
-                evictions=stats.adapter_slot_evictions)
-
-
 async def metrics_endpoint(request: Request) -> Response:
     """Prometheus exposition. Admin only: labels name tenants and their adapters."""
     gw, _ = await admin_principal(request)
-    await _refresh_engine_metrics(gw)
+    gw.metrics.observe_engine(await gw.backend.replica_stats())
     body, content_type = gw.metrics.render()
     return Response(body, media_type=content_type)
 

@@ -1,0 +1,158 @@
+"""The engine's Prometheus metrics, one series per replica, from ``EngineStats`` snapshots.
+
+Every series carries a ``replica`` label: the replica's ordinal (0..N-1, "0" in process),
+which a replacement replica inherits, so the label set stays bounded however often replicas
+are replaced. The engine keeps running totals; counters here get what happened since the
+previous snapshot of the same replica, and a total that went down means the replica was
+replaced (or restarted): its new totals are counted from zero, never as a negative step.
+
+``lora_requests_info`` follows vLLM's ``vllm:lora_requests_info`` (the series an external
+router such as llm-d's LoRA-affinity scorer reads): labels ``running_lora_adapters`` and
+``waiting_lora_adapters`` (comma-joined ``id@digest12``, sorted, at most
+``MAX_INFO_ADAPTERS`` each), ``max_lora``, and its value the Unix time of the snapshot.
+Unlike vLLM, a replica keeps one series: the previous label set is removed when it changes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from loraplex.engine.stats import EngineStats
+
+ADAPTER_LOAD_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Adapters named per list in lora_requests_info: keeps the label value short (each name is
+# ``id@digest12``) when many requests queue for different adapters.
+MAX_INFO_ADAPTERS: Final = 32
+RESIDENCY_LEVELS: Final = ("device", "host")
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """A replica's cumulative counters as of its previous snapshot."""
+
+    loads: int = 0
+    evictions: int = 0
+    load_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> _Totals:
+        return cls(stats.adapter_slot_loads, stats.adapter_slot_evictions,
+                   stats.adapter_load_seconds)
+
+    def since(self, before: _Totals) -> _Totals:
+        """The increments from ``before``; all of self if any total went down (a new
+        replica under the same ordinal started from zero)."""
+        if (self.loads < before.loads or self.evictions < before.evictions
+                or self.load_seconds < before.load_seconds):
+            return self
+        return _Totals(self.loads - before.loads, self.evictions - before.evictions,
+                       self.load_seconds - before.load_seconds)
+
+
+def info_adapters(names: Sequence[str]) -> str:
+    """A lora_requests_info label value: the first ``MAX_INFO_ADAPTERS`` names, joined."""
+    return ",".join(names[:MAX_INFO_ADAPTERS])
+
+
+class EngineMetrics:
+    """The engine's gauges, counters and adapter-load histogram, labelled by replica."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str,
+                 replica_label: Callable[[str], str]) -> None:
+        self._replica_label = replica_label
+        self._totals: dict[str, _Totals] = {}
+        self._info_labels: dict[str, tuple[str, str, str]] = {}
+        self._lock = threading.Lock()
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, ["replica", *labels], namespace=namespace,
+                         registry=registry)
+
+        self.queue_depth = gauge("queue_depth", "Requests waiting to be scheduled.")
+        self.running = gauge("running_requests", "Requests in the running batch.")
+        self.kv_blocks_used = gauge("kv_blocks_used",
+                                    "KV cache blocks referenced by live requests.")
+        self.kv_blocks_free = gauge("kv_blocks_free",
+                                    "KV cache blocks free or cached with no reference.")
+        self.kv_pool_usage = gauge("kv_pool_usage",
+                                   "Fraction of the KV block pool referenced (0..1).")
+        self.prefix_cache_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.")
+        self.adapters_resident = gauge(
+            "adapter_resident", "Adapters resident, by level: device slot or host cache.",
+            "level")
+        self.adapter_capacity = gauge(
+            "adapter_capacity", "Adapters that fit, by level: device slots or host cache.",
+            "level")
+        self.lora_info = gauge(
+            "lora_requests_info",
+            "Adapters of running and waiting requests (as vLLM's vllm:lora_requests_info); "
+            "the value is the Unix time of the snapshot.",
+            "max_lora", "running_lora_adapters", "waiting_lora_adapters")
+        self.adapter_loads = Counter("adapter_loads", "Adapters loaded into a device slot.",
+                                     ["replica"], namespace=namespace, registry=registry)
+        self.adapter_evictions = Counter("adapter_evictions",
+                                         "Adapters evicted from a device slot.", ["replica"],
+                                         namespace=namespace, registry=registry)
+        self.adapter_load_time = Histogram(
+            "adapter_load_seconds", "Time to load an adapter into a device slot.", ["replica"],
+            namespace=namespace, registry=registry, buckets=ADAPTER_LOAD_BUCKETS)
+        self._per_replica = (self.queue_depth, self.running, self.kv_blocks_used,
+                             self.kv_blocks_free, self.kv_pool_usage,
+                             self.prefix_cache_hit_rate)
+
+    def observe(self, replicas: Sequence[EngineStats]) -> None:
+        """Sets every series from one snapshot of each replica; the gauges of a replica
+        missing from it (the deployment shrank) are removed."""
+        with self._lock:
+            seen: set[str] = set()
+            for stats in replicas:
+                replica = self._replica_label(str(stats.replica))
+                seen.add(replica)
+                self._set_gauges(replica, stats)
+                self._count(replica, _Totals.of(stats))
+            for replica in set(self._info_labels) - seen:
+                self._forget(replica)
+
+    def _set_gauges(self, replica: str, stats: EngineStats) -> None:
+        values = (stats.num_waiting, stats.num_running, stats.kv_blocks_used,
+                  stats.kv_blocks_free, stats.kv_pool_usage, stats.prefix_cache_hit_rate)
+        for metric, value in zip(self._per_replica, values, strict=True):
+            metric.labels(replica).set(value)
+        resident = (sum(slot is not None for slot in stats.adapter_slots),
+                    len(stats.host_adapters))
+        for level, count, capacity in zip(RESIDENCY_LEVELS, resident,
+                                          (stats.max_loras, stats.max_cpu_loras), strict=True):
+            self.adapters_resident.labels(replica, level).set(count)
+            self.adapter_capacity.labels(replica, level).set(capacity)
+        labels = (str(stats.max_loras), info_adapters(stats.running_adapters),
+                  info_adapters(stats.waiting_adapters))
+        previous = self._info_labels.get(replica)
+        if previous is not None and previous != labels:
+            self.lora_info.remove(replica, *previous)
+        self._info_labels[replica] = labels
+        self.lora_info.labels(replica, *labels).set(time.time())
+
+    def _count(self, replica: str, totals: _Totals) -> None:
+        step = totals.since(self._totals.get(replica, _Totals()))
+        self._totals[replica] = totals
+        self.adapter_loads.labels(replica).inc(step.loads)
+        self.adapter_evictions.labels(replica).inc(step.evictions)
+        load_time = self.adapter_load_time.labels(replica)
+        for _ in range(step.loads):
+            # Only the interval's total time is known: each of its loads gets the mean.
+            load_time.observe(step.load_seconds / step.loads)
+
+    def _forget(self, replica: str) -> None:
+        for metric in self._per_replica:
+            metric.remove(replica)
+        for level in RESIDENCY_LEVELS:
+            self.adapters_resident.remove(replica, level)
+            self.adapter_capacity.remove(replica, level)
+        self.lora_info.remove(replica, *self._info_labels.pop(replica))
