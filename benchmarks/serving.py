@@ -21,6 +21,17 @@ chunking; off needs a budget that holds a whole prompt (``--max-num-batched-toke
     python benchmarks/serving.py            # the default run (~15 min, 2 cores)
     python benchmarks/serving.py --quick    # a smoke run (~4 min)
 
+``--backend ray`` measures ``loraplex serve --backend ray`` against the in-process server
+(see docs/scale-out.md): each Ray deployment on a loopback Ray cluster of its own that the
+script starts and stops, all servers on a PostgreSQL schema and a Redis prefix of the run's
+own. It reports the per-request cost of the Ray path (requests one at a time, paired with
+the idle in-process server), the Poisson streams at 1 and 4 req/s for 1 and 2 replicas,
+and the adapter hit rate on working sets of 20 and 100 adapters with and without adapter
+affinity (from the replicas' ``adapter_disk_loads`` in Redis).
+
+    python benchmarks/serving.py --backend ray            # ~16 min, 2 cores
+    python benchmarks/serving.py --backend ray --quick    # ~7 min
+
 Loads only 127.0.0.1; every run is bounded in requests and time.
 """
 
