@@ -9,6 +9,7 @@ machine).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -27,6 +28,22 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def ray_env() -> dict[str, str]:
@@ -75,7 +92,9 @@ class RayCluster:
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM to our ``ray start --block`` (it takes its cluster down), then SIGKILL to
-        its process group after ``timeout``."""
+        its process group after ``timeout``, and to any process it started that outlived
+        it (some agents and workers leave its process group)."""
+        spawned = _descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -83,6 +102,9 @@ class RayCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        for pid in spawned:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self._log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return self.proc.returncode
