@@ -21,6 +21,17 @@ chunking; off needs a budget that holds a whole prompt (``--max-num-batched-toke
     python benchmarks/serving.py            # the default run (~15 min, 2 cores)
     python benchmarks/serving.py --quick    # a smoke run (~4 min)
 
+``--backend ray`` measures ``loraplex serve --backend ray`` against the in-process server
+(see docs/scale-out.md): each Ray deployment on a loopback Ray cluster of its own that the
+script starts and stops, all servers on a PostgreSQL schema and a Redis prefix of the run's
+own. It reports the per-request cost of the Ray path (requests one at a time, paired with
+the idle in-process server), the Poisson streams at 1 and 4 req/s for 1 and 2 replicas,
+and the adapter hit rate on working sets of 20 and 100 adapters with and without adapter
+affinity (from the replicas' ``adapter_disk_loads`` in Redis).
+
+    python benchmarks/serving.py --backend ray            # ~16 min, 2 cores
+    python benchmarks/serving.py --backend ray --quick    # ~7 min
+
 Loads only 127.0.0.1; every run is bounded in requests and time.
 """
 
@@ -28,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -42,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +68,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _scaleout import (  # noqa: E402
+    RayCluster,
+    hit_rate,
+    ray_env,
+    settled_replica_stats,
+    summed,
+)
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
@@ -228,7 +248,7 @@ def register(registry: Sequence[str], model_dir: str, adapter_paths: Sequence[Pa
 
 class Server:
     def __init__(self, setup: ServerSetup, args: argparse.Namespace, env: dict[str, str],
-                 model_dir: str, log_path: Path) -> None:
+                 model_dir: str, log_path: Path, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -236,7 +256,9 @@ class Server:
                "--port", str(self.port), "--log-level", "warning", "--dtype", "float32",
                "--device", "cpu", "--max-loras", str(args.max_loras),
                "--max-num-seqs", str(args.max_num_seqs), "--seed", "0",
-               *setup.serve_args(args)]
+               *setup.serve_args(args), *extra]
+        if args.max_cpu_loras is not None:
+            cmd += ["--max-cpu-loras", str(args.max_cpu_loras)]
         self.cmd = cmd
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -563,8 +585,53 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "configs chunked+prefix and neither")
     p.add_argument("--out", default="docs/benchmarks/serving",
                    help="output path without extension: writes .json and .png")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters each engine keeps in host memory (default: the server's; "
+                        "--max-loras in Ray mode, so the working-set runs have a known "
+                        "per-replica capacity)")
+    g = p.add_argument_group(
+        "Ray mode", "--backend ray: the in-process server (the peer) and Ray Serve replicas, "
+        "each deployment on a fresh loopback Ray cluster this script starts and stops, all "
+        "on a PostgreSQL schema and Redis prefix of the run's own (loraplex.testing's "
+        "servers). Defaults then: config chunked+prefix, rates 1,4, 20 s per rate (30 s "
+        "drain), output at most 64 tokens, --out docs/benchmarks/serving_ray.")
+    g.add_argument("--backend", default="local", choices=["local", "ray"])
+    g.add_argument("--replicas", default="1,2", help="replica counts, comma-separated")
+    g.add_argument("--affinity-adapters", default="20,100",
+                   help="adapter working sets for the hit-rate runs (at the largest replica "
+                        "count, with and without adapter affinity; empty: none)")
+    g.add_argument("--adapter-requests", type=int, default=100,
+                   help="measured requests per working set (after --adapter-warmup)")
+    g.add_argument("--adapter-warmup", type=int, default=30)
+    g.add_argument("--adapter-rate", type=float, default=2.5,
+                   help="arrival rate of the working-set runs, req/s (prompts 16-32 "
+                        "tokens, 4 output tokens)")
+    g.add_argument("--probe-requests", type=int, default=16,
+                   help="requests sent one at a time to an idle server (per-request cost)")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.backend == "ray":
+        if args.configs == ",".join(SETUPS):
+            args.configs = "chunked+prefix"
+        if args.rates == p.get_default("rates"):
+            args.rates = "1,4"
+        if args.duration == p.get_default("duration"):
+            args.duration = 20
+        if args.drain_timeout == p.get_default("drain_timeout"):
+            args.drain_timeout = 30
+        if args.max_requests == p.get_default("max_requests"):
+            args.max_requests = 120
+        if args.out == p.get_default("out"):
+            args.out = "docs/benchmarks/serving_ray"
+        if args.max_cpu_loras is None:
+            args.max_cpu_loras = args.max_loras
+        if args.quick:
+            args.duration = min(args.duration, 15)
+            args.adapter_requests = min(args.adapter_requests, 60)
+            args.adapter_warmup = min(args.adapter_warmup, 20)
+            args.probe_requests = min(args.probe_requests, 8)
+            args.max_output = min(args.max_output, 32)
+            args.drain_timeout = min(args.drain_timeout, 25)
+    if args.quick and args.backend == "local":
         if args.rates == p.get_default("rates"):
             args.rates = "0.2,0.5"
         args.duration = min(args.duration, 25)
@@ -579,6 +646,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--slo: expected TTFT:TPOT pairs, got {args.slo!r}")
     args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
+    args.affinity_adapters = [int(x) for x in args.affinity_adapters.split(",") if x.strip()]
+    if args.backend == "ray" and len(args.configs) != 1:
+        p.error("Ray mode runs one config (--configs)")
+    if not args.replicas or min(args.replicas) < 1:
+        p.error("--replicas: counts >= 1")
     unknown = set(args.configs) - set(SETUPS)
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}; choose from {list(SETUPS)}")
@@ -595,11 +668,14 @@ def resolve_model(model: str | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    ray_mode = args.backend == "ray"
     load_start = os.getloadavg()
     log(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
         f"({os.cpu_count()} CPUs)")
     model_dir = resolve_model(args.model)
-    adapter_paths = ensure_adapters(model_dir, args.num_adapters, args.cache_dir)
+    num_registered = max([args.num_adapters, *args.affinity_adapters]) if ray_mode \
+        else args.num_adapters
+    adapter_paths = ensure_adapters(model_dir, num_registered, args.cache_dir)
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -612,88 +688,361 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     home = Path(tempfile.mkdtemp(prefix="loraplex-serving-bench-"))
     admin_key = "lpx-" + secrets.token_urlsafe(40)
-    database_url = f"sqlite:///{home / 'loraplex.db'}"
-    adapter_dir = str(home / "adapters")
-    env = dict(os.environ, LORAPLEX_HOME=str(home), LORAPLEX_ADMIN_KEY=admin_key,
-               LORAPLEX_MODEL=model_dir, LORAPLEX_DATABASE_URL=database_url,
-               LORAPLEX_ADAPTER_DIR=adapter_dir)
-    for var in ("LORAPLEX_REDIS_URL", "LORAPLEX_CACHE_SALT_SECRET"):
-        env.pop(var, None)
-    log(f"registering {args.num_tenants} tenants and {args.num_adapters} adapters in {home}")
-    tenants, adapters = register(["--database-url", database_url, "--adapter-dir", adapter_dir],
-                                 model_dir, adapter_paths, args.num_tenants)
-    base_model = Path(model_dir).name
+    with contextlib.ExitStack() as shared:
+        redis_url = redis_prefix = None
+        if ray_mode:
+            # Ray mode needs what several gateways can share: a PostgreSQL schema and a Redis
+            # key prefix of this run's own (both removed at the end), and one salt secret.
+            from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests
 
-    streams: dict[float, list[Call]] = {}
-    for ri, rate in enumerate(args.rates):
-        n = max(2, min(args.max_requests, round(rate * args.duration)))
-        spec = WorkloadSpec(num_requests=n, num_adapters=args.num_adapters,
-                            min_prompt=args.min_prompt, max_prompt=args.max_prompt,
-                            min_output=args.min_output, max_output=args.max_output,
-                            zipf_exponent=args.zipf, seed=args.seed * 1000 + ri)
-        items = make_workload(spec, vocab, sorted(excluded))
-        streams[rate] = build_calls(items, system_prompt, tenants, adapters, base_model,
-                                    args.base_fraction, rate, args.seed * 1000 + ri)
-    total = sum(len(c) for c in streams.values())
-    log(f"{len(args.configs)} configs x {len(args.rates)} rates, {total} requests per config; "
-        f"adapter popularity (Zipf {args.zipf}): "
-        + ", ".join(f"{w:.2f}" for w in zipf_weights(args.num_adapters, args.zipf)))
-
-    results: list[dict[str, Any]] = []
-    servers: list[dict[str, Any]] = []
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        for config in args.configs:
-            setup = SETUPS[config]
-            log(f"== {config}: starting the server")
-            t_boot = time.monotonic()
-            server = Server(setup, args, env, model_dir, home / f"server-{config}.log")
-            try:
-                server.wait_ready(300)
-                boot_s = time.monotonic() - t_boot
-                log(f"   ready in {boot_s:.1f} s on {server.url}: {' '.join(server.cmd[2:])}")
-                warm = warmup_calls(tenants, adapters, base_model, args.seed)
-                recs, _ = asyncio.run(run_stream(server.url, tenants, warm, 120, "warm-up"))
-                bad = [r.error for r in recs if not r.ok]
-                if bad:
-                    raise RuntimeError(f"warm-up requests failed: {bad[:3]}\n{server.tail()}")
-                for rate in args.rates:
-                    calls = streams[rate]
-                    label = f"{config} @ {rate:g} req/s"
-                    log(f"   {label}: {len(calls)} requests over {calls[-1].at:.0f} s")
-                    before = engine_stats(server.url, admin_key)
-                    records, span = asyncio.run(run_stream(server.url, tenants, calls,
-                                                           args.drain_timeout, label))
-                    after = engine_stats(server.url, admin_key)
-                    summary = summarise(records, span, args.slos)
-                    delta = engine_delta(before, after)
-                    results.append({"config": config, "rate": rate, "summary": summary,
-                                    "engine": delta,
-                                    "records": [dict(asdict(r), gaps=None, ttft=r.ttft,
-                                                     tpot=r.tpot) for r in records]})
-                    log(f"   {label}: done {summary['completed']}/{summary['requests']}, "
-                        f"{summary['throughput_tok_s']:.1f} tok/s, TTFT p50/p99 "
-                        f"{fmt_ms(summary['ttft_p50'])}/{fmt_ms(summary['ttft_p99'])} ms, "
-                        f"TPOT p50/p99 {fmt_ms(summary['tpot_p50'])}/"
-                        f"{fmt_ms(summary['tpot_p99'])} ms, goodput "
-                        + "/".join(f"{g:.3f}" for g in summary["goodput_req_s"])
-                        + " req/s, prefix hit "
-                        f"{100 * delta['prefix_cache_hit_rate']:.0f}%, load "
-                        f"{os.getloadavg()[0]:.2f}"
-                        + (f", errors {summary['errors']}" if summary["errors"] else ""))
-            finally:
-                rc = server.stop()
-                log(f"   server stopped (exit {rc})")
-                servers.append({"config": config, "cmd": server.cmd[2:], "exit_code": rc})
-    finally:
-        if results:
-            write_outputs(args, out, results, servers, load_start)
-        if not args.keep_logs:
-            shutil.rmtree(home, ignore_errors=True)
+            database_url = shared.enter_context(postgres_schema("bench_serving"))
+            redis_url = redis_url_for_tests()
+            redis_prefix = shared.enter_context(redis_key_prefix("bench-serving"))
         else:
-            log(f"server logs and registry kept in {home}")
+            database_url = f"sqlite:///{home / 'loraplex.db'}"
+        adapter_dir = str(home / "adapters")
+        env = dict(os.environ, LORAPLEX_HOME=str(home), LORAPLEX_ADMIN_KEY=admin_key,
+                   LORAPLEX_MODEL=model_dir, LORAPLEX_DATABASE_URL=database_url,
+                   LORAPLEX_ADAPTER_DIR=adapter_dir)
+        for var in ("LORAPLEX_REDIS_URL", "LORAPLEX_CACHE_SALT_SECRET", "LORAPLEX_RAY_ADDRESS"):
+            env.pop(var, None)
+        if ray_mode:
+            env["LORAPLEX_CACHE_SALT_SECRET"] = secrets.token_hex(32)
+        log(f"registering {args.num_tenants} tenants and {num_registered} adapters in {home}")
+        tenants, adapters = register(["--database-url", database_url, "--adapter-dir",
+                                      adapter_dir], model_dir, adapter_paths, args.num_tenants)
+        base_model = Path(model_dir).name
+
+        streams: dict[float, list[Call]] = {}
+        for ri, rate in enumerate(args.rates):
+            n = max(2, min(args.max_requests, round(rate * args.duration)))
+            spec = WorkloadSpec(num_requests=n, num_adapters=args.num_adapters,
+                                min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                                min_output=args.min_output, max_output=args.max_output,
+                                zipf_exponent=args.zipf, seed=args.seed * 1000 + ri)
+            items = make_workload(spec, vocab, sorted(excluded))
+            streams[rate] = build_calls(items, system_prompt, tenants, adapters, base_model,
+                                        args.base_fraction, rate, args.seed * 1000 + ri)
+        total = sum(len(c) for c in streams.values())
+        log(f"{len(args.configs)} configs x {len(args.rates)} rates, {total} requests per "
+            f"config; adapter popularity (Zipf {args.zipf}): "
+            + ", ".join(f"{w:.2f}" for w in zipf_weights(args.num_adapters, args.zipf)))
+
+        results: list[dict[str, Any]] = []
+        servers: list[dict[str, Any]] = []
+        extra: dict[str, Any] = {}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        bench = Bench(args, tenants, adapters, base_model, admin_key, streams, results)
+        try:
+            if ray_mode:
+                assert redis_url is not None and redis_prefix is not None
+                run_ray(bench, env, model_dir, home, database_url, redis_url, redis_prefix,
+                        vocab, sorted(excluded), servers, extra)
+            for config in [] if ray_mode else args.configs:
+                setup = SETUPS[config]
+                log(f"== {config}: starting the server")
+                t_boot = time.monotonic()
+                server = Server(setup, args, env, model_dir, home / f"server-{config}.log")
+                try:
+                    server.wait_ready(300)
+                    log(f"   ready in {time.monotonic() - t_boot:.1f} s on {server.url}: "
+                        f"{' '.join(server.cmd[2:])}")
+                    bench.warm_up(server)
+                    bench.run_rates(server, config,
+                                    functools.partial(engine_stats, server.url, admin_key))
+                finally:
+                    rc = server.stop()
+                    log(f"   server stopped (exit {rc})")
+                    servers.append({"config": config, "cmd": server.cmd[2:], "exit_code": rc})
+        finally:
+            if results or extra:
+                write_outputs(args, out, results, servers, load_start, extra)
+            if not args.keep_logs:
+                shutil.rmtree(home, ignore_errors=True)
+            else:
+                log(f"server logs and registry kept in {home}")
     return 0
+
+
+@dataclass
+class Bench:
+    """What every server of a run is measured with, and where the results go."""
+
+    args: argparse.Namespace
+    tenants: Sequence[Tenant]
+    adapters: Sequence[Adapter]
+    base_model: str
+    admin_key: str
+    streams: dict[float, list[Call]]
+    results: list[dict[str, Any]]
+
+    def warm_up(self, server: Server) -> None:
+        warm = warmup_calls(self.tenants, self.adapters[:self.args.num_adapters],
+                            self.base_model, self.args.seed)
+        recs, _ = asyncio.run(run_stream(server.url, self.tenants, warm, 120, "warm-up"))
+        bad = [r.error for r in recs if not r.ok]
+        if bad:
+            raise RuntimeError(f"warm-up requests failed: {bad[:3]}\n{server.tail()}")
+
+    def run_rates(self, server: Server, config: str,
+                  stats: Callable[[], dict[str, Any]]) -> None:
+        for rate in self.args.rates:
+            calls = self.streams[rate]
+            label = f"{config} @ {rate:g} req/s"
+            log(f"   {label}: {len(calls)} requests over {calls[-1].at:.0f} s")
+            before = stats()
+            records, span = asyncio.run(run_stream(server.url, self.tenants, calls,
+                                                   self.args.drain_timeout, label))
+            after = stats()
+            summary = summarise(records, span, self.args.slos)
+            delta = engine_delta(before, after)
+            self.results.append({"config": config, "rate": rate, "summary": summary,
+                                 "engine": delta,
+                                 "records": [dict(asdict(r), gaps=None, ttft=r.ttft,
+                                                  tpot=r.tpot) for r in records]})
+            log(f"   {label}: done {summary['completed']}/{summary['requests']}, "
+                f"{summary['throughput_tok_s']:.1f} tok/s, TTFT p50/p99 "
+                f"{fmt_ms(summary['ttft_p50'])}/{fmt_ms(summary['ttft_p99'])} ms, "
+                f"TPOT p50/p99 {fmt_ms(summary['tpot_p50'])}/"
+                f"{fmt_ms(summary['tpot_p99'])} ms, goodput "
+                + "/".join(f"{g:.3f}" for g in summary["goodput_req_s"])
+                + " req/s, prefix hit "
+                f"{100 * delta['prefix_cache_hit_rate']:.0f}%, load "
+                f"{os.getloadavg()[0]:.2f}"
+                + (f", errors {summary['errors']}" if summary["errors"] else ""))
+
+
+# --- Ray mode -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One server of a Ray-mode run: the in-process peer (replicas 0) or Ray replicas."""
+
+    name: str
+    replicas: int
+    affinity: bool = True
+    rates: bool = True  # the Poisson streams (latency, throughput)
+    adapter_streams: bool = False  # the adapter working-set streams (hit rate)
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(" ", "-")
+
+
+def ray_deployments(args: argparse.Namespace) -> list[Deployment]:
+    top = max(args.replicas)
+    sets = bool(args.affinity_adapters)
+    out = [Deployment("in-process", 0, adapter_streams=sets)]
+    out += [Deployment(f"ray x{n}", n, adapter_streams=sets and n == top and n >= 2)
+            for n in args.replicas]
+    if sets and top >= 2:
+        out.append(Deployment(f"ray x{top} no-affinity", top, affinity=False, rates=False,
+                              adapter_streams=True))
+    return out
+
+
+def run_ray(bench: Bench, env: dict[str, str], model_dir: str, home: Path, database_url: str,
+            redis_url: str, redis_prefix: str, vocab: int, excluded: Sequence[int],
+            servers: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+    """The in-process peer and each Ray deployment, one after the other, on the same
+    registry (PostgreSQL) and Redis; each Ray deployment on a fresh loopback cluster."""
+    args = bench.args
+    setup = SETUPS[args.configs[0]]
+    cpus = os.cpu_count() or 2
+    probes: dict[str, Any] = {}
+    sets: list[dict[str, Any]] = []
+    extra.update(probes=probes, adapter_sets=sets, cluster_cpus=cpus)
+    # The in-process server stays up (idle) after its own runs: each Ray probe pairs
+    # its requests with it.
+    peer: Server | None = None
+    try:
+        for dep in ray_deployments(args):
+            prefix = f"{redis_prefix}{dep.slug}:"
+            flags = ["--database-url", database_url, "--redis-url", redis_url,
+                     "--redis-key-prefix", prefix]
+            dep_env = dict(env)
+            cluster = None
+            if dep.replicas:
+                # The cluster's CPUs split evenly: Ray sets each replica's OMP_NUM_THREADS to
+                # its whole CPUs, so one replica gets every core, as the in-process engine does.
+                ray_vars = ray_env()
+                dep_env.update(ray_vars)
+                cluster = RayCluster(cpus, home / f"ray-{dep.slug}.log", ray_vars)
+                replica_cpus = cpus / dep.replicas
+                flags += ["--backend", "ray", "--replicas", str(dep.replicas), "--ray-address",
+                          cluster.address, "--replica-cpus", f"{replica_cpus:g}"]
+                if not dep.affinity:
+                    flags.append("--no-adapter-affinity")
+            log(f"== {dep.name}: starting" + (" a Ray cluster and" if cluster else "")
+                + " the server")
+            t_boot = time.monotonic()
+            server = None
+            try:
+                if cluster is not None:
+                    cluster.wait_ready()
+                server = Server(setup, args, dep_env, model_dir, home / f"server-{dep.slug}.log",
+                                flags)
+                server.wait_ready(420)
+                if dep.replicas:
+                    settled_replica_stats(redis_url, prefix, dep.replicas, timeout=60)
+                boot_s = time.monotonic() - t_boot
+                log(f"   ready in {boot_s:.1f} s on {server.url}")
+
+                def stats(dep: Deployment = dep, prefix: str = prefix,
+                          url: str = server.url) -> dict[str, Any]:
+                    if dep.replicas:
+                        return summed(settled_replica_stats(redis_url, prefix, dep.replicas))
+                    return engine_stats(url, bench.admin_key)
+
+                def per_replica(dep: Deployment = dep, prefix: str = prefix,
+                                stats: Callable[[], dict[str, Any]] = stats
+                                ) -> dict[int, dict[str, Any]]:
+                    if dep.replicas:
+                        return settled_replica_stats(redis_url, prefix, dep.replicas)
+                    return {0: stats()}
+
+                bench.warm_up(server)
+                if dep.rates:
+                    probes[dep.name] = run_probe(bench, server, dep.name,
+                                                 peer if dep.replicas else None)
+                    bench.run_rates(server, dep.name, stats)
+                if dep.adapter_streams:
+                    for num in args.affinity_adapters:
+                        sets.append(run_adapter_set(bench, server, dep, num, vocab, excluded,
+                                                    per_replica))
+                if not dep.replicas:
+                    peer, server = server, None
+            finally:
+                rc = server.stop() if server is not None else None
+                if server is not None:
+                    servers.append({"config": dep.name, "cmd": server.cmd[2:],
+                                    "exit_code": rc, "replicas": dep.replicas,
+                                    "affinity": dep.affinity})
+                if cluster is not None:
+                    log(f"   server stopped (exit {rc}); cluster stopped (exit {cluster.stop()})")
+                elif server is not None:
+                    log(f"   server stopped (exit {rc})")
+                else:
+                    log("   in-process server kept up (idle), the Ray probes' pair")
+    finally:
+        if peer is not None:
+            rc = peer.stop()
+            log(f"   in-process server stopped (exit {rc})")
+            servers.append({"config": "in-process", "cmd": peer.cmd[2:], "exit_code": rc,
+                            "replicas": 0, "affinity": True})
+    loads = sum(r["disk_loads"] for r in sets)
+    if loads:
+        extra["adapter_load_s_per_load"] = sum(r["adapter_load_seconds"] for r in sets) / loads
+
+
+def run_probe(bench: Bench, server: Server, name: str,
+              peer: Server | None = None) -> dict[str, Any]:
+    """Requests one at a time on an idle server (base model and adapters in turn, fresh
+    prompts, all adapters already loaded): the per-request cost of the path itself. With a
+    ``peer`` (the in-process server, idle meanwhile), each request goes to both, one after
+    the other in alternating order, so both see the same background load: the paired
+    differences are the Ray path's cost."""
+    args = bench.args
+    rng = random.Random(args.seed + 4242)
+    names = [t.name for t in bench.tenants]
+    models = [(0, bench.base_model)] + [(names.index(a.owner), a.name)
+                                        for a in bench.adapters[:min(3, args.num_adapters)]]
+    calls = [Call(0.0, *models[i % len(models)],
+                  [rng.randrange(1000, 20000) for _ in range(32)], 16)
+             for i in range(args.probe_requests)]
+
+    async def sequential() -> tuple[list[Record], list[Record]]:
+        mine: list[Record] = []
+        theirs: list[Record] = []
+        timeout = httpx.Timeout(connect=10, read=120, write=10, pool=None)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            for i, call in enumerate(calls):
+                targets = [(server, mine)] if peer is None else \
+                    [(server, mine), (peer, theirs)][::1 if i % 2 else -1]
+                for target, records in targets:
+                    rec = Record(i, names[call.tenant], call.model, len(call.prompt),
+                                 call.max_tokens, 0.0)
+                    await one_request(client, target.url, bench.tenants[call.tenant].key,
+                                      call, rec, time.monotonic())
+                    records.append(rec)
+        return mine, theirs
+
+    records, peer_records = asyncio.run(sequential())
+    out = probe_summary(records)
+    text = (f"TTFT p50 {fmt_ms(out['ttft_p50'])} ms, TPOT p50 {fmt_ms(out['tpot_p50'])} ms, "
+            f"e2e p50 {fmt_ms(out['e2e_p50'])} ms")
+    if peer is not None:
+        out["peer"] = probe_summary(peer_records)
+        for key in ("ttft", "e2e", "tpot"):
+            diffs = [getattr(a, key) - getattr(b, key)
+                     for a, b in zip(records, peer_records, strict=True)
+                     if getattr(a, key) is not None and getattr(b, key) is not None]
+            ratios = [getattr(a, key) / getattr(b, key)
+                      for a, b in zip(records, peer_records, strict=True)
+                      if getattr(a, key) and getattr(b, key)]
+            out[f"paired_{key}_diff_p50"] = pct(diffs, 50)
+            out[f"paired_{key}_ratio_p50"] = pct(ratios, 50)
+        text += (f"; paired with in-process: TTFT {fmt_ms(out['paired_ttft_diff_p50'])} ms "
+                 f"({out['paired_ttft_ratio_p50']:.2f}x), e2e "
+                 f"{fmt_ms(out['paired_e2e_diff_p50'])} ms "
+                 f"({out['paired_e2e_ratio_p50']:.2f}x), TPOT "
+                 f"{out['paired_tpot_ratio_p50']:.2f}x (p50 of per-request differences)")
+    log(f"   probe {name}: {out['completed']}/{out['requests']} one at a time, {text}")
+    return out
+
+
+def probe_summary(records: Sequence[Record]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    return {"requests": len(records), "completed": len(ok), "max_tokens": 16,
+            "prompt_tokens": 32, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99), "e2e_p50": pct(e2e, 50),
+            "e2e_p99": pct(e2e, 99),
+            "errors": sorted({r.error for r in records if r.error})[:3]}
+
+
+def run_adapter_set(bench: Bench, server: Server, dep: Deployment, num_adapters: int,
+                    vocab: int, excluded: Sequence[int],
+                    per_replica: Callable[[], dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Short requests over ``num_adapters`` adapters (Zipf popularity, no base-model
+    requests): a warm-up stream, then the measured stream of the same distribution; the hit
+    rate comes from the replicas' disk-load counters over the measured one."""
+    args = bench.args
+    adapters = bench.adapters[:num_adapters]
+    streams = []
+    for part, n in (("warm", args.adapter_warmup), ("measured", args.adapter_requests)):
+        seed = args.seed * 1000 + 500 + num_adapters + (part == "measured")
+        spec = WorkloadSpec(num_requests=n, num_adapters=num_adapters, min_prompt=16,
+                            max_prompt=32, min_output=4, max_output=4,
+                            zipf_exponent=args.zipf, seed=seed)
+        items = make_workload(spec, vocab, excluded)
+        streams.append(build_calls(items, [], bench.tenants, adapters, bench.base_model, 0.0,
+                                   args.adapter_rate, seed))
+    label = f"{dep.name}, {num_adapters} adapters"
+    log(f"   {label}: {len(streams[0])} warm-up + {len(streams[1])} measured requests at "
+        f"{args.adapter_rate:g} req/s")
+    warm, _ = asyncio.run(run_stream(server.url, bench.tenants, streams[0],
+                                     args.drain_timeout, label + " (warm-up)"))
+    before = per_replica()
+    records, span = asyncio.run(run_stream(server.url, bench.tenants, streams[1],
+                                           args.drain_timeout, label))
+    after = per_replica()
+    hits = hit_rate(before, after, len(records))
+    summary = summarise(records, span, args.slos)
+    row = {"config": dep.name, "replicas": max(1, dep.replicas), "affinity": dep.affinity,
+           "num_adapters": num_adapters, "capacity_per_replica": args.max_cpu_loras,
+           "failed": summary["failed"] + sum(1 for r in warm if not r.ok),
+           "ttft_p50": summary["ttft_p50"], "ttft_p99": summary["ttft_p99"],
+           "sequence": [c.model for c in streams[0] + streams[1]], **hits}
+    log(f"   {label}: hit rate {100 * hits['hit_rate']:.1f}%, "
+        f"{hits['loads_per_request']:.3f} disk loads per request "
+        f"(per replica {hits['disk_loads_per_replica']}), TTFT p50 "
+        f"{fmt_ms(summary['ttft_p50'])} ms, failed {row['failed']}")
+    return row
 
 
 def warmup_calls(tenants: Sequence[Tenant], adapters: Sequence[Adapter], base_model: str,
@@ -710,22 +1059,108 @@ def warmup_calls(tenants: Sequence[Tenant], adapters: Sequence[Adapter], base_mo
 
 def write_outputs(args: argparse.Namespace, out: Path, results: Sequence[dict[str, Any]],
                   servers: Sequence[dict[str, Any]],
-                  load_start: tuple[float, float, float]) -> None:
+                  load_start: tuple[float, float, float],
+                  extra: dict[str, Any] | None = None) -> None:
     machine = machine_info(load_start)
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     doc = {"benchmark": "serving", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
            "command": "python benchmarks/serving.py " + " ".join(sys.argv[1:]),
            "machine": machine, "settings": settings, "servers": servers,
-           "results": results}
+           "results": results, **(extra or {})}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    scope = (f"{args.num_tenants} tenants, {args.num_adapters} adapters, "
+             f"{args.system_prompt_tokens}-token shared system prompt")
     title = (f"loraplex serve over HTTP, CPU ({machine['os_cpus']} cores, load "
              f"{machine['load_avg_at_start'][0]:.1f}-{machine['load_avg_at_end'][0]:.1f}); "
-             f"{args.num_tenants} tenants, {args.num_adapters} adapters, "
-             f"{args.system_prompt_tokens}-token shared system prompt")
-    plot(results, out.with_suffix(".png"), title, args.slos)
-    log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+             + (f"in-process vs Ray Serve replicas; {scope}" if args.backend == "ray"
+                else scope))
+    if results:
+        plot(results, out.with_suffix(".png"), title, args.slos)
+        log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    if extra:
+        path = out.parent / f"{out.name}_adapters.png"
+        plot_ray(extra, path, title)
+        log(f"wrote {path}")
     print()
-    print(table(results, args.slos))
+    if results:
+        print(table(results, args.slos))
+    if extra:
+        print()
+        print(ray_tables(extra))
+
+
+def ray_tables(extra: dict[str, Any]) -> str:
+    probes = extra.get("probes", {})
+    lines = ["| deployment (one request at a time) | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+             "| e2e p50 (ms) | paired vs in-process: TTFT | e2e | TPOT |",
+             "|---|---|---|---|---|---|---|"]
+
+    def paired(p: dict[str, Any], key: str) -> str:
+        diff, ratio = p.get(f"paired_{key}_diff_p50"), p.get(f"paired_{key}_ratio_p50")
+        if diff is None or ratio is None:
+            return "-"
+        return f"{diff * 1000:+.0f} ms ({ratio:.2f}x)"
+
+    for name, p in probes.items():
+        lines.append(f"| {name} | {fmt_ms(p['ttft_p50'])} / {fmt_ms(p['ttft_p99'])} "
+                     f"| {fmt_ms(p['tpot_p50'])} / {fmt_ms(p['tpot_p99'])} "
+                     f"| {fmt_ms(p['e2e_p50'])} | {paired(p, 'ttft')} | {paired(p, 'e2e')} "
+                     f"| {paired(p, 'tpot')} |")
+    lines += ["", "| deployment | adapters | requests | disk loads (per replica) "
+              "| loads / request | hit rate (1 - loads/request) | TTFT p50 / p99 (ms) |",
+              "|---|---|---|---|---|---|---|"]
+    for r in extra.get("adapter_sets", []):
+        per = ", ".join(str(v) for v in r["disk_loads_per_replica"].values())
+        lines.append(f"| {r['config']} | {r['num_adapters']} | {r['adapter_requests']} "
+                     f"| {r['disk_loads']} ({per}) | {r['loads_per_request']:.3f} "
+                     f"| {100 * r['hit_rate']:.1f}% | {fmt_ms(r['ttft_p50'])} / "
+                     f"{fmt_ms(r['ttft_p99'])} |")
+    return "\n".join(lines)
+
+
+def plot_ray(extra: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    probes = extra.get("probes", {})
+    names = [n for n in probes if "paired_e2e_diff_p50" in probes[n]]
+    for i, (key, label) in enumerate((("ttft", "TTFT"), ("e2e", "end to end"),
+                                      ("tpot", "TPOT"))):
+        ys = [(probes[n][f"paired_{key}_diff_p50"] or float("nan")) * 1000 for n in names]
+        ax0.bar([x + 0.27 * i for x in range(len(names))], ys, width=0.27, label=label)
+    ax0.axhline(0, color="grey", lw=0.8)
+    ax0.set_xticks([x + 0.27 for x in range(len(names))], names, fontsize=8)
+    ax0.set_ylabel("ms, Ray minus in-process (p50 of paired requests)")
+    ax0.set_title("per-request cost of the Ray path (idle servers, 32-token prompt, "
+                  "16 tokens out)", fontsize=9)
+    ax0.legend(fontsize=8)
+    ax0.grid(alpha=0.3, axis="y")
+    sets = extra.get("adapter_sets", [])
+    configs = list(dict.fromkeys(r["config"] for r in sets))
+    sizes = sorted({r["num_adapters"] for r in sets})
+    width = 0.8 / max(1, len(configs))
+    for ci, config in enumerate(configs):
+        ys = [next((100 * r["hit_rate"] for r in sets
+                    if r["config"] == config and r["num_adapters"] == n), float("nan"))
+              for n in sizes]
+        ax1.bar([x + width * ci for x in range(len(sizes))], ys, width=width, label=config)
+    ax1.set_xticks([x + 0.4 - width / 2 for x in range(len(sizes))],
+                   [f"{n} adapters" for n in sizes])
+    cap = sets[0]["capacity_per_replica"] if sets else "?"
+    ax1.set_ylabel("adapter hit rate (%)")
+    ax1.set_title(f"requests served without a disk load (host cache {cap} adapters/replica)",
+                  fontsize=9)
+    ax1.set_ylim(min(0.0, *[100 * r["hit_rate"] for r in sets], 0.0) - 5, 100)
+    ax1.axhline(0, color="grey", lw=0.8)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

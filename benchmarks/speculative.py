@@ -17,6 +17,8 @@ the rounds' ratios. Engine steps are counted too: unlike seconds they do not mov
 
     python benchmarks/speculative.py            # the full run
     python benchmarks/speculative.py --quick    # a smoke run
+    python benchmarks/speculative.py --draft-layers 24 --batches 1 8 \
+        --out docs/benchmarks/speculative_layer_skip   # the layer-skip draft instead
 """
 
 from __future__ import annotations
@@ -97,13 +99,13 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[st
             "drafts": after.spec_num_drafts - before.spec_num_drafts}
 
 
-def measure(model: str, batch: int, workload: str, max_tokens: int,
-            rounds: int) -> dict[str, Any]:
-    def make(spec: dict[str, Any] | None) -> LLM:
+def measure(model: str, batch: int, workload: str, max_tokens: int, rounds: int,
+            spec: dict[str, Any]) -> dict[str, Any]:
+    def make(config: dict[str, Any] | None) -> LLM:
         return LLM(model, max_num_seqs=batch, enable_prefix_caching=False, progress=False,
-                   speculative_config=spec)
+                   speculative_config=config)
 
-    off, on = make(None), make(SPEC)
+    off, on = make(None), make(spec)
     num_requests = 2 * batch if batch < 64 else batch
     prompts = (copy_prompts if workload == "copy" else offline_prompts)(off, num_requests)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -135,7 +137,7 @@ def measure(model: str, batch: int, workload: str, max_tokens: int,
     }
 
 
-def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+def plot(results: Sequence[dict[str, Any]], spec: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +149,9 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     for y, style in ((1.5, "--"), (1.0, "-"), (0.97, ":")):
         ax.axhline(y, color="grey", linestyle=style, linewidth=1)
     ax.set_ylabel("tokens/s with / without speculation")
-    ax.set_title("Prompt-lookup speculation on the demo model (CPU, median of rounds)")
+    name = ("prompt lookup" if spec["method"] == "ngram"
+            else f"layer-skip draft ({spec['num_draft_layers']} layers)")
+    ax.set_title(f"Speculation by {name} on the demo model (CPU, median of rounds)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -156,18 +160,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, short outputs")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="measure the layer-skip draft of this many layers instead of "
+                             "prompt lookup")
     parser.add_argument("--out", default="docs/benchmarks/speculative",
                         help="output path without extension: writes .json and .png")
     args = parser.parse_args(argv)
     model = str(prepare_demo_model(progress=False))
-    batches = (1, 8) if args.quick else (1, 8, 64)
+    batches = [b for b in args.batches if b < 64] if args.quick else args.batches
+    spec = SPEC if args.draft_layers is None else {
+        "method": "layer_skip", "num_draft_layers": args.draft_layers,
+        "num_speculative_tokens": 3}
     results = []
     print(f"{'workload':<8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} "
           f"{'steps off/on':>13} {'accept':>7} {'mean len':>8}", flush=True)
     for workload in ("copy", "offline"):
         for batch in batches:
             max_tokens = 24 if args.quick else 32 if batch >= 64 else 64
-            r = measure(model, batch, workload, max_tokens, args.rounds)
+            r = measure(model, batch, workload, max_tokens, args.rounds, spec)
             results.append(r)
             print(f"{workload:<8} {batch:>5} {statistics.median(r['tokens_per_s_off']):>10.1f} "
                   f"{statistics.median(r['tokens_per_s_on']):>9.1f} "
@@ -175,10 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"speculative_config": SPEC, "load_average": os.getloadavg(),
+    report = {"speculative_config": spec, "load_average": os.getloadavg(),
               "cpu_count": os.cpu_count(), "results": results}
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
+    plot(results, spec, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 

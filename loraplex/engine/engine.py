@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
+import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +16,7 @@ from loraplex.config import EngineConfig, SpeculativeConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.grammar import GrammarCompiler, MaskFiller
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
@@ -63,6 +67,11 @@ class LLMEngine:
                                        self._load_adapter, self.runner.set_lora_slot)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
                                    max_adapter_wait_s)
+        self._grammar: GrammarCompiler | None = None  # made on the first grammar request
+        self._masks: MaskFiller | None = None
+        # One thread computes a step's grammar masks while the forward pass runs.
+        self._mask_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="loraplex-masks")
         self.spec = (SpecController(config.speculative, self.max_model_len)
                      if config.speculative is not None else None)
         self._check_speculative(config.speculative)
@@ -107,6 +116,19 @@ class LLMEngine:
 
     def close(self) -> None:
         self.adapters.close()
+        self._mask_thread.shutdown(wait=True)
+
+    def _compiler(self) -> GrammarCompiler:
+        """The structured-output compiler (reading the tokenizer takes about a second, so
+        only an engine that gets a grammar request pays it)."""
+        if self._grammar is None:
+            backend = copy.copy(self.tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            self._grammar = GrammarCompiler(backend.to_str(), self.vocab_size,
+                                            self.eos_token_ids)
+            self._masks = MaskFiller(self.vocab_size)
+        return self._grammar
 
     def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version: its cached prefix blocks, its host copy, and its
@@ -144,10 +166,14 @@ class LLMEngine:
                                       f"({sched.max_num_seqs})", param="n")
         if self.scheduler.num_unfinished >= sched.max_waiting:
             raise EngineOverloadedError(f"engine queue is full ({sched.max_waiting} requests)")
+        # Compiled here, before the request is queued: a grammar that cannot compile is
+        # refused with the field that holds it.
+        constraint = (None if params.grammar is None
+                      else self._compiler().constraint(params.grammar))
         request = Request(request_id, prompt, params, adapter, cache_salt,
                           arrival_time if arrival_time is not None else time.monotonic(),
                           group_id=request_id, sample_index=0,
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, constraint=constraint)
         self._groups[request_id] = [request]
         self.scheduler.add(request)
 
@@ -198,10 +224,12 @@ class LLMEngine:
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
         spec_ids = self._spec_token_ids(out, proposals)
+        masks = self._start_masks([s.request for s in out.scheduled if s.samples])
         batch = BatchInputs([SeqInput(s.token_ids + spec_ids.get(s.request.request_id, []),
                                       s.request.num_computed_tokens,
                                       self.kv.block_table(s.request.request_id), s.lora_slot,
-                                      self._sampling_rows(s.request) if s.samples else (),
+                                      self._sampling_rows(s.request, masks.get(
+                                          s.request.request_id)) if s.samples else (),
                                       *self._prompt_targets(s.request, s.num_new_tokens),
                                       spec_ids.get(s.request.request_id, ()))
                              for s in out.scheduled])
@@ -227,7 +255,20 @@ class LLMEngine:
             [s.num_spec_tokens for s in seqs], self.spec.config.num_draft_layers)
         return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
-    def _sampling_rows(self, request: Request) -> list[SamplingRow]:
+    def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
+        """Starts computing the grammar masks of this step's constrained sequences (on the
+        mask thread, while the forward pass runs); each one's mask, when it is needed."""
+        constrained = [r for r in sampling if r.constraint is not None]
+        if not constrained:
+            return {}
+        assert self._masks is not None  # made with the compiler of their grammars
+        future = self._mask_thread.submit(self._masks.fill,
+                                          [r.constraint for r in constrained])
+        return {r.request_id: functools.partial(lambda i: future.result()[i], i)
+                for i, r in enumerate(constrained)}
+
+    def _sampling_rows(self, request: Request,
+                       allowed: Callable[[], torch.Tensor] | None = None) -> list[SamplingRow]:
         p = request.params
         # The prompt's last position samples all n sequences' first tokens at once.
         starts_group = (p.n > 1 and request.num_output_tokens == 0
@@ -240,13 +281,13 @@ class LLMEngine:
             banned = p.stop_token_ids + (() if p.ignore_eos else request.eos_token_ids)
         # Penalties read the sequence's own token lists; the n samples of one prompt all
         # start from the same (empty) output.
-        history = ((request.prompt_token_ids, request.output_token_ids) if p.has_penalties
-                   else ((), ()))
+        prompt_ids, output_ids = ((request.prompt_token_ids, request.output_token_ids)
+                                  if p.has_penalties else ((), ()))
         return [SamplingRow(p.temperature, top_k, p.top_p, p.min_p,
                             self._generator(seq_id, i if starts_group else request.sample_index,
                                             p), p.logprobs, p.presence_penalty,
                             p.frequency_penalty, p.repetition_penalty, p.logit_bias, banned,
-                            *history)
+                            prompt_ids, output_ids, allowed)
                 for i, seq_id in enumerate(seq_ids)]
 
     @staticmethod
@@ -314,6 +355,8 @@ class LLMEngine:
                             eos_token_ids=parent.eos_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.prompt_logprobs = parent.prompt_logprobs  # complete, never appended to
+            if parent.constraint is not None:  # the parent has not taken its own token yet
+                child.constraint = parent.constraint.fork()
             child.first_scheduled_time = parent.first_scheduled_time
             self.kv.fork(parent.request_id, child.request_id)
             slot = -1 if child.adapter is None else self.adapters.acquire(child.adapter)
@@ -338,6 +381,10 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             status = self._check_stop(request, token.token_id)
+            if request.constraint is not None and status is None:
+                request.constraint.advance(token.token_id)
+                if request.constraint.is_finished:  # the grammar admits nothing more
+                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
             stop_string = self.detokenizer.update(request)
             if stop_string is not None:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string

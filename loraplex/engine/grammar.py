@@ -23,86 +23,40 @@ What is here:
 - :class:`Constraint`: a sequence's parser state (forked for ``n > 1``, kept across
   preemption since it only ever sees the sequence's own output tokens).
 - :class:`MaskFiller` computes the next-token masks of a batch's constrained rows in
-  parallel (llguidance's own threads, GIL released) and sets every
-  refused token's logit to ``-inf``.
+  parallel (llguidance's own threads, GIL released); the sampler sets every refused
+  token's logit to ``-inf`` (``loraplex.model.sampler.apply_allowed``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Final
 
 import llguidance
 import torch
 
+from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.errors import InvalidRequestError
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-KINDS: Final[tuple[str, ...]] = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_SOURCE_BYTES: Final = 64 * 1024  # schemas, regexes, grammars, choice lists
-MAX_CHOICES: Final = 1024
-_CACHE_SIZE: Final = 256
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A request's output constraint. ``source``: the JSON schema (canonical JSON text), the
-    regex, the choices (a JSON list of strings) or the Lark/GBNF grammar; empty for
-    ``json_object``. ``param``: the request field it came from, named in errors."""
-
-    kind: GrammarKind
-    source: str = ""
-    param: str = "response_format"
-
-    @classmethod
-    def json_schema(cls, schema: Any, param: str = "response_format") -> GrammarSpec:
-        if not isinstance(schema, dict) and not isinstance(schema, bool):
-            raise InvalidRequestError("the JSON schema must be an object", param=param)
-        return cls("json_schema", _canonical(schema, param), param)
-
-    @classmethod
-    def choice(cls, choices: Any, param: str = "guided_choice") -> GrammarSpec:
-        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
-                or not all(isinstance(c, str) and c for c in choices)):
-            raise InvalidRequestError(f"must be a list of 1 to {MAX_CHOICES} non-empty "
-                                      "strings", param=param)
-        return cls("choice", _canonical(choices, param), param)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidRequestError(f"unknown constraint {self.kind!r}", param=self.param)
-        if len(self.source.encode("utf-8", "surrogatepass")) > MAX_SOURCE_BYTES:
-            raise InvalidRequestError(f"is longer than {MAX_SOURCE_BYTES} bytes",
-                                      param=self.param)
-        if self.kind in ("regex", "grammar") and not self.source:
-            raise InvalidRequestError("must not be empty", param=self.param)
-
-    @property
-    def digest(self) -> str:
-        """Names the compiled grammar: equal specs compile once."""
-        return hashlib.sha256(f"{self.kind}\0{self.source}".encode(
-            "utf-8", "surrogatepass")).hexdigest()
-
-
-def _canonical(value: Any, param: str) -> str:
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"is not plain JSON: {exc}", param=param) from None
-
+_CACHE_SIZE: Final = 256  # compiled grammars kept
+# JSON is written as json.dumps writes it: free whitespace would let a model pad forever
+# instead of closing the document.
+_JSON_LAYOUT: Final[JsonCompileOptions] = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 def _grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar of ``spec`` (not yet checked)."""
     matcher = llguidance.LLMatcher
     if spec.kind == "json_object":
-        return matcher.grammar_from_json_schema('{"type": "object"}')
+        return matcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_LAYOUT)
     if spec.kind == "json_schema":
-        return matcher.grammar_from_json_schema(spec.source)
+        return matcher.grammar_from_json_schema(spec.source, defaults=_JSON_LAYOUT)
     if spec.kind == "regex":
         return matcher.grammar_from_regex(spec.source)
     if spec.kind == "choice":
@@ -205,7 +159,6 @@ class MaskFiller:
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor(num_threads)
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def fill(self, constraints: Sequence[Constraint]) -> torch.Tensor:
         """The masks of ``constraints``, one row each: int32 ``[rows, ceil(vocab/32)]``, bit
@@ -217,13 +170,3 @@ class MaskFiller:
                 [(c._matcher, i) for i, c in enumerate(constraints)], masks.data_ptr(),
                 self._words * 4, len(constraints))
         return masks
-
-    def apply(self, logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
-        """Sets the logits of every token the masks refuse to ``-inf``, in ``rows`` of
-        ``logits`` ``[num_rows, vocab]`` (in place)."""
-        if not rows:
-            return
-        allowed = ((masks.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)
-        allowed = allowed[:, :logits.shape[1]].to(device=logits.device, dtype=torch.bool)
-        index = torch.tensor(list(rows), device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -278,22 +278,24 @@ class EngineReplica:
 
     async def _follow_deletions(self) -> None:
         key = _forget_key(self._config)
-        last = "$"  # deletions before this replica started concern nothing it holds
+        last: str | None = None  # the newest deletion already applied
         while True:
             try:
-                answer: Any = await self._redis.xread({key: last}, block=int(FORGET_BOUND_S * 500))
-                if last == "$" and not answer:
-                    # "$" must become a concrete id, or deletions during a reconnect
-                    # would be missed.
-                    info = await self._redis.xinfo_stream(key) if await self._redis.exists(
-                        key) else None
+                if last is None:
+                    # Deletions before this replica started concern nothing it holds: start
+                    # after the newest one (a concrete id, so none is missed later).
+                    exists = await self._redis.exists(key)
+                    info: Any = await self._redis.xinfo_stream(key) if exists else None
                     last = info["last-generated-id"] if info else "0-0"
+                    if isinstance(last, bytes):
+                        last = last.decode()
+                answer: Any = await self._redis.xread({key: last},
+                                                      block=int(FORGET_BOUND_S * 500))
                 for _, entries in answer or ():
                     for entry_id, fields in entries:
-                        last = entry_id
-                        adapter_id = fields[b"adapter_id"].decode()
-                        digest = fields[b"digest"].decode()
-                        await self._client.forget_adapter(adapter_id, digest)
+                        last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                        await self._client.forget_adapter(fields[b"adapter_id"].decode(),
+                                                          fields[b"digest"].decode())
             except EngineDeadError:
                 return
             except Exception as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.engine.kv_cache import ExtraKey, extra_keys_for
 from loraplex.engine.sampling_params import SamplingParams
@@ -81,6 +82,9 @@ class Request:
     # Text state kept by the engine's detokenizer.
     output_text: str = ""
     num_text_sent: int = 0
+    # Structured output: the sequence's position in its grammar (a grammar.Constraint,
+    # which keeps torch out of this module); it only ever reads this sequence's output.
+    constraint: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

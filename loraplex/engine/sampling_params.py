@@ -6,16 +6,71 @@ below the vocabulary size) is checked at admission (``loraplex.engine.validation
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, Literal
 
 from loraplex.errors import InvalidRequestError
 
 MAX_LOGPROBS: Final = 20
 MAX_PENALTY: Final = 2.0  # presence and frequency penalties: OpenAI's [-2, 2]
 MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's [-100, 100]
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+KINDS: Final = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SOURCE_BYTES: Final = 64 * 1024  # schemas, regexes, grammars, choice lists
+MAX_CHOICES: Final = 1024
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint. ``source``: the JSON schema (canonical JSON text), the
+    regex, the choices (a JSON list of strings) or the Lark/GBNF grammar; empty for
+    ``json_object``. ``param``: the request field it came from, named in errors."""
+
+    kind: GrammarKind
+    source: str = ""
+    param: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str = "response_format") -> GrammarSpec:
+        if not isinstance(schema, dict) and not isinstance(schema, bool):
+            raise InvalidRequestError("the JSON schema must be an object", param=param)
+        return cls("json_schema", _canonical(schema, param), param)
+
+    @classmethod
+    def choice(cls, choices: Any, param: str = "guided_choice") -> GrammarSpec:
+        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise InvalidRequestError(f"must be a list of 1 to {MAX_CHOICES} non-empty "
+                                      "strings", param=param)
+        return cls("choice", _canonical(choices, param), param)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"unknown constraint {self.kind!r}", param=self.param)
+        if len(self.source.encode("utf-8", "surrogatepass")) > MAX_SOURCE_BYTES:
+            raise InvalidRequestError(f"is longer than {MAX_SOURCE_BYTES} bytes",
+                                      param=self.param)
+        if self.kind in ("regex", "grammar") and not self.source:
+            raise InvalidRequestError("must not be empty", param=self.param)
+
+    @property
+    def digest(self) -> str:
+        """Names the compiled grammar: equal specs compile once."""
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode(
+            "utf-8", "surrogatepass")).hexdigest()
+
+
+def _canonical(value: Any, param: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"is not plain JSON: {exc}", param=param) from None
 
 
 @dataclass(frozen=True)
@@ -42,6 +97,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings are ignored before this
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: what every token must keep to
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -33,6 +33,8 @@ from loraplex.errors import AdapterError
 
 
 class AdapterSlots(Protocol):
+    max_cpu_loras: int  # adapters the host cache holds
+
     def can_acquire(self, key: AdapterKey) -> bool: ...
     def is_ready(self, ref: AdapterRef) -> bool: ...
     def failure(self, ref: AdapterRef) -> AdapterError | None: ...
@@ -218,6 +220,10 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         starving = False  # an older request has waited too long for an adapter slot
+        # Adapters of the waiting requests passed over so far: loads are started only while
+        # they fit the host cache together, or a load would evict an adapter that a request
+        # ahead is still waiting for (and it would be read from disk again).
+        ahead: set[AdapterKey] = set()
         for request in list(self.waiting):
             if budget <= 0:
                 break
@@ -235,9 +241,12 @@ class Scheduler:
                     continue
                 if not self.adapters.can_acquire(ref.key):
                     starving = now - request.arrival_time > self.max_adapter_wait_s
+                    ahead.add(ref.key)
                     continue
                 if not self.adapters.is_ready(ref):
-                    self.adapters.prefetch(ref)
+                    ahead.add(ref.key)
+                    if len(ahead) <= self.adapters.max_cpu_loras:
+                        self.adapters.prefetch(ref)
                     continue
             cached = None
             if request.num_computed_tokens == 0 and not request.needs_prompt_logits:

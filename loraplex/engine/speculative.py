@@ -7,8 +7,8 @@ goes to. The target model scores them all in the step's one forward, next to the
 other decodes and prefill chunks, and keeps the longest prefix it agrees with plus one
 token of its own (see ``model.sampler.verify``).
 
-Per-token logic: a request with penalties, ``logit_bias``, per-token logprobs, or still
-under ``min_tokens`` does not speculate (its logits would need that logic at every verified
+Per-token logic: a request with penalties, ``logit_bias``, per-token logprobs or a grammar
+(structured output), or one still under ``min_tokens``, does not speculate (its logits would need that logic at every verified
 position). Stop tokens, EOS, ``max_tokens`` and stop strings need nothing: the engine
 appends the kept tokens one by one and drops the rest once the sequence has finished.
 """
@@ -53,7 +53,7 @@ def can_speculate(request: Request) -> bool:
     module docstring for what rules a request out)."""
     p = request.params
     return (not p.has_penalties and not p.logit_bias and p.logprobs is None
-            and request.num_output_tokens >= p.min_tokens)
+            and p.grammar is None and request.num_output_tokens >= p.min_tokens)
 
 
 @dataclass

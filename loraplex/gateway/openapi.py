@@ -94,6 +94,26 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
         "user": {"type": ["string", "null"]},
         "presence_penalty": penalty,
         "frequency_penalty": penalty,
+        "response_format": {"oneOf": [
+            {"type": "null"},
+            _closed({"type": "object", "required": ["type"],
+                     "properties": {"type": {"enum": ["text", "json_object"]}}}),
+            _closed({"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": _closed({
+                    "type": "object", "required": ["schema"],
+                    "description": "The output is constrained to the schema (strict or not). "
+                                   "Any JSON Schema the grammar engine compiles is accepted "
+                                   "(a 400 names what it cannot); this document lists the "
+                                   "simplest.",
+                    "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                        "description": {"type": "string"},
+                        "strict": {"type": ["boolean", "null"]},
+                        "schema": _closed({"type": "object", "required": ["type"],
+                                           "properties": {"type": {"enum": [
+                                               "object", "array", "string", "integer",
+                                               "number", "boolean", "null"]}}})}})}})]},
         "logit_bias": {"type": ["object", "null"],
                        "description": "Token id (as a string) to a bias added to its logit",
                        "propertyNames": {"pattern": _below(model.vocab_size)},

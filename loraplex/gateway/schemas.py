@@ -14,11 +14,13 @@ ignored on purpose: the salt is derived by the server from the tenant.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from loraplex.engine.sampling_params import MAX_LOGPROBS
+from loraplex.engine.sampling_params import MAX_LOGPROBS, GrammarSpec
 from loraplex.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES: Final = 4
@@ -40,13 +42,16 @@ _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
 _COMMON_FIELDS: Final = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+    "response_format",
+    # structured outputs as vLLM spells them: its older guided_* fields and its newer object
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     # vendor extras, and the salt that is ignored on purpose
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "cache_salt", "salt",
 })
 COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS: Final = _COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+    "messages", "max_completion_tokens", "top_logprobs", "tools",
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "store", "metadata",
 }
 
@@ -186,9 +191,90 @@ def _check_neutral(body: dict[str, Any]) -> None:
     n, best_of = body.get("n", 1), body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise _bad("best_of", "is not supported by this server (leave it unset)")
+
+
+def _grammar(body: dict[str, Any]) -> GrammarSpec | None:
+    """The request's output constraint, from whichever one field sets it: OpenAI's
+    ``response_format`` (``json_object``, ``json_schema``), vLLM's ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or vLLM's
+    ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``). Two set at once is a 400 naming the second."""
+    found: list[GrammarSpec] = []
     fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+    if fmt is not None:
+        found.extend(_response_format(fmt))
+    for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(key) is not None:
+            found.append(_guided(key, key.removeprefix("guided_"), body[key]))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", f"expected an object, got {_type_name(so)}")
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise _bad("structured_outputs", f"unknown field {unknown[0]!r}")
+        for key, value in so.items():
+            if value is None or (key == "json_object" and value is False):
+                continue
+            if key == "json_object":
+                if value is not True:
+                    raise _bad("structured_outputs", "json_object must be true")
+                found.append(GrammarSpec("json_object", "", "structured_outputs"))
+            else:
+                found.append(_guided("structured_outputs", key, value))
+    if len(found) > 1:
+        raise _bad(found[1].param, f"sets a second output constraint (besides "
+                                   f"{found[0].param}): set one")
+    return found[0] if found else None
+
+
+def _response_format(fmt: Any) -> list[GrammarSpec]:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad("response_format", "expected an object with a string 'type'")
+    kind = fmt["type"]
+    extra = sorted(set(fmt) - {"type", "json_schema"})
+    if extra:
+        raise _bad("response_format", f"unknown field {extra[0]!r}")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [GrammarSpec("json_object", "", "response_format")]
+    if kind != "json_schema":
+        raise _bad("response_format", f"type must be text, json_object or json_schema, got "
+                                      f"{kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format", "json_schema must be an object with a 'schema'")
+    extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if extra:
+        raise _bad("response_format", f"unknown field json_schema.{extra[0]}")
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}",
+                                                                         name)):
+        raise _bad("response_format", "json_schema.name must be 1 to 64 of a-z, A-Z, 0-9, "
+                                      "_ and -")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _bad("response_format", "json_schema.strict must be a boolean")
+    if "schema" not in spec:
+        raise _bad("response_format", "json_schema.schema is required")
+    # Strict or not, the schema is enforced: a constrained decoder has no looser mode.
+    return [GrammarSpec.json_schema(spec["schema"], "response_format")]
+
+
+def _guided(param: str, kind: str, value: Any) -> GrammarSpec:
+    if kind == "json":
+        if isinstance(value, str):  # vLLM accepts the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _bad(param, "the JSON schema is not valid JSON") from None
+        return GrammarSpec.json_schema(value, param)
+    if kind == "choice":
+        return GrammarSpec.choice(value, param)
+    if not isinstance(value, str):
+        raise _bad(param, f"expected a string, got {_type_name(value)}")
+    return GrammarSpec("regex" if kind == "regex" else "grammar", _check_text(param, value),
+                       param)
 
 
 # --- the requests ------------------------------------------------------------------------
@@ -216,6 +302,7 @@ class GenerationOptions:
     logit_bias: tuple[tuple[int, float], ...]
     min_tokens: int
     logprobs: int | None  # top alternatives per token; 0: only the sampled token's
+    grammar: GrammarSpec | None  # the output's constraint (structured outputs)
     stream: bool
     include_usage: bool
     user: str | None
@@ -286,6 +373,7 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
         logit_bias=_logit_bias(body),
         min_tokens=_int(body, "min_tokens", 0, max_tokens_limit) or 0,
         logprobs=logprobs,
+        grammar=_grammar(body),
         stream=stream,
         include_usage=include_usage,
         user=_str(body, "user"),

@@ -5,7 +5,9 @@
 3. penalties: repetition (vLLM's, over prompt and output tokens: a positive logit is
    divided by it, a negative one multiplied), then frequency and presence (OpenAI's, over
    output tokens: ``logit -= frequency * count + presence * (count > 0)``);
-4. greedy rows take the argmax of those logits; the others apply temperature, top-k,
+4. structured output: tokens the row's grammar refuses at -inf (the mask was computed
+   while the forward pass ran);
+5. greedy rows take the argmax of those logits; the others apply temperature, top-k,
    top-p, min-p and draw, seeded per request.
 
 Steps 2 and 3 are batched over the rows that use them; each row's counts come from its own
@@ -15,8 +17,9 @@ samples get exactly the penalties of their own history.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
@@ -40,6 +43,9 @@ class SamplingRow:
     # The sequence's tokens so far, read for the penalties (not copied).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Structured output: the row's allowed next tokens as a packed bitmask (int32 words,
+    # bit t % 32 of word t // 32), computed while the forward pass runs; called once.
+    allowed: Callable[[], torch.Tensor] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -63,7 +69,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     """Samples one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
     num_rows = logits.shape[0]
     raw = logits
-    logits = apply_penalties(apply_bias(logits, rows), rows)
+    logits = apply_allowed(apply_penalties(apply_bias(logits, rows), rows), raw, rows)
     token_ids = logits.argmax(dim=-1)  # [num_rows]; replaced below for random rows
     random_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
     if random_rows:
@@ -157,6 +163,36 @@ def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
         at = torch.tensor(banned, device=dev)  # [num_banned, 2]
         logits[at[:, 0], at[:, 1]] = float("-inf")
     return logits
+
+
+_BITS: Final = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 bitmasks ``[rows, words]`` as booleans ``[rows, vocab]``."""
+    bits = (masks.unsqueeze(-1) >> _BITS) & 1
+    return bits.view(masks.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_allowed(logits: torch.Tensor, raw: torch.Tensor,
+                  rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` with every token a row's grammar refuses at -inf; the same tensor when no
+    row has a grammar. The grammar wins over ``min_tokens`` and ``logit_bias``: a row they
+    would leave with no token at all keeps its raw logits, masked by the grammar alone."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not constrained:
+        return logits
+    masks = torch.stack([rows[i].allowed() for i in constrained])  # type: ignore[misc]
+    allowed = unpack_bitmask(masks, logits.shape[1]).to(logits.device)
+    index = torch.tensor(constrained, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    dead = ~torch.isfinite(masked).any(dim=-1)
+    if bool(dead.any()):
+        masked[dead] = raw.index_select(0, index)[dead].masked_fill(~allowed[dead],
+                                                                    float("-inf"))
+    out = logits.clone() if logits is raw else logits
+    out[index] = masked
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -15,8 +15,10 @@ import jsonschema
 import pytest
 import torch
 
-from loraplex.engine.grammar import Constraint, GrammarCompiler, GrammarSpec, MaskFiller
+from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
+from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.errors import InvalidRequestError
+from loraplex.model.sampler import SamplingRow, apply_allowed
 from loraplex.testing import build_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
@@ -40,6 +42,14 @@ def compiler(tokenizer: tuple[object, Path]) -> GrammarCompiler:
                            [tok.eos_token_id])  # type: ignore[attr-defined]
 
 
+def _allowed(filler: MaskFiller, constraints: list[Constraint]) -> torch.Tensor:
+    """Which tokens each constraint allows next, as the sampler reads the masks."""
+    masks = filler.fill(constraints)
+    rows = [SamplingRow(allowed=lambda i=i: masks[i]) for i in range(len(constraints))]
+    logits = torch.zeros(len(constraints), filler.vocab_size)
+    return torch.isfinite(apply_allowed(logits, logits, rows))
+
+
 def _walk(compiler: GrammarCompiler, constraint: Constraint, eos: int, seed: int,
           max_tokens: int = 120) -> tuple[list[int], bool]:
     """Samples uniformly among allowed tokens; returns the tokens and whether it ended by
@@ -50,9 +60,7 @@ def _walk(compiler: GrammarCompiler, constraint: Constraint, eos: int, seed: int
     for _ in range(max_tokens):
         if constraint.is_finished:
             return out, True
-        logits = torch.zeros(1, compiler.vocab_size)
-        filler.apply(logits, [0], filler.fill([constraint]))
-        allowed = torch.isfinite(logits[0]).nonzero().flatten()
+        allowed = _allowed(filler, [constraint])[0].nonzero().flatten()
         assert allowed.numel() > 0, "the mask allowed no token"
         # Prefer ending when allowed, half the time, so walks finish.
         if eos in allowed.tolist() and torch.rand(1, generator=rng).item() < 0.5:
@@ -113,11 +121,9 @@ def test_forked_constraints_are_independent(compiler: GrammarCompiler,
     first = compiler.constraint(GrammarSpec.choice(["ab", "cd"]))
     second = first.fork()
     first.advance(tok.convert_tokens_to_ids("a"))  # type: ignore[attr-defined]
-    filler = MaskFiller(compiler.vocab_size, num_threads=1)
-    logits = torch.zeros(2, compiler.vocab_size)
-    filler.apply(logits, [0, 1], filler.fill([first, second]))
+    allowed = _allowed(MaskFiller(compiler.vocab_size, num_threads=1), [first, second])
     c = tok.convert_tokens_to_ids("c")  # type: ignore[attr-defined]
-    assert logits[0, c] == float("-inf") and logits[1, c] == 0.0
+    assert not allowed[0, c] and allowed[1, c]
 
 
 def test_compiled_once_per_digest(compiler: GrammarCompiler) -> None:
@@ -133,12 +139,28 @@ def test_compiled_once_per_digest(compiler: GrammarCompiler) -> None:
 
 
 def test_rows_without_constraint_are_untouched(compiler: GrammarCompiler) -> None:
-    filler = MaskFiller(compiler.vocab_size, num_threads=1)
-    logits = torch.randn(3, compiler.vocab_size)
-    before = logits.clone()
-    filler.apply(logits, [1], filler.fill([compiler.constraint(GrammarSpec.choice(["a"]))]))
-    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
-    assert torch.isinf(logits[1]).sum() > 0
+    masks = MaskFiller(compiler.vocab_size, num_threads=1).fill(
+        [compiler.constraint(GrammarSpec.choice(["a"]))])
+    rows = [SamplingRow(), SamplingRow(allowed=lambda: masks[0]), SamplingRow()]
+    raw = torch.randn(3, compiler.vocab_size)
+    before = raw.clone()
+    out = apply_allowed(raw, raw, rows)
+    assert torch.equal(raw, before)  # the raw logits (for logprobs) stay as they were
+    assert torch.equal(out[0], raw[0]) and torch.equal(out[2], raw[2])
+    assert 0 < torch.isfinite(out[1]).sum() < 5
+
+
+def test_the_grammar_wins_over_min_tokens(compiler: GrammarCompiler,
+                                          tokenizer: tuple[object, Path]) -> None:
+    """A row whose grammar allows only tokens that min_tokens bans keeps the grammar's."""
+    a = tokenizer[0].convert_tokens_to_ids("a")  # type: ignore[attr-defined]
+    masks = MaskFiller(compiler.vocab_size, num_threads=1).fill(
+        [compiler.constraint(GrammarSpec.choice(["a"]))])
+    raw = torch.randn(1, compiler.vocab_size)
+    banned = raw.clone()
+    banned[0, a] = float("-inf")
+    out = apply_allowed(banned, raw, [SamplingRow(allowed=lambda: masks[0])])
+    assert out[0].argmax() == a
 
 
 @pytest.mark.parametrize(("spec", "param", "words"), [

@@ -134,3 +134,21 @@ def test_abort_releases_everything() -> None:
     assert sched.kv.all_free_or_cached()
     assert all(p == 0 for p in adapters.stats().pins)
     sched.kv.check_invariants()
+
+
+def test_waiting_adapters_are_loaded_once_when_more_are_queued_than_the_host_holds() -> None:
+    # 2 slots, a host cache of 4, 12 queued requests on 12 adapters: loading all 12 ahead
+    # would evict the first before their requests run, and load them again.
+    sched, adapters, clock = _setup(max_loras=2)
+    for i in range(12):
+        sched.add(_request(f"r{i}", 3, f"x{i:02d}", clock, max_tokens=3))
+    for _ in range(300):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        _complete_step(sched, out)
+        _drain_loads(adapters)
+        clock.now += 0.01
+    assert not sched.has_unfinished()
+    assert adapters.stats().num_disk_loads == 12
+    assert sched.kv.all_free_or_cached()

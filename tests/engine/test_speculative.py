@@ -14,6 +14,7 @@ import pytest
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.config import SpeculativeConfig
 from loraplex.engine.request import Request
+from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.engine.speculative import NgramProposer, SpecController, can_speculate
 from loraplex.errors import ConfigError
 from loraplex.testing import chi_square_fits, load_reference, reference_greedy
@@ -72,7 +73,8 @@ def test_requests_with_per_token_logic_do_not_speculate() -> None:
     controller = SpecController(SpeculativeConfig(prompt_lookup_min=1), max_model_len=64)
     assert controller.propose([request()]) == {"r": [1, 2]}
     for params in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.1},
-                   {"logit_bias": {3: 1.0}}, {"logprobs": 0}, {"min_tokens": 2}):
+                   {"logit_bias": {3: 1.0}}, {"logprobs": 0}, {"min_tokens": 2},
+                   {"grammar": GrammarSpec("regex", "[0-9]+", "guided_regex")}):
         assert not can_speculate(request(**params))
         assert controller.propose([request(**params)]) == {}
     assert can_speculate(request(min_tokens=1))  # min_tokens already reached
@@ -271,3 +273,42 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path,
     assert stats.spec_num_drafts > num // 2 and stats.spec_num_accepted_tokens > num // 10
     llm.engine.kv.check_invariants()
     assert llm.engine.kv.all_free_or_cached()
+
+
+def test_requests_that_do_not_speculate_share_the_batch_unchanged(tiny_llama_dir: Path) -> None:
+    """Penalties, logit_bias, logprobs, min_tokens and a grammar next to speculating
+    requests: every output (ids, logprobs, text) equals the one without speculation."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 300) for _ in range(5)] * 3 for _ in range(7)]
+    greedy: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+    params = [SamplingParams(**greedy), SamplingParams(**greedy, presence_penalty=1.0),
+              SamplingParams(**greedy, logit_bias={7: 5.0}), SamplingParams(**greedy, logprobs=2),
+              SamplingParams(**greedy, min_tokens=12),
+              SamplingParams(**greedy, grammar=GrammarSpec.choice(["red", "green", "blue"])),
+              SamplingParams(**greedy, prompt_logprobs=1)]
+    outs = {}
+    for name, spec in (("off", None), ("on", SPEC)):
+        llm = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_kv_blocks=200,
+                  speculative_config=spec)
+        outs[name] = llm.generate(prompts, params)
+        if spec is not None:
+            # The plain and the prompt-logprobs request speculated; nothing else did.
+            assert llm.stats().spec_num_accepted_tokens > 0
+        llm.engine.kv.check_invariants()
+        llm.close()
+    for on, off in zip(outs["on"], outs["off"], strict=True):
+        assert (on.outputs[0].token_ids, on.outputs[0].text) == (off.outputs[0].token_ids,
+                                                                 off.outputs[0].text)
+        # Another batch shape may round differently in the last bits: compare the numbers.
+        for got, want in ((on.outputs[0].logprobs, off.outputs[0].logprobs),
+                          (on.prompt_logprobs, off.prompt_logprobs)):
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                assert _numbers(got) == pytest.approx(_numbers(want), abs=1e-5)
+
+
+def _numbers(value: Any) -> list[float]:
+    """Every number in nested logprob tuples and lists (None entries skipped), in order."""
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    return [] if value is None else [x for v in value for x in _numbers(v)]

@@ -111,7 +111,26 @@ CHAT_CASES = [
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", "between"),
     ({"max_completion_tokens": -3}, "max_completion_tokens", "between"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"schema": {"type": "strnig"}}}},
+     "response_format", "compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "string", "format": "no-such-format"}}}},
+     "response_format", "compiled"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "compiled"),
+    ({"guided_grammar": "start: nowhere"}, "guided_grammar", "compiled"),
+    ({"guided_choice": []}, "guided_choice", "list"),
+    ({"guided_json": "{not json"}, "guided_json", "JSON"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
+     "second"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "unknown"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+     "second"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}, "strict": "yes"}}}, "response_format", "boolean"),
 ]
 
 

@@ -138,7 +138,7 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
         include_stop_str_in_output=options.include_stop_str_in_output,
         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
         repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
-        min_tokens=options.min_tokens,
+        min_tokens=options.min_tokens, grammar=options.grammar,
         # An echoed prompt's logprobs need the prompt's logits: the engine computes them.
         prompt_logprobs=options.logprobs if echo else None)
 

@@ -1,0 +1,181 @@
+"""Ray mode of ``benchmarks/serving.py``: a loopback Ray cluster it starts and stops, the
+replicas' own figures from Redis, and the adapter-affinity workload.
+
+The cluster is ``ray start --head --block`` on 127.0.0.1 with token authentication (as
+docs/scale-out.md asks of every cluster), its own port and temp dir; stopping it is a
+SIGTERM to that one process (never ``ray stop``, which would stop every cluster on the
+machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ray_env() -> dict[str, str]:
+    """What both the cluster and the gateways that join it need in their environment."""
+    # Without the first, Ray binds a non-loopback address even when told 127.0.0.1.
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+class RayCluster:
+    """A one-node Ray cluster on loopback, owned by this process."""
+
+    def __init__(self, num_cpus: int, log_path: Path, env: dict[str, str],
+                 object_store_bytes: int = 200 << 20) -> None:
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Short: Ray's AF_UNIX socket paths under it must stay within 107 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="lpxray-", dir="/tmp"))
+        temp_dir = self.temp_dir
+        self.log_path = log_path
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        ray_bin = str(Path(sys.executable).parent / "ray")
+        self.proc = subprocess.Popen(
+            [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+             f"--port={self.port}", f"--num-cpus={num_cpus}",
+             f"--object-store-memory={object_store_bytes}", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={temp_dir}",
+             f"--ray-client-server-port={_free_port()}"],
+            # No drain on SIGTERM: the gateway has stopped by then, nothing is in flight
+            # (the default waits 30 s for a drain).
+            env={**os.environ, **env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited ({self.proc.returncode}):\n"
+                                   + self.log_path.read_text()[-2000:])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Ray cluster did not start in {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM to our ``ray start --block`` (it takes its cluster down), then SIGKILL to
+        its process group after ``timeout``, and to any process it started that outlived
+        it (some agents and workers leave its process group)."""
+        spawned = _descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for pid in spawned:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        self._log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return self.proc.returncode
+
+
+# --- the replicas' own figures --------------------------------------------------------------
+
+
+def stats_key(prefix: str) -> str:
+    """The hash every replica writes its EngineStats to (see loraplex/engine/ray_backend.py):
+    ``{--redis-key-prefix}replicas:`` + ``{app name}:stats``."""
+    return f"{prefix}replicas:loraplex:stats"
+
+
+def replica_stats(redis_url: str, prefix: str, fresh_s: float = 5.0) -> dict[int, dict[str, Any]]:
+    """Ordinal -> the EngineStats fields (plus ``pid``) each live replica last published."""
+    import redis
+
+    with redis.Redis.from_url(redis_url) as r:
+        raw = r.hgetall(stats_key(prefix))
+    out: dict[int, dict[str, Any]] = {}
+    for ordinal, value in raw.items():
+        record = json.loads(value)
+        if time.time() - float(record["at"]) <= fresh_s:
+            out[int(ordinal)] = {"pid": record["pid"], **json.loads(record["stats"])}
+    return out
+
+
+def settled_replica_stats(redis_url: str, prefix: str, num_replicas: int,
+                          timeout: float = 30) -> dict[int, dict[str, Any]]:
+    """The figures once every replica has published after this call (they publish each
+    second), so counters include everything that finished before it."""
+    t0 = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        import redis
+
+        with redis.Redis.from_url(redis_url) as r:
+            raw = r.hgetall(stats_key(prefix))
+        records = {int(k): json.loads(v) for k, v in raw.items()}
+        fresh = {k: v for k, v in records.items() if float(v["at"]) > t0 + 0.05}
+        if len(fresh) >= num_replicas:
+            return {k: {"pid": v["pid"], **json.loads(v["stats"])} for k, v in fresh.items()}
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(fresh)} of {num_replicas} replicas published "
+                               f"stats within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def summed(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Counters summed over replicas, in the shape ``/admin/api/engine`` answers."""
+    out: dict[str, Any] = {}
+    for stats in per_replica.values():
+        for name, value in stats.items():
+            if name != "pid" and isinstance(value, int | float) and not isinstance(value, bool):
+                out[name] = out.get(name, 0) + value
+    return out
+
+
+def hit_rate(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]],
+             adapter_requests: int) -> dict[str, Any]:
+    """Adapter hits from the replicas' ``adapter_disk_loads`` deltas: a request whose
+    replica already held its adapter (in device slots or host cache) reads nothing from
+    disk, so hits = adapter requests - disk loads."""
+    loads = {k: int(after[k]["adapter_disk_loads"]) - int(before.get(k, {}).get(
+        "adapter_disk_loads", 0)) for k in sorted(after)}
+    total = sum(loads.values())
+    # Disk reads and slot installs alike (the engine sums both).
+    seconds = sum(float(after[k]["adapter_load_seconds"]) - float(before.get(k, {}).get(
+        "adapter_load_seconds", 0.0)) for k in after)
+    return {"adapter_requests": adapter_requests, "disk_loads_per_replica": loads,
+            "disk_loads": total, "adapter_load_seconds": seconds,
+            "loads_per_request": total / adapter_requests if adapter_requests else 0.0,
+            "hit_rate": 1 - total / adapter_requests if adapter_requests else 0.0}
