@@ -75,10 +75,12 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    # Speculative decoding: the running acceptance rate of this sequence's proposals, and
-    # the steps it still waits before proposing again after a poor one.
+    # Speculative decoding: the running acceptance rate of this sequence's proposals, the
+    # steps it still waits before proposing again after a poor one, and how many pauses in
+    # a row it has had.
     spec_acceptance: float = 1.0
     spec_pause_steps: int = 0
+    spec_num_pauses: int = 0
     # Text state kept by the engine's detokenizer.
     output_text: str = ""
     num_text_sent: int = 0

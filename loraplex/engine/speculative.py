@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from loraplex.config import SpeculativeConfig
 from loraplex.engine.request import Request
 
-# Steps a sequence with a poor acceptance rate waits before it proposes again (a probe).
+# Steps a sequence with a poor acceptance rate waits before it proposes again (a probe);
+# doubled after each probe that fails too, up to MAX_PAUSE_STEPS.
 PAUSE_STEPS = 16
+MAX_PAUSE_STEPS = 256
 # Weight of the newest step in a sequence's running acceptance rate.
 ACCEPTANCE_DECAY = 0.5
 
@@ -110,6 +112,10 @@ class SpecController:
         request.spec_acceptance = (ACCEPTANCE_DECAY * rate
                                    + (1 - ACCEPTANCE_DECAY) * request.spec_acceptance)
         if request.spec_acceptance < self.config.min_acceptance_rate:
-            request.spec_pause_steps = PAUSE_STEPS
+            request.spec_pause_steps = min(PAUSE_STEPS << request.spec_num_pauses,
+                                           MAX_PAUSE_STEPS)
+            request.spec_num_pauses += 1
             # The probe after the pause starts from the threshold: one good step resumes.
             request.spec_acceptance = self.config.min_acceptance_rate
+        else:
+            request.spec_num_pauses = 0

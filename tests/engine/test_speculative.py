@@ -97,6 +97,11 @@ def test_controller_turns_speculation_off_by_batch_size_and_acceptance() -> None
     for _ in range(paused):
         assert controller.propose([r]) == {}
     assert controller.propose([r]) == {"r": [1, 2]}  # ... then it is probed again
+    controller.record(r, 3, 0)  # a failed probe: a pause twice as long
+    assert r.spec_pause_steps == 2 * paused
+    r.spec_pause_steps = 0
+    controller.record(r, 3, 3)  # a good one resumes, and resets the pauses
+    assert r.spec_pause_steps == 0 and r.spec_num_pauses == 0
     # Proposals never reach past max_tokens: 8 - 7 output tokens leaves room for none.
     r.output_token_ids = [2] * 7
     r.num_computed_tokens = r.num_tokens - 1
