@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, short outputs")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--workloads", nargs="+", default=["copy", "offline"],
+                        choices=["copy", "offline"])
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="measure the layer-skip draft of this many layers instead of "
                              "prompt lookup")
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     print(f"{'workload':<8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} "
           f"{'steps off/on':>13} {'accept':>7} {'mean len':>8}", flush=True)
-    for workload in ("copy", "offline"):
+    for workload in args.workloads:
         for batch in batches:
             max_tokens = 24 if args.quick else 32 if batch >= 64 else 64
             r = measure(model, batch, workload, max_tokens, args.rounds, spec)

@@ -155,8 +155,9 @@ class Scheduler:
 
     def schedule(self, num_spec: Mapping[str, int] | None = None) -> SchedulerOutput:
         """This step's work. ``num_spec``: speculative tokens wanted, by request id, for
-        running decodes; each gets slots for as many as budget and free blocks allow (none
-        rather than preempting anyone for them)."""
+        running decodes; each gets slots for as many as the budget (once every running
+        request behind it has a token) and free blocks allow, never preempting anyone for
+        them."""
         out = SchedulerOutput(scheduled=[])
         budget = self.config.max_num_batched_tokens
         now = self.clock()
@@ -166,7 +167,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            spec = min(num_spec.get(request.request_id, 0), budget - 1)
+            # Proposals take only budget that leaves a token for every running one after it.
+            num_after = len(self.running) - index - 1
+            spec = min(num_spec.get(request.request_id, 0), budget - 1 - num_after)
             if spec > 0 and request.num_uncomputed_tokens == 1 \
                     and self._allocate(request, 1 + spec) is not None:
                 out.scheduled.append(ScheduledSeq(request, 1 + spec, self.slot_of(request),

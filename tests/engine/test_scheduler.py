@@ -152,3 +152,29 @@ def test_waiting_adapters_are_loaded_once_when_more_are_queued_than_the_host_hol
     assert not sched.has_unfinished()
     assert adapters.stats().num_disk_loads == 12
     assert sched.kv.all_free_or_cached()
+
+
+def test_speculative_slots_fit_the_budget_and_never_preempt() -> None:
+    sched, _, clock = _setup(num_blocks=3, budget=5)
+    a, b = _request("a", 3, None, clock, max_tokens=8), _request("b", 3, None, clock,
+                                                                  max_tokens=8)
+    for r in (a, b):
+        sched.add(r)
+    _complete_step(sched, sched.schedule())  # both prompts: a block each, one token each
+    # a wants 4 proposals: the budget of 5 leaves it 3 (plus its own token) once b has
+    # its one token.
+    out = sched.schedule({"a": 4})
+    assert [(s.request.request_id, s.num_new_tokens, s.num_spec_tokens)
+            for s in out.scheduled] == [("a", 4, 3), ("b", 1, 0)]
+    assert sched.kv.num_tokens("a") == 7 and not out.preempted
+    sched.kv.trim("a", 4)  # what the engine does once a kept one proposal
+    a.num_computed_tokens, b.num_computed_tokens = 4, 4
+    a.output_token_ids += [7, 7]
+    b.output_token_ids.append(7)
+    # Now a needs a new block for its next token and b's proposals would need one more:
+    # the pool has one free block, so b runs without proposals and nobody is preempted.
+    out = sched.schedule({"b": 4})
+    assert [(s.request.request_id, s.num_spec_tokens) for s in out.scheduled] == [
+        ("a", 0), ("b", 0)]
+    assert not out.preempted
+    sched.kv.check_invariants()
