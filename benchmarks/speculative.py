@@ -163,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--workloads", nargs="+", default=["copy", "offline"],
                         choices=["copy", "offline"])
+    parser.add_argument("--no-batch-limit", action="store_true",
+                        help="speculate at any batch size (disable_by_batch_size off), to "
+                             "find the cross-over")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="measure the layer-skip draft of this many layers instead of "
                              "prompt lookup")
@@ -174,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = SPEC if args.draft_layers is None else {
         "method": "layer_skip", "num_draft_layers": args.draft_layers,
         "num_speculative_tokens": 3}
+    if args.no_batch_limit:
+        spec = {**spec, "disable_by_batch_size": None}
     results = []
     print(f"{'workload':<8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} "
           f"{'steps off/on':>13} {'accept':>7} {'mean len':>8}", flush=True)

@@ -116,7 +116,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     num_draft_layers: int | None = None  # layer_skip only
-    disable_by_batch_size: int | None = 16
+    # Measured cross-over on 2 quiet CPU cores (docs/benchmarks.md): about 8.
+    disable_by_batch_size: int | None = 8
     min_acceptance_rate: float = 0.1
 
     def __post_init__(self) -> None:

@@ -8,9 +8,10 @@ other decodes and prefill chunks, and keeps the longest prefix it agrees with pl
 token of its own (see ``model.sampler.verify``).
 
 Per-token logic: a request with penalties, ``logit_bias``, per-token logprobs or a grammar
-(structured output), or one still under ``min_tokens``, does not speculate (its logits would need that logic at every verified
-position). Stop tokens, EOS, ``max_tokens`` and stop strings need nothing: the engine
-appends the kept tokens one by one and drops the rest once the sequence has finished.
+(structured output), or one still under ``min_tokens``, does not speculate (its logits
+would need that logic at every verified position). Stop tokens, EOS, ``max_tokens`` and
+stop strings need nothing: the engine appends the kept tokens one by one and drops the rest
+once the sequence has finished.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ def verify(logits: torch.Tensor, draft_ids: Sequence[int], row: SamplingRow,
     lookup): proposal i is kept with probability p_i(d_i); the first one refused is replaced
     by a draw from the residual max(p_i - q_i, 0), i.e. p_i without d_i, renormalised; when
     all are kept, the last position draws from p_k. Every kept token is thereby distributed
-    exactly as the target's own draw (Leviathan et al., 2023). The row's penalties, bias and
-    logprobs are not applied: requests using them do not speculate.
+    exactly as the target's own draw (Leviathan et al., 2023). The row's penalties, bias,
+    grammar mask and logprobs are not applied: requests using them do not speculate.
     """
     num_draft = len(draft_ids)
     if row.is_greedy:
