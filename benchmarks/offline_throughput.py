@@ -46,6 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _floor import ModelShapes, compute_floor_seconds, measure  # noqa: E402
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
@@ -371,7 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    vocab = hf_config.vocab_size
+    # This machine's floors, now, before anything else runs (see _floor.py).
+    shapes = ModelShapes.from_config(hf_config)
+    floors = measure(shapes, "float32", args.threads)
+    log(f"floors: GEMM {floors.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
+        f"{floors.gemm_gflops_decode:.0f} (16 rows); streaming {floors.stream_gbps:.1f} GB/s")
     spec = WorkloadSpec(args.num_requests, args.num_adapters, args.min_prompt, args.max_prompt,
                         args.min_output, args.max_output, args.zipf, args.seed)
     workload = make_workload(spec, vocab, tokenizer.all_special_ids)
@@ -391,7 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                seconds: float, outs: list[list[int]], extra: dict[str, Any] | None = None,
                workload_name: str = "peer subset") -> RunResult:
         check_lengths(name, items, outs)
-        extra = {**(extra or {}), "load_avg_1m_after": round(os.getloadavg()[0], 2)}
+        floor = compute_floor_seconds(shapes, floors, num_prompt_tokens(items),
+                                      num_output_tokens(items))
+        extra = {**(extra or {}), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+                 "compute_floor_s": round(floor, 2),
+                 "fraction_of_compute_floor": round(floor / seconds, 3)}
         r = RunResult(name, system, workload_name, len(items),
                       num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
                       extra)
@@ -442,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         system.llm.close()
 
     report = summarise(results, outputs, args, model_dir, spec, time.perf_counter() - started)
+    report["floors"] = floors.as_dict()
     write_outputs(report, results, Path(args.out))
     print_table(report)
     return 0
@@ -568,7 +580,7 @@ def print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     base = next((r["tokens_per_s"] for r in runs if r["system"] == "a"), None)
     head = f"{'system':<46} {'workload':<12} {'reqs':>5} {'adapt':>5} {'out tok':>8} " \
-           f"{'secs':>8} {'tok/s':>8} {'vs (a)':>7}"
+           f"{'secs':>8} {'tok/s':>8} {'vs (a)':>7} {'floor':>6}"
     print()
     print(head)
     print("-" * len(head))
@@ -576,7 +588,12 @@ def print_table(report: dict[str, Any]) -> None:
         vs = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
         print(f"{r['name']:<46} {r['workload']:<12} {r['num_requests']:>5} "
               f"{r['num_adapters']:>5} {r['num_output_tokens']:>8} {r['seconds']:>8.1f} "
-              f"{r['tokens_per_s']:>8.1f} {vs:>7}")
+              f"{r['tokens_per_s']:>8.1f} {vs:>7} "
+              f"{r['extra'].get('fraction_of_compute_floor', 0):>6.0%}")
+    f = report["floors"]
+    print(f"floors ({f['dtype']}, {f['threads']} threads): GEMM {f['gemm_gflops_prefill']:.0f} "
+          f"GFLOP/s at 256 rows, {f['gemm_gflops_decode']:.0f} at 16; streaming "
+          f"{f['stream_gbps']:.1f} GB/s; 'floor': the fraction of the compute floor reached")
     print()
     for k, v in report["ratios"].items():
         print(f"{k:<28} {v:6.2f}")
