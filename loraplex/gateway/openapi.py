@@ -229,9 +229,8 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                      {"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}}],
             "properties": sampling | {
                 "messages": {"type": "array", "minItems": 1, "items": message},
-                "tools": {"type": ["array", "null"], "items": tool, "uniqueItems": True,
-                          "description": "Functions the model may call; their names must "
-                                         "differ (a 400 names a repeat)"},
+                "tools": {"type": ["array", "null"], "items": tool,
+                          "description": "Functions the model may call"},
                 "tool_choice": {
                     "enum": ["none", "auto", "required", None],
                     "description": "Default: auto with tools, none without. The server "

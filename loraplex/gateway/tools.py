@@ -140,10 +140,9 @@ def parse_tools(body: dict[str, Any]) -> ToolUse | None:
     if raw_tools is not None and not isinstance(raw_tools, list):
         raise _bad("tools", "expected an array of tools")
     tools = tuple(_tool(i, t) for i, t in enumerate(raw_tools or []))
-    names = [t.name for t in tools]
-    if len(set(names)) < len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise _bad("tools", f"declares the function {dup!r} twice")
+    # A name declared twice is not refused (no JSON Schema can say names differ, so the
+    # OpenAPI document could not either): a call of it may match either declaration.
+    names = {t.name for t in tools}
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls", "expected a boolean")

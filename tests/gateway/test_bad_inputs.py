@@ -121,7 +121,6 @@ CHAT_CASES = [
      "tools[1].function.parameters", "compiled"),
     ({"tools": [_TOOL, {"type": "function", "function": {"name": "bad", "parameters": 3}}]},
      "tools[1].function.parameters", "schema"),
-    ({"tools": [_TOOL, _TOOL]}, "tools", "twice"),
     ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "does not declare"),
     ({"tool_choice": "required"}, "tool_choice", "requires tools"),
