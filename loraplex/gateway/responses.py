@@ -163,7 +163,7 @@ class Accumulator:
                 if reader.calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [call.to_json() for call in reader.calls]}
-                    reason = tool_finish_reason(reason)
+                    reason = _tool_finish_reason(reason)
             choices.append({"index": c.index, "message": message, "finish_reason": reason,
                             "logprobs": (None if self._top_k is None
                                          else {"content": c.chat_logprobs or []})})
@@ -171,7 +171,7 @@ class Accumulator:
                 "system_fingerprint": None, "choices": choices, "usage": usage_}
 
 
-def tool_finish_reason(reason: str | None) -> str | None:
+def _tool_finish_reason(reason: str | None) -> str | None:
     """A choice that called tools and stopped by itself ends with "tool_calls", as
     OpenAI's; one cut by max_tokens still says "length"."""
     return "tool_calls" if reason == "stop" else reason
@@ -221,9 +221,9 @@ class ChunkWriter:
         text = (echo.text if echo else "") + delta.text_delta
         body = self._chat_delta(delta, reason is not None) if self.chat else {}
         if reason is not None and self._readers and self._readers[delta.index].calls:
-            reason = tool_finish_reason(reason)
+            reason = _tool_finish_reason(reason)
         if not (body if self.chat else text) and reason is None and not has_logprobs:
-            return None  # text held back (stop string or partial character): nothing new
+            return None  # held back (stop string, partial character, tool call): nothing new
         logprobs: Any = None
         if echo is not None and self._top_k is not None:
             lp = CompletionLogprobs(self._top_k)

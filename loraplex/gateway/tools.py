@@ -88,11 +88,16 @@ class ToolUse:
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
-    # JSON written as json.dumps writes it (no free whitespace), name before arguments.
+    # JSON written as json.dumps writes it (no free whitespace), name before arguments. The
+    # parameters' definitions move to the root, where their "#/$defs/..." refs now point
+    # (pydantic's schemas use them).
+    arguments = dict(tool.parameters)
+    defs: dict[str, Any] = {k: arguments.pop(k) for k in ("$defs", "definitions")
+                            if k in arguments}
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": tool.parameters},
+                                             "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False,
-            "x-guidance": dict(JSON_LAYOUT)}
+            "x-guidance": dict(JSON_LAYOUT), **defs}
 
 
 def _tool(i: int, raw: Any) -> Tool:

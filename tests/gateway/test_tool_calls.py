@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from loraplex.engine.grammar import check_spec
 from loraplex.gateway.schemas import parse_chat_completion
 from loraplex.gateway.state import Tokenizers
 from loraplex.gateway.tools import ToolCallReader, parse_tools, template_input
@@ -116,6 +117,17 @@ def test_bad_tools_are_400_and_the_server_keeps_serving(live: LiveServer) -> Non
         assert info.value.body["param"] == param  # type: ignore[index]
     ok = client.chat.completions.create(model="sql", max_tokens=3, messages=MESSAGES)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_parameters_with_definitions_compile_inside_the_call_grammar() -> None:
+    pydantic_style = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
+                      "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}
+    tools = parse_tools({"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": pydantic_style}}]})
+    assert tools is not None
+    grammar = tools.grammar()
+    assert grammar is not None
+    check_spec(grammar)
 
 
 # --- reading calls out of free text (auto) ----------------------------------------------
