@@ -304,8 +304,10 @@ def run_vllm(args: argparse.Namespace, model_dir: str, adapter_paths: Sequence[P
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
+        # Not from the checkout: vLLM's subprocesses import transformers, which probes
+        # for a package named `kernels`, and the checkout's own would be found first.
         subprocess.run([str(python), str(script), str(job_path), str(out_path)], env=env,
-                       check=True)
+                       check=True, cwd=tmp)
         result = json.loads(out_path.read_text())
     return result["seconds"], result["outputs"], {"vllm": result["vllm"]}
 
