@@ -159,7 +159,7 @@ class Accumulator:
             reason = c.finish_reason
             if self._tools is not None:
                 reader = ToolCallReader(self._tools)
-                content = reader.feed(c.text)[0] + reader.close()
+                content = reader.feed(c.text)[0] + reader.close()[0]
                 if reader.calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [call.to_json() for call in reader.calls]}
@@ -257,7 +257,8 @@ class ChunkWriter:
         first = len(reader.calls)
         content, calls = reader.feed(delta.text_delta)
         if last:
-            content += reader.close()
+            more, late = reader.close()
+            content, calls = content + more, calls + late
         body: dict[str, Any] = {"content": content} if content else {}
         if calls:
             body["tool_calls"] = [dict(call.to_json(), index=first + k)

@@ -68,6 +68,9 @@ class ToolUse:
     mode: ToolMode
     function: str | None
     parallel: bool
+    # The chat template renders the tools itself (Llama 3's): its models answer a call as a
+    # bare JSON object, {"name": ..., "parameters": ...}, which ``auto`` reads too.
+    native: bool = False
 
     @property
     def names(self) -> frozenset[str]:
@@ -261,6 +264,21 @@ def _parse_call(block: str, names: frozenset[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))
 
 
+def _parse_bare_call(text: str, names: frozenset[str]) -> ToolCall | None:
+    """A whole answer that is one call as Llama 3's template asks for it:
+    ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), naming a declared tool."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or len(obj) != 2 or obj.get("name") not in names:
+        return None
+    arguments = obj.get("parameters", obj.get("arguments"))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
 def _held_prefix(text: str) -> int:
     # How many trailing characters could be the start of CALL_OPEN.
     for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
@@ -285,6 +303,9 @@ class ToolCallReader:
         self._gap = ""
         self._in_call = False
         self.calls: list[ToolCall] = []
+        # A native template's bare JSON call: an answer that opens with "{" is held whole
+        # until the end (None once the answer is known not to be one).
+        self._bare: str | None = "" if tools.native and tools.mode == "auto" else None
 
     def _content(self, text: str) -> str:
         if not self.calls:
@@ -297,6 +318,12 @@ class ToolCallReader:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content that can be sent now, and the calls completed by ``text``."""
+        if self._bare is not None:
+            self._bare += text
+            opening = self._bare.lstrip()[:1]
+            if opening in ("", "{"):
+                return "", []
+            text, self._bare = self._bare, None
         self._buffer += text
         content: list[str] = []
         new: list[ToolCall] = []
@@ -327,8 +354,18 @@ class ToolCallReader:
                 new.append(call)
         return "".join(content), new
 
-    def close(self) -> str:
-        """At the end: what was held back (a partial tag, an unclosed block) is content."""
+    def close(self) -> tuple[str, list[ToolCall]]:
+        """At the end: what was held back (a partial tag, an unclosed block) is content; a
+        held bare JSON answer is a call, or content."""
+        if self._bare is not None:
+            held, self._bare = self._bare, None
+            call = _parse_bare_call(held, self._names)
+            if call is not None:
+                self.calls.append(call)
+                return "", [call]
+            content, calls = self.feed(held)
+            more, late = self.close()
+            return content + more, calls + late
         rest = (CALL_OPEN if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
-        return self._content(rest)
+        return self._content(rest), []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import jsonschema
@@ -155,12 +156,12 @@ def test_auto_reads_calls_the_same_streamed_or_whole(text: str, content: str,
                                                      calls: list[tuple[str, str]]) -> None:
     assert AUTO is not None
     whole = ToolCallReader(AUTO)
-    got = whole.feed(text)[0] + whole.close()
+    got = whole.feed(text)[0] + whole.close()[0]
     assert got == content
     assert [(c.name, c.arguments) for c in whole.calls] == calls
     streamed = ToolCallReader(AUTO)
     pieces = [streamed.feed(ch)[0] for ch in text]
-    assert "".join(pieces) + streamed.close() == content
+    assert "".join(pieces) + streamed.close()[0] == content
     assert [(c.name, c.arguments) for c in streamed.calls] == calls
 
 
@@ -168,8 +169,32 @@ def test_without_parallel_calls_a_second_block_stays_text() -> None:
     tools = parse_tools({"tools": TWO_TOOLS, "parallel_tool_calls": False})
     assert tools is not None
     reader = ToolCallReader(tools)
-    assert reader.feed(CALL + CALL)[0] + reader.close() == CALL
+    assert reader.feed(CALL + CALL)[0] + reader.close()[0] == CALL
     assert len(reader.calls) == 1
+
+
+NATIVE = None if AUTO is None else replace(AUTO, native=True)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('{"name": "add", "parameters": {"a": 3}}', "", [("add", '{"a": 3}')]),
+    (' {"name": "add", "arguments": {"a": 3}}', "", [("add", '{"a": 3}')]),
+    ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
+    ('{"a": 1} is JSON', '{"a": 1} is JSON', []),
+    ("plain " + CALL, "plain ", [("add", '{"a": 3}')]),
+])
+def test_a_native_template_answer_may_be_a_bare_json_call(
+        text: str, content: str, calls: list[tuple[str, str]]) -> None:
+    """Llama 3's template asks for a call as a bare JSON object: auto reads it too, held
+    whole until the answer ends (streamed and whole alike)."""
+    assert NATIVE is not None
+    for pieces in ([text], list(text)):
+        reader = ToolCallReader(NATIVE)
+        got = "".join(reader.feed(p)[0] for p in pieces)
+        rest, late = reader.close()
+        assert got + rest == content
+        assert [(c.name, c.arguments) for c in reader.calls] == calls
+        assert len(late) == (1 if calls and not text.startswith("plain") else 0)
 
 
 # --- the prompt ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -172,12 +173,14 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
-    messages, tools = template_input(req.messages, req.tools, gw.tokenizers.renders_tools)
+    native = gw.tokenizers.renders_tools
+    messages, tools = template_input(req.messages, req.tools, native)
     token_ids = await gw.tokenizers.encode_chat(messages, tools)
     params = _sampling_params(gw, req.options, len(token_ids),
                               default_max_tokens=gw.config.max_tokens_limit)
     return await _generate(request, gw, obs, principal, target, token_ids, params,
-                           req.options, chat=True, tools=req.tools)
+                           req.options, chat=True,
+                           tools=req.tools and replace(req.tools, native=native))
 
 
 async def _generate(request: Request, gw: Gateway, obs: Observation, principal: Principal,
