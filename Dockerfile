@@ -9,6 +9,8 @@
 #       --build-arg TORCH_VARIANT=cu126 .
 #   Demo model baked in (no PyPI access needed at the first start):
 #     docker build -t loraplex --build-arg PREPARE_DEMO_MODEL=1 .
+#   With Ray Serve (compose.yaml's `ray` profile: a Ray head, engine workers, gateways):
+#     docker build -t loraplex:ray --build-arg EXTRAS=ray .
 #
 # The entry point (docker/entrypoint.sh) waits for the database, migrates it, prepares the
 # demo model when LORAPLEX_MODEL is not set, then execs `loraplex serve` on 0.0.0.0:8000.
@@ -74,6 +76,19 @@ RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
+
+# Optional extras of pyproject.toml, comma-separated (empty: none, the default image), e.g.
+# EXTRAS=ray for compose.yaml's `ray` profile (engine replicas on Ray Serve). Pinned by
+# constraints.txt, the versions the test suite runs with; torch is already there (and the
+# constraint on it has no local label, so a CUDA build satisfies it too).
+ARG EXTRAS=
+COPY constraints.txt ./
+RUN if [ -n "$EXTRAS" ]; then \
+        python -c 'import sys, tomllib; extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print("\n".join(d for e in sys.argv[1].split(",") for d in extras[e.strip()]))' "$EXTRAS" \
+            > /tmp/extras.txt \
+        && pip install -c constraints.txt -r /tmp/extras.txt \
+        && rm /tmp/extras.txt; \
+    fi
 
 # The project, installed editable so migrations/ and admin_ui/ are found next to the
 # package, exactly as in a development checkout.

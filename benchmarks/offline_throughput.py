@@ -46,6 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _floor import ModelShapes, compute_floor_seconds, measure  # noqa: E402
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
@@ -60,6 +61,7 @@ SYSTEM_LABELS = {
     "a": "HF+PEFT, one at a time",
     "b": "HF+PEFT, static mixed batches",
     "c": "loraplex",
+    "v": "vLLM CPU (its own venv)",
 }
 
 
@@ -269,6 +271,47 @@ class LoraplexSystem:
         return None if item.adapter is None else self.loras[item.adapter]
 
 
+# --- (v): vLLM, in its own virtualenv -----------------------------------------------------
+
+
+def run_vllm(args: argparse.Namespace, model_dir: str, adapter_paths: Sequence[Path],
+             items: Sequence[WorkItem]) -> tuple[float, list[list[int]], dict[str, Any]]:
+    """The same requests through vLLM's offline API, in a subprocess of its own venv
+    (benchmarks/peers/vllm/setup.sh builds it); model load and adapter reads are outside
+    the timed call, as for the other systems."""
+    import subprocess
+    import tempfile
+
+    venv = Path(args.vllm_venv).expanduser()
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no vLLM venv at {venv}: run benchmarks/peers/vllm/setup.sh {venv}")
+    iomp = next(iter(sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))), None)
+    tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    preload = ":".join(str(p) for p in (tcmalloc, iomp) if p is not None and p.exists())
+    env = {**os.environ, "LD_PRELOAD": preload,
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+    max_len = args.max_prompt + args.max_output
+    job = {"model": model_dir, "dtype": "float32",
+           "adapters": [str(p) for p in adapter_paths], "max_loras": args.max_loras,
+           "max_lora_rank": 32, "max_num_seqs": args.max_num_seqs,
+           "max_num_batched_tokens": max(args.max_num_batched_tokens, max_len),
+           "max_model_len": max_len,
+           "requests": [{"prompt_ids": list(w.prompt_ids), "max_tokens": w.max_tokens,
+                         "adapter": w.adapter} for w in items]}
+    script = Path(__file__).resolve().parent / "peers" / "vllm" / "offline.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        # Not from the checkout: vLLM's subprocesses import transformers, which probes
+        # for a package named `kernels`, and the checkout's own would be found first.
+        subprocess.run([str(python), str(script), str(job_path), str(out_path)], env=env,
+                       check=True, cwd=tmp)
+        result = json.loads(out_path.read_text())
+    return result["seconds"], result["outputs"], {"vllm": result["vllm"]}
+
+
 # --- the run ----------------------------------------------------------------------------
 
 
@@ -315,7 +358,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", default="a,b,c", help="comma-separated subset of a,b,c")
+    p.add_argument("--systems", default="a,b,c",
+                   help="comma-separated subset of a,b,c,v (v: vLLM's CPU build)")
+    p.add_argument("--vllm-venv", default="~/.cache/loraplex/peers/vllm-venv",
+                   help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it)")
     p.add_argument("--peer-requests", type=int, default=200,
                    help="first K requests: the workload all three systems run")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of (b)")
@@ -349,7 +395,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sweep_requests = min(args.sweep_requests or args.num_requests, 24)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not set(args.systems) <= set(SYSTEM_LABELS):
-        p.error(f"--systems must be drawn from a,b,c; got {args.systems}")
+        p.error(f"--systems must be drawn from a,b,c,v; got {args.systems}")
     args.adapter_sweep = [int(x) for x in args.adapter_sweep.split(",") if x.strip()]
     return args
 
@@ -371,7 +417,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    vocab = hf_config.vocab_size
+    # This machine's floors, now, before anything else runs (see _floor.py).
+    shapes = ModelShapes.from_config(hf_config)
+    floors = measure(shapes, "float32", args.threads)
+    log(f"floors: GEMM {floors.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
+        f"{floors.gemm_gflops_decode:.0f} (16 rows); streaming {floors.stream_gbps:.1f} GB/s")
     spec = WorkloadSpec(args.num_requests, args.num_adapters, args.min_prompt, args.max_prompt,
                         args.min_output, args.max_output, args.zipf, args.seed)
     workload = make_workload(spec, vocab, tokenizer.all_special_ids)
@@ -391,7 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                seconds: float, outs: list[list[int]], extra: dict[str, Any] | None = None,
                workload_name: str = "peer subset") -> RunResult:
         check_lengths(name, items, outs)
-        extra = {**(extra or {}), "load_avg_1m_after": round(os.getloadavg()[0], 2)}
+        floor = compute_floor_seconds(shapes, floors, num_prompt_tokens(items),
+                                      num_output_tokens(items))
+        extra = {**(extra or {}), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+                 "compute_floor_s": round(floor, 2),
+                 "fraction_of_compute_floor": round(floor / seconds, 3)}
         r = RunResult(name, system, workload_name, len(items),
                       num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
                       extra)
@@ -415,6 +471,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 record(f"(b) {SYSTEM_LABELS['b']} (batch {args.hf_batch_size}){gemm}", "b",
                        subset, args.num_adapters, secs, outs)
         del peer
+
+    if "v" in args.systems:
+        log(f"(v) vLLM from {args.vllm_venv}: {len(subset)} requests")
+        secs, outs, extra = run_vllm(args, model_dir, adapter_paths[:args.num_adapters], subset)
+        record(f"(v) {SYSTEM_LABELS['v']}", "v", subset, args.num_adapters, secs, outs, extra)
 
     if "c" in args.systems:
         log("loading loraplex")
@@ -442,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         system.llm.close()
 
     report = summarise(results, outputs, args, model_dir, spec, time.perf_counter() - started)
+    report["floors"] = floors.as_dict()
     write_outputs(report, results, Path(args.out))
     print_table(report)
     return 0
@@ -458,6 +520,8 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         ratios["c_over_b"] = by_system["c"].tokens_per_s / by_system["b"].tokens_per_s
     if "a" in by_system and "b" in by_system:
         ratios["b_over_a"] = by_system["b"].tokens_per_s / by_system["a"].tokens_per_s
+    if "v" in by_system and "c" in by_system:
+        ratios["c_over_vllm"] = by_system["c"].tokens_per_s / by_system["v"].tokens_per_s
     sweep = sweep_runs(results)
     if 0 in sweep and args.num_adapters in sweep:
         ratios["mixed_over_base_only"] = (sweep[args.num_adapters].tokens_per_s
@@ -474,6 +538,10 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
     for other in ("b", "c"):
         if "a" in names and other in names:
             agree[f"{other}_vs_a"] = agreement(outputs[names["a"]], outputs[names[other]])
+    if "v" in names and "c" in names:
+        agree["c_vs_vllm"] = agreement(outputs[names["v"]], outputs[names["c"]])
+        agree["c_vs_vllm_whole"] = agreement(outputs[names["v"]], outputs[names["c"]],
+                                             prefix=1 << 30)
     return {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -523,7 +591,7 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
         full = []  # no sweep: the full-workload run alone is not one
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[max(1, len(subset)),
                                                                     max(1, len(full))])
-    colors = {"a": "#9e9e9e", "b": "#5b8bd0", "c": "#e0702a"}
+    colors = {"a": "#9e9e9e", "b": "#5b8bd0", "c": "#e0702a", "v": "#6a3d9a"}
     if subset:
         ax = axes[0]
         base = next((r.tokens_per_s for r in subset if r.system == "a"), None)
@@ -568,7 +636,7 @@ def print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     base = next((r["tokens_per_s"] for r in runs if r["system"] == "a"), None)
     head = f"{'system':<46} {'workload':<12} {'reqs':>5} {'adapt':>5} {'out tok':>8} " \
-           f"{'secs':>8} {'tok/s':>8} {'vs (a)':>7}"
+           f"{'secs':>8} {'tok/s':>8} {'vs (a)':>7} {'floor':>6}"
     print()
     print(head)
     print("-" * len(head))
@@ -576,12 +644,18 @@ def print_table(report: dict[str, Any]) -> None:
         vs = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
         print(f"{r['name']:<46} {r['workload']:<12} {r['num_requests']:>5} "
               f"{r['num_adapters']:>5} {r['num_output_tokens']:>8} {r['seconds']:>8.1f} "
-              f"{r['tokens_per_s']:>8.1f} {vs:>7}")
+              f"{r['tokens_per_s']:>8.1f} {vs:>7} "
+              f"{r['extra'].get('fraction_of_compute_floor', 0):>6.0%}")
+    f = report["floors"]
+    print(f"floors ({f['dtype']}, {f['threads']} threads): GEMM {f['gemm_gflops_prefill']:.0f} "
+          f"GFLOP/s at 256 rows, {f['gemm_gflops_decode']:.0f} at 16; streaming "
+          f"{f['stream_gbps']:.1f} GB/s; 'floor': the fraction of the compute floor reached")
     print()
     for k, v in report["ratios"].items():
         print(f"{k:<28} {v:6.2f}")
     for k, v in report["greedy_prefix16_agreement"].items():
-        print(f"greedy agreement {k:<11} {v:6.0%} (first 16 tokens)")
+        what = "whole outputs" if k.endswith("_whole") else "first 16 tokens"
+        print(f"greedy agreement {k:<11} {v:6.0%} ({what})")
     print(f"total wall time {report['total_seconds']:.0f}s")
 
 

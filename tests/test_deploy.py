@@ -37,6 +37,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 ENV_EXAMPLE = ROOT / ".env.example"
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
+RAY_NODE = ROOT / "docker" / "ray-node.sh"
+RAY_SERVICES = {"ray-head", "ray-worker", "gateway", "gateway-2"}
 
 POSTGRES_URL = postgres_url_for_tests()
 REDIS_URL = redis_url_for_tests()
@@ -179,9 +181,18 @@ def _free_port() -> int:
 # --- compose.yaml -------------------------------------------------------------------------
 
 
+def _default_services() -> dict[str, Any]:
+    """The services of a plain `docker compose up`: those without a profile."""
+    return {name: s for name, s in _compose()["services"].items() if not s.get("profiles")}
+
+
 def test_compose_has_the_three_services_from_pinned_images() -> None:
-    services = _compose()["services"]
+    services = _default_services()
     assert set(services) == {"postgres", "redis", "loraplex"}
+    # Everything else is the `ray` profile's.
+    others = {name: s for name, s in _compose()["services"].items() if name not in services}
+    assert set(others) == RAY_SERVICES
+    assert all(s["profiles"] == ["ray"] for s in others.values())
     assert services["postgres"]["image"].split(":")[1].startswith("16")
     assert services["redis"]["image"].split(":")[1].startswith("7")
     build = services["loraplex"]["build"]
@@ -251,8 +262,10 @@ def test_compose_reads_secrets_from_the_env_file() -> None:
     for m in INTERPOLATION.finditer(COMPOSE.read_text()):
         if m.group(2) != "-":
             assert m.group(1) in example, m.group(0)
-    # The admin key reaches only the loraplex service.
+    # The admin key reaches only the loraplex service (and the ray profile's gateways).
     assert "env_file" not in _service("postgres") and "env_file" not in _service("redis")
+    assert "env_file" not in _service("ray-head") and "env_file" not in _service("ray-worker")
+    assert _env_files(_service("gateway")) == _env_files(_service("gateway-2")) == [".env"]
     ignored = DOCKERIGNORE.read_text().splitlines()
     assert ".env" in ignored, "the secrets file must stay out of the build context"
 
@@ -289,6 +302,78 @@ def test_compose_urls_point_at_the_services() -> None:
     assert env["LORAPLEX_REDIS_URL"].startswith("redis://redis:6379")
 
 
+# --- compose.yaml, profile `ray` ----------------------------------------------------------
+
+
+def test_compose_ray_profile_runs_head_workers_and_two_gateways() -> None:
+    head, worker = _service("ray-head"), _service("ray-worker")
+    gateways = [_service("gateway"), _service("gateway-2")]
+    assert head["command"] == ["/app/docker/ray-node.sh", "head"]
+    assert worker["command"] == ["/app/docker/ray-node.sh", "worker"]
+    assert worker["deploy"]["replicas"] == "${RAY_WORKERS:-2}"
+    for gw in gateways:
+        assert gw["command"][:4] == ["/app/docker/ray-node.sh", "gateway", "--backend", "ray"]
+        assert gw["command"][4:] == ["--replicas", "${RAY_REPLICAS:-2}"]
+    # One image, with the ray extra, for every node.
+    for name in RAY_SERVICES:
+        service = _service(name)
+        assert service["image"] == "loraplex:ray"
+        assert service["build"]["args"]["EXTRAS"] == "ray"
+        assert _environment(service)["RAY_AUTH_TOKEN"] == "${RAY_AUTH_TOKEN:-}"
+        assert _environment(service)["LORAPLEX_RAY_ADDRESS"] == "ray-head:6380"
+    # The second gateway attaches once the first has deployed the replicas.
+    assert gateways[1]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
+    assert {"postgres", "redis", "ray-head", "ray-worker"} <= set(gateways[0]["depends_on"])
+
+
+def test_compose_ray_profile_publishes_only_the_gateways() -> None:
+    # The Ray ports stay on the compose network.
+    assert "ports" not in _service("ray-head") and "ports" not in _service("ray-worker")
+    assert _service("gateway")["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:8000:8000"]
+    assert _service("gateway-2")["ports"] == ["${PUBLISH_ADDRESS:-127.0.0.1}:8001:8000"]
+
+
+def test_compose_ray_profile_shares_the_volumes_at_the_same_paths() -> None:
+    default = _named_mounts(_service("loraplex"))
+    for name in RAY_SERVICES:
+        assert _named_mounts(_service(name)) == default, name
+    for name in ("gateway", "gateway-2"):
+        env = _environment(_service(name))
+        assert env["LORAPLEX_ADAPTER_DIR"] == default["adapters"]
+        loraplex_env = _environment(_service("loraplex"))
+        for key in ("LORAPLEX_DATABASE_URL", "LORAPLEX_REDIS_URL", "LORAPLEX_HOME"):
+            assert env[key] == loraplex_env[key], key
+
+
+def test_ray_profile_is_documented() -> None:
+    for text in (COMPOSE.read_text(), ENV_EXAMPLE.read_text()):
+        assert "docker compose --profile ray up" in text
+        assert "RAY_AUTH_TOKEN" in text
+    assert "# RAY_AUTH_TOKEN=" in ENV_EXAMPLE.read_text()
+
+
+def test_ray_node_script_needs_a_token_and_uses_token_auth() -> None:
+    text = RAY_NODE.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    assert "export RAY_AUTH_MODE=token" in text
+    assert 'exec /app/docker/entrypoint.sh "$@"' in text
+    assert RAY_NODE.stat().st_mode & stat.S_IXUSR, "docker/ray-node.sh is not executable"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    result = subprocess.run(["bash", str(RAY_NODE), "head"], env=env, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and "RAY_AUTH_TOKEN" in result.stderr, result
+
+
+def test_dockerfile_extras_build_argument_installs_pinned_extras() -> None:
+    stage = _last_stage(_dockerfile_instructions())
+    assert _args(stage).get("EXTRAS") == ""  # the default image: no extras
+    run = next(rest for word, rest in stage if word == "RUN" and "$EXTRAS" in rest)
+    assert "-c constraints.txt" in run
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "ray" in extras
+
+
 # --- Dockerfile, .dockerignore ------------------------------------------------------------
 
 
@@ -306,8 +391,9 @@ def test_dockerfile_base_image_and_torch_are_build_arguments() -> None:
     torch_run = next(r for r in runs if "torch==${TORCH_VERSION}" in r)
     assert "https://download.pytorch.org/whl/${TORCH_VARIANT}" in torch_run
     # Every build argument compose passes is one the Dockerfile declares.
-    build_args = _service("loraplex")["build"]["args"]
-    assert set(build_args) <= set(global_args) | set(stage_args)
+    for name in ("loraplex", *sorted(RAY_SERVICES)):
+        build_args = _service(name)["build"]["args"]
+        assert set(build_args) <= set(global_args) | set(stage_args), name
 
 
 def test_dockerfile_runtime_settings() -> None:
@@ -353,10 +439,11 @@ def test_entrypoint_script_is_strict_and_execs_the_server() -> None:
 
 
 @pytest.mark.parametrize("script", [
-    ENTRYPOINT, ROOT / "scripts" / "test", ROOT / ".ci" / "run", ROOT / "scripts" / "test-compose",
+    ENTRYPOINT, RAY_NODE, ROOT / "scripts" / "test", ROOT / ".ci" / "run",
+    ROOT / "scripts" / "test-compose",
     ROOT / "scripts" / "compose-test" / "postgres" / "entrypoint.sh",
     ROOT / "scripts" / "compose-test" / "redis" / "entrypoint.sh",
-], ids=["entrypoint", "scripts/test", ".ci/run", "scripts/test-compose",
+], ids=["entrypoint", "ray-node", "scripts/test", ".ci/run", "scripts/test-compose",
         "compose-test/postgres", "compose-test/redis"])
 def test_shell_scripts_pass_shellcheck(script: Path) -> None:
     shellcheck = shutil.which("shellcheck")

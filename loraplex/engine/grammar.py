@@ -47,16 +47,16 @@ if TYPE_CHECKING:
 _CACHE_SIZE: Final = 256  # compiled grammars kept
 # JSON is written as json.dumps writes it: free whitespace would let a model pad forever
 # instead of closing the document.
-_JSON_LAYOUT: Final[JsonCompileOptions] = {
+JSON_LAYOUT: Final[JsonCompileOptions] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 def _grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar of ``spec`` (not yet checked)."""
     matcher = llguidance.LLMatcher
     if spec.kind == "json_object":
-        return matcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_LAYOUT)
+        return matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
     if spec.kind == "json_schema":
-        return matcher.grammar_from_json_schema(spec.source, defaults=_JSON_LAYOUT)
+        return matcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
     if spec.kind == "regex":
         return matcher.grammar_from_regex(spec.source)
     if spec.kind == "choice":
@@ -123,15 +123,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec.digest)
                 self.num_cache_hits += 1
                 return grammar
-        try:
-            grammar = _grammar_text(spec)
-        except ValueError as exc:
-            raise InvalidRequestError(f"cannot be compiled: {exc}", param=spec.param) \
-                from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
-        if error:
-            raise InvalidRequestError(f"cannot be compiled: {_first_line(error)}",
-                                      param=spec.param)
+        grammar = _validated(spec, self._tokenizer)
         with self._lock:
             self.num_compiles += 1
             self._cache[spec.digest] = grammar
@@ -146,6 +138,25 @@ class GrammarCompiler:
             raise InvalidRequestError(f"cannot be compiled: {_first_line(matcher.get_error())}",
                                       param=spec.param)
         return Constraint(matcher)
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    """Refuses, naming ``spec.param``, a spec that cannot compile for any tokenizer. For a
+    request field that reaches the engine only inside another grammar, or not at all (a
+    tool's parameters schema); the engine's own check still runs on what it is sent."""
+    _validated(spec, None)
+
+
+def _validated(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer | None) -> str:
+    try:
+        grammar = _grammar_text(spec)
+    except ValueError as exc:
+        raise InvalidRequestError(f"cannot be compiled: {exc}", param=spec.param) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise InvalidRequestError(f"cannot be compiled: {_first_line(error)}",
+                                  param=spec.param)
+    return grammar
 
 
 def _first_line(message: str) -> str:

@@ -145,15 +145,52 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     token_ids = {"type": "array", "minItems": 1,
                  "maxItems": max(1, model.max_model_len - config.max_tokens_limit),
                  "items": {"type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": list(CHAT_ROLES)},
-        "content": {"oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {
-                "type": "object", "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-        "name": {"type": "string"}}}
-    choice_finish = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+    content = {"oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "description": "JSON text"}}}}}
+    calls = {"type": "array", "items": call}
+    message = {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": [r for r in CHAT_ROLES if r not in ("assistant", "tool")]},
+            "content": content, "name": {"type": "string"}}},
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"const": "assistant"}, "content": content, "name": {"type": "string"},
+            "tool_calls": calls}},
+        {"type": "object", "required": ["role", "tool_calls"],
+         "description": "An assistant's turn that only called tools",
+         "properties": {"role": {"const": "assistant"}, "content": {"type": "null"},
+                        "name": {"type": "string"}, "tool_calls": calls | {"minItems": 1}}},
+        {"type": "object", "required": ["role", "content", "tool_call_id"],
+         "description": "A tool's result", "properties": {
+             "role": {"const": "tool"}, "content": content,
+             "tool_call_id": {"type": "string"}}}]}
+    tool = _closed({"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": _closed({"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "description": {"type": "string"},
+            "strict": {"type": ["boolean", "null"]},
+            "parameters": _closed({
+                "type": "object", "required": ["type", "properties"],
+                "description": "The arguments' JSON schema. Any JSON Schema the grammar "
+                               "engine compiles is accepted (a 400 names "
+                               "tools[i].function.parameters when it cannot); this "
+                               "document lists the simplest: flat objects.",
+                "properties": {
+                    "type": {"const": "object"},
+                    "properties": {"type": "object", "additionalProperties": _closed({
+                        "type": "object", "required": ["type"], "properties": {
+                            "type": {"enum": ["string", "integer", "number", "boolean"]},
+                            "description": {"type": "string"}}})}}})}})}})
+    choice_finish = {"type": ["string", "null"],
+                     "enum": ["stop", "length", "tool_calls", None]}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"],
@@ -179,8 +216,29 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
             # top_logprobs is read only with logprobs: true (400 otherwise).
             "dependentSchemas": {"top_logprobs": {
                 "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+            # auto and required need tools; required forces the output, so no other
+            # constraint may be set beside it (400 otherwise).
+            "allOf": [
+                {"if": {"required": ["tool_choice"], "properties": {
+                    "tool_choice": {"enum": ["auto", "required"]}}},
+                 "then": {"required": ["tools"],
+                          "properties": {"tools": {"type": "array", "minItems": 1}}}},
+                {"if": {"required": ["tool_choice"], "properties": {
+                    "tool_choice": {"const": "required"}}},
+                 "then": {"properties": {"response_format": {"anyOf": [
+                     {"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}}],
             "properties": sampling | {
                 "messages": {"type": "array", "minItems": 1, "items": message},
+                "tools": {"type": ["array", "null"], "items": tool,
+                          "description": "Functions the model may call"},
+                "tool_choice": {
+                    "enum": ["none", "auto", "required", None],
+                    "description": "Default: auto with tools, none without. The server "
+                                   "also accepts {\"type\": \"function\", \"function\": "
+                                   "{\"name\": ...}} naming one of tools (a 400 when it "
+                                   "names none), which forces that function"},
+                "parallel_tool_calls": {"type": ["boolean", "null"],
+                                        "description": "false: at most one call"},
                 "logprobs": {"type": ["boolean", "null"]},
                 "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
                                  "maximum": MAX_LOGPROBS},

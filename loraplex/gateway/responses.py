@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from loraplex.engine.outputs import SequenceDelta, TokenLogprob
+from loraplex.gateway.tools import ToolCallReader, ToolUse
 
 # JSON has no -Infinity; a token the sampler could never pick is reported this low instead.
 MIN_LOGPROB: Final = -9999.0
@@ -111,8 +112,9 @@ class Accumulator:
     """Collects deltas into the choices of a whole (non-streaming) response."""
 
     def __init__(self, n: int, logprobs: int | None, token_text: TokenText,
-                 echo: Echo | None = None) -> None:
+                 echo: Echo | None = None, tools: ToolUse | None = None) -> None:
         self.choices = [Choice(i, echo.text if echo else "") for i in range(n)]
+        self._tools = tools
         self._top_k = logprobs
         self._token_text = token_text
         self._echo = echo
@@ -151,16 +153,28 @@ class Accumulator:
 
     def chat(self, rid: str, created: int, model: str,
              usage_: dict[str, int]) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if self._tools is not None:
+                reader = ToolCallReader(self._tools)
+                content = reader.feed(c.text)[0] + reader.close()[0]
+                if reader.calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [call.to_json() for call in reader.calls]}
+                    reason = _tool_finish_reason(reason)
+            choices.append({"index": c.index, "message": message, "finish_reason": reason,
+                            "logprobs": (None if self._top_k is None
+                                         else {"content": c.chat_logprobs or []})})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [
-                    {"index": c.index,
-                     "message": {"role": "assistant", "content": c.text},
-                     "finish_reason": c.finish_reason,
-                     "logprobs": (None if self._top_k is None
-                                  else {"content": c.chat_logprobs or []})}
-                    for c in self.choices],
-                "usage": usage_}
+                "system_fingerprint": None, "choices": choices, "usage": usage_}
+
+
+def _tool_finish_reason(reason: str | None) -> str | None:
+    """A choice that called tools and stopped by itself ends with "tool_calls", as
+    OpenAI's; one cut by max_tokens still says "length"."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class ChunkWriter:
@@ -168,8 +182,9 @@ class ChunkWriter:
 
     def __init__(self, chat: bool, rid: str, created: int, model: str, n: int,
                  logprobs: int | None, include_usage: bool, token_text: TokenText,
-                 echo: Echo | None = None) -> None:
+                 echo: Echo | None = None, tools: ToolUse | None = None) -> None:
         self.chat = chat
+        self._readers = [ToolCallReader(tools) for _ in range(n)] if tools else None
         self._echo = echo
         self._echo_pending = [echo is not None] * n
         self._head = {"id": rid, "object": "chat.completion.chunk" if chat
@@ -191,7 +206,9 @@ class ChunkWriter:
         if not self.chat:
             return []
         self._sent_role = [True] * len(self._sent_role)
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+        # With tools the content may stay null (calls only), as in the whole answer.
+        opening = None if self._readers else ""
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": opening},
                               "logprobs": None, "finish_reason": None}])
                 for i in range(len(self._sent_role))]
 
@@ -202,8 +219,11 @@ class ChunkWriter:
         echo = self._echo if self._echo_pending[delta.index] else None
         self._echo_pending[delta.index] = False
         text = (echo.text if echo else "") + delta.text_delta
-        if not text and reason is None and not has_logprobs:
-            return None  # text held back (stop string or partial character): nothing new
+        body = self._chat_delta(delta, reason is not None) if self.chat else {}
+        if reason is not None and self._readers and self._readers[delta.index].calls:
+            reason = _tool_finish_reason(reason)
+        if not (body if self.chat else text) and reason is None and not has_logprobs:
+            return None  # held back (stop string, partial character, tool call): nothing new
         logprobs: Any = None
         if echo is not None and self._top_k is not None:
             lp = CompletionLogprobs(self._top_k)
@@ -221,13 +241,29 @@ class ChunkWriter:
                 self._offsets[delta.index] += sum(len(t) for t in lp.tokens)
                 logprobs = lp.to_json()
         if self.chat:
-            body: dict[str, Any] = {"content": delta.text_delta} if delta.text_delta else {}
             choice = {"index": delta.index, "delta": body, "logprobs": logprobs,
                       "finish_reason": reason}
         else:
             choice = {"index": delta.index, "text": text, "logprobs": logprobs,
                       "finish_reason": reason}
         return self._chunk([choice])
+
+    def _chat_delta(self, delta: SequenceDelta, last: bool) -> dict[str, Any]:
+        # Content as it comes; with tools, a call's text is held until its block closes,
+        # then sent as one tool_calls entry (OpenAI's index, id, type, name, arguments).
+        if self._readers is None:
+            return {"content": delta.text_delta} if delta.text_delta else {}
+        reader = self._readers[delta.index]
+        first = len(reader.calls)
+        content, calls = reader.feed(delta.text_delta)
+        if last:
+            more, late = reader.close()
+            content, calls = content + more, calls + late
+        body: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            body["tool_calls"] = [dict(call.to_json(), index=first + k)
+                                  for k, call in enumerate(calls)]
+        return body
 
     def usage_chunk(self, usage_: dict[str, int]) -> str | None:
         if not self._include_usage:

@@ -6,7 +6,7 @@ Parsing is strict about what it reads: a field of the wrong JSON type, or out of
 does (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, sent through the client's
 ``extra_body``), are known fields. Known OpenAI fields that loraplex cannot honour
-(``suffix``, ``best_of`` other than ``n``, tools...) are refused when set to anything but
+(``suffix``, ``best_of`` other than ``n``, ``functions``...) are refused when set to anything but
 their neutral value, never silently dropped. Ranges of sampling options are checked once,
 by ``SamplingParams``; this module checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and
 ignored on purpose: the salt is derived by the server from the tenant.
@@ -17,25 +17,24 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from loraplex.engine.sampling_params import MAX_LOGPROBS, GrammarSpec
 from loraplex.errors import InvalidRequestError
+from loraplex.gateway.tools import ToolCall, ToolUse, parse_tools
 
 MAX_STOP_SEQUENCES: Final = 4
 MAX_STOP_LENGTH: Final = 256
 MAX_SEED: Final = (1 << 63) - 1  # the engine seeds a 64-bit generator
-CHAT_ROLES: Final = ("system", "developer", "user", "assistant")
+CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
 
 # OpenAI fields with no effect here when left at their neutral value; anything else is
 # refused so a caller never believes a setting was applied when it was not.
 _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
-    "parallel_tool_calls": (False, True),
+    "function_call": ("none",),
 }
 
 
@@ -321,7 +320,9 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str | None  # None only for an assistant message that just calls tools
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,7 @@ class ChatCompletionRequest:
 
     options: GenerationOptions
     messages: tuple[ChatMessage, ...]
+    tools: ToolUse | None  # None: no tool may be called
 
 
 def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
@@ -411,8 +413,6 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
 
 
 def _replace_max_tokens(options: GenerationOptions, max_tokens: int) -> GenerationOptions:
-    from dataclasses import replace
-
     return replace(options, max_tokens=max_tokens)
 
 
@@ -424,6 +424,9 @@ def _message(i: int, raw: Any) -> ChatMessage:
     if role not in CHAT_ROLES:
         raise _bad(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}")
     content = raw.get("content")
+    calls = _tool_calls(param, raw.get("tool_calls")) if role == "assistant" else ()
+    if content is None and calls:
+        return ChatMessage(role, None, calls)
     if isinstance(content, list):  # content parts: only text is understood
         texts = []
         for j, part in enumerate(content):
@@ -435,8 +438,34 @@ def _message(i: int, raw: Any) -> ChatMessage:
     if not isinstance(content, str):
         raise _bad(f"{param}.content", "expected a string or an array of text parts")
     _check_text(f"{param}.content", content)
+    call_id = None
+    if role == "tool":
+        call_id = raw.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise _bad(f"{param}.tool_call_id", "a tool message needs the id of its call")
+        _check_text(f"{param}.tool_call_id", call_id)
     # The template's "system" is what OpenAI now calls "developer".
-    return ChatMessage("system" if role == "developer" else role, content)
+    return ChatMessage("system" if role == "developer" else role, content, calls, call_id)
+
+
+def _tool_calls(param: str, raw: Any) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _bad(f"{param}.tool_calls", f"expected an array, got {_type_name(raw)}")
+    calls = []
+    for j, call in enumerate(raw):
+        where = f"{param}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and call.get("type", "function") == "function"
+                and isinstance(call.get("id"), str) and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise _bad(where, "expected {\"id\", \"type\": \"function\", \"function\": "
+                              "{\"name\", \"arguments\"}} with strings")
+        for text in (call["id"], fn["name"], fn["arguments"]):
+            _check_text(where, text)
+        calls.append(ToolCall(fn["name"], fn["arguments"], call["id"]))
+    return tuple(calls)
 
 
 def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
@@ -455,4 +484,12 @@ def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty array of messages")
-    return ChatCompletionRequest(options, tuple(_message(i, m) for i, m in enumerate(messages)))
+    parsed = tuple(_message(i, m) for i, m in enumerate(messages))
+    tools = parse_tools(body)
+    forced = tools.grammar() if tools is not None else None
+    if forced is not None:
+        if options.grammar is not None:
+            raise _bad("tool_choice", f"forces a tool call, which cannot be combined with "
+                                      f"{options.grammar.param}")
+        options = replace(options, grammar=forced)
+    return ChatCompletionRequest(options, parsed, tools)

@@ -44,23 +44,32 @@ class Tokenizers:
         """Token ids of a completion prompt, tokenized as the offline ``LLM`` does."""
         return await run_in_threadpool(self._encode, text, True)
 
-    def _render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template uses ``tools`` (Llama 3's, Qwen's do; the demo model's does
+        not): tools, calls and tool results are then its to render."""
+        return "tools" in str(getattr(self._encoder, "chat_template", None) or "")
+
+    def _render_chat(self, messages: Sequence[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None) -> list[int]:
         with self._lock:
             if not getattr(self._encoder, "chat_template", None):
                 raise InvalidRequestError("this model has no chat template: use "
                                           "/v1/completions", param="messages")
             try:
-                text = self._encoder.apply_chat_template(list(messages), tokenize=False,
+                text = self._encoder.apply_chat_template(list(messages), tools=tools,
+                                                         tokenize=False,
                                                          add_generation_prompt=True)
             except Exception as exc:  # jinja's TemplateError, or raise_exception() in it
                 raise InvalidRequestError(f"the chat template refused the messages: {exc}",
                                           param="messages") from None
             return list(self._encoder.encode(text, add_special_tokens=False))
 
-    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of the messages rendered by the model's chat template, ready for the
-        assistant's reply."""
-        return await run_in_threadpool(self._render_chat, messages)
+    async def encode_chat(self, messages: Sequence[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None) -> list[int]:
+        """Token ids of the messages (and tools) rendered by the model's chat template,
+        ready for the assistant's reply."""
+        return await run_in_threadpool(self._render_chat, messages, tools)
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:

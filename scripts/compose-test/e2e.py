@@ -10,9 +10,15 @@ Run by scripts/test-compose with the project's virtualenv python (openai, httpx,
     e2e.py after-restart STATE_FILE
                                 the same keys, adapters and usage after the stack was taken
                                 down (volumes kept) and brought up again
+    e2e.py ray STATE_FILE       the same volumes under the `ray` profile: two gateways
+                                (LPX_TEST_API, LPX_TEST_API2) in front of engine replicas on
+                                Ray Serve; /ready, the replicas listed, an HTTP upload, chat
+                                and stream through both gateways, isolation
 
 Environment: LPX_TEST_ADAPTERS (the adapters phase's DIR), LPX_TEST_API (http://127.0.0.1:PORT), LPX_TEST_ADMIN_KEY, LPX_TEST_CONTAINER
-(the loraplex container, for `podman exec`), LPX_TEST_PODMAN (podman's path).
+(the loraplex container, for `podman exec`; in the ray phase the first gateway's),
+LPX_TEST_PODMAN (podman's path), LPX_TEST_API2 (the ray profile's second gateway),
+LPX_TEST_RAY_REPLICAS (the engine replicas it deploys).
 Prints one line per check and ends with `e2e PHASE: N passed, M failed`; exit status 1 on
 any failure.
 """
@@ -35,6 +41,8 @@ import httpx
 import openai
 
 API = os.environ.get("LPX_TEST_API", "http://127.0.0.1:0")
+API2 = os.environ.get("LPX_TEST_API2", "http://127.0.0.1:0")
+RAY_REPLICAS = int(os.environ.get("LPX_TEST_RAY_REPLICAS", "2"))
 ADMIN_KEY = os.environ.get("LPX_TEST_ADMIN_KEY", "")
 CONTAINER = os.environ.get("LPX_TEST_CONTAINER", "")
 PODMAN = os.environ.get("LPX_TEST_PODMAN", "podman")
@@ -47,6 +55,7 @@ TIMEOUT_S = 120
 
 # Loopback only, whatever the environment says.
 assert urlsplit(API).hostname == "127.0.0.1", API
+assert urlsplit(API2).hostname == "127.0.0.1", API2
 
 
 class Checks:
@@ -83,8 +92,8 @@ def cli(*args: str) -> Any:
     return json.loads(result.stdout)
 
 
-def client(key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{API}/v1", api_key=key, timeout=TIMEOUT_S, max_retries=0)
+def client(key: str, api: str = API) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api}/v1", api_key=key, timeout=TIMEOUT_S, max_retries=0)
 
 
 def build_adapter(out_dir: Path, seed: int) -> Path:
@@ -126,8 +135,8 @@ def build_adapters(checks: Checks, out: Path) -> None:
                lambda: build_adapter(out / "second", seed=2))
 
 
-def chat(key: str, model: str, stream: bool) -> str:
-    c = client(key)
+def chat(key: str, model: str, stream: bool, api: str = API) -> str:
+    c = client(key, api)
     if not stream:
         reply = c.chat.completions.create(model=model, messages=PROMPT,  # type: ignore[arg-type]
                                           max_tokens=8, temperature=0)
@@ -150,9 +159,9 @@ def chat(key: str, model: str, stream: bool) -> str:
     return text
 
 
-def expect_not_found(key: str, model: str) -> None:
+def expect_not_found(key: str, model: str, api: str = API) -> None:
     try:
-        client(key).chat.completions.create(model=model, messages=PROMPT,  # type: ignore[arg-type]
+        client(key, api).chat.completions.create(model=model, messages=PROMPT,  # type: ignore[arg-type]
                                             max_tokens=4)
     except openai.NotFoundError:
         return
@@ -167,8 +176,17 @@ def usage(key: str) -> dict[str, Any]:
     return totals
 
 
-def model_ids(key: str) -> set[str]:
-    return {m.id for m in client(key).models.list()}
+def model_ids(key: str, api: str = API) -> set[str]:
+    return {m.id for m in client(key, api).models.list()}
+
+
+def upload(key: str, name: str, folder: Path, api: str = API) -> Any:
+    files = [(f, (f, (folder / f).read_bytes(), "application/octet-stream"))
+             for f in ("adapter_config.json", "adapter_model.safetensors")]
+    r = httpx.post(f"{api}/v1/adapters", headers={"Authorization": f"Bearer {key}"},
+                   data={"name": name}, files=files, timeout=TIMEOUT_S)
+    assert r.status_code == 201, (r.status_code, r.text)
+    return r.json()
 
 
 def setup(state_file: Path) -> int:
@@ -211,16 +229,8 @@ def setup(state_file: Path) -> int:
 
         checks.run("CLI: adapters add --tenant acme --name support", add_with_cli)
 
-        def upload_over_http() -> Any:
-            assert second is not None
-            files = [(name, (name, (second / name).read_bytes(), "application/octet-stream"))
-                     for name in ("adapter_config.json", "adapter_model.safetensors")]
-            r = httpx.post(f"{API}/v1/adapters", headers={"Authorization": f"Bearer {acme}"},
-                           data={"name": "second"}, files=files, timeout=TIMEOUT_S)
-            assert r.status_code == 201, (r.status_code, r.text)
-            return r.json()
-
-        checks.run("HTTP: POST /v1/adapters (acme/second)", upload_over_http)
+        checks.run("HTTP: POST /v1/adapters (acme/second)",
+                   lambda: upload(acme, "second", second))
 
     def listed() -> None:
         ids = model_ids(acme)  # a tenant's own adapters are listed by their bare names
@@ -299,6 +309,71 @@ def after_restart(state_file: Path) -> int:
     return checks.finish()
 
 
+def ray_profile(state_file: Path) -> int:
+    """The ray profile on the default stack's volumes: its tenants, keys and adapters."""
+    checks = Checks("ray")
+    state = json.loads(state_file.read_text())
+    acme, globex = state["acme_key"], state["globex_key"]
+    gateways = {"gateway": API, "gateway-2": API2}
+    for label, api in gateways.items():
+        checks.run(f"{label}: GET /ready",
+                   lambda a=api: httpx.get(f"{a}/ready", timeout=30).raise_for_status())
+
+    def replicas_listed(api: str) -> list[int]:
+        # Each replica publishes its figures every second; all of them within 30 s.
+        deadline = time.monotonic() + 30
+        while True:
+            r = httpx.get(f"{api}/admin/api/engine", timeout=30,
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            r.raise_for_status()
+            ordinals = sorted(rep["replica"] for rep in r.json()["replicas"])
+            if ordinals == list(range(RAY_REPLICAS)) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert ordinals == list(range(RAY_REPLICAS)), r.json()["replicas"]
+        return ordinals
+
+    for label, api in gateways.items():
+        checks.run(f"{label}: /admin/api/engine lists {RAY_REPLICAS} replicas",
+                   lambda a=api: replicas_listed(a))
+
+    with tempfile.TemporaryDirectory(prefix="lpx-compose-adapters-") as tmp:
+        third = Path(tmp) / "third"
+        checks.run("build adapter 3 (peft, rank 4, safetensors)",
+                   lambda: build_adapter(third, seed=3))
+        checks.run("HTTP: POST /v1/adapters (acme/third) through gateway",
+                   lambda: upload(acme, "third", third, API))
+
+    def listed(api: str) -> None:
+        ids = model_ids(acme, api)
+        assert {BASE_MODEL, "support", "second", "third"} <= ids, ids
+
+    for label, api in gateways.items():
+        checks.run(f"{label}: acme's /v1/models lists the base model and three adapters",
+                   lambda a=api: listed(a))
+    outputs: dict[tuple[str, str], str] = {}
+    for label, api in gateways.items():
+        for model in (BASE_MODEL, "acme/support", "acme/third"):
+            outputs[label, model] = checks.run(f"{label}: chat {model}",
+                                               lambda m=model, a=api: chat(acme, m, False, a))
+            checks.run(f"{label}: stream {model}", lambda m=model, a=api: chat(acme, m, True, a))
+
+    def same_answers() -> None:
+        for model in (BASE_MODEL, "acme/support", "acme/third"):
+            one, two = outputs.get(("gateway", model)), outputs.get(("gateway-2", model))
+            assert one is not None and one == two, (model, one, two)
+        base = outputs["gateway", BASE_MODEL]
+        assert base not in (outputs["gateway", "acme/third"], outputs["gateway", "acme/support"]) \
+            or outputs["gateway", "acme/third"] != outputs["gateway", "acme/support"], \
+            f"both adapters answered exactly as the base model: {base!r}"
+
+    checks.run("both gateways answer alike (greedy); the adapters apply", same_answers)
+    for label, api in gateways.items():
+        checks.run(f"{label}: isolation: globex gets 404 for acme/third",
+                   lambda a=api: expect_not_found(globex, "acme/third", a))
+    return checks.finish()
+
+
 def main() -> int:
     phase, state_file = sys.argv[1], Path(sys.argv[2])
     if phase == "adapters":
@@ -309,6 +384,8 @@ def main() -> int:
         return setup(state_file)
     if phase == "after-restart":
         return after_restart(state_file)
+    if phase == "ray":
+        return ray_profile(state_file)
     raise SystemExit(f"unknown phase {phase!r}")
 
 

@@ -99,6 +99,9 @@ def test_bad_completion_parameters_are_400_naming_the_param(
     assert word in error["message"]
 
 
+_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+
 CHAT_CASES = [
     ({"messages": []}, "messages", "non-empty"),
     ({"messages": "hi"}, "messages", "non-empty"),
@@ -110,7 +113,25 @@ CHAT_CASES = [
     ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", "between"),
     ({"max_completion_tokens": -3}, "max_completion_tokens", "between"),
-    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools[0]", "function"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name", "a-z"),
+    ({"tools": [_TOOL, {"type": "function", "function": {
+        "name": "bad", "parameters": {"type": "object", "properties": {"x": {"type": 7}}}}}]},
+     "tools[1].function.parameters", "compiled"),
+    ({"tools": [_TOOL, {"type": "function", "function": {"name": "bad", "parameters": 3}}]},
+     "tools[1].function.parameters", "schema"),
+    ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "does not declare"),
+    ({"tool_choice": "required"}, "tool_choice", "requires tools"),
+    ({"tools": [_TOOL], "tool_choice": "sometimes"}, "tool_choice", "expected"),
+    ({"tools": [_TOOL], "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "tool_choice", "response_format"),
+    ({"tools": [_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "id"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+     "messages[0].tool_calls[0]", "function"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "string"),
     ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "schema"),

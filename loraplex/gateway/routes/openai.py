@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ from loraplex.gateway.schemas import (
 )
 from loraplex.gateway.state import Gateway, gateway
 from loraplex.gateway.targets import Target, resolve_target
+from loraplex.gateway.tools import ToolUse, template_input
 from loraplex.registry import service
 from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
@@ -171,18 +173,20 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
-    token_ids = await gw.tokenizers.encode_chat(
-        [{"role": m.role, "content": m.content} for m in req.messages])
+    native = gw.tokenizers.renders_tools
+    messages, tools = template_input(req.messages, req.tools, native)
+    token_ids = await gw.tokenizers.encode_chat(messages, tools)
     params = _sampling_params(gw, req.options, len(token_ids),
                               default_max_tokens=gw.config.max_tokens_limit)
     return await _generate(request, gw, obs, principal, target, token_ids, params,
-                           req.options, chat=True)
+                           req.options, chat=True,
+                           tools=req.tools and replace(req.tools, native=native))
 
 
 async def _generate(request: Request, gw: Gateway, obs: Observation, principal: Principal,
                     target: Target, token_ids: list[int], params: SamplingParams,
-                    options: GenerationOptions, *, chat: bool,
-                    echo: Echo | None = None) -> Response:
+                    options: GenerationOptions, *, chat: bool, echo: Echo | None = None,
+                    tools: ToolUse | None = None) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(gw, principal, target, token_ids, params, rid, obs)
     try:
@@ -191,12 +195,13 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
         await shielded(job.finish(_failure_status(exc)))
         raise
     if options.stream:
-        return EventStreamResponse(_events(gw, job, options, chat, echo),
+        return EventStreamResponse(_events(gw, job, options, chat, echo, tools),
                                    on_close=lambda gone: job.finish(
                                        "aborted" if gone else job.stream_status))
     try:
         body = await run_until_disconnect(request,
-                                          lambda: _collect(gw, job, options, chat, echo))
+                                          lambda: _collect(gw, job, options, chat, echo,
+                                                           tools))
     except BaseException as exc:
         await shielded(job.finish(_failure_status(exc)))
         raise
@@ -212,8 +217,8 @@ def _failure_status(exc: BaseException) -> str:
 
 
 async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
-                   echo: Echo | None) -> dict[str, Any]:
-    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text, echo)
+                   echo: Echo | None, tools: ToolUse | None) -> dict[str, Any]:
+    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text, echo, tools)
     async for delta in job.deltas():
         acc.add(delta)
     if acc.aborted:
@@ -224,10 +229,10 @@ async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool
 
 
 async def _events(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
-                  echo: Echo | None) -> AsyncGenerator[bytes, None]:
+                  echo: Echo | None, tools: ToolUse | None) -> AsyncGenerator[bytes, None]:
     writer = ChunkWriter(chat, job.request_id, job.created, job.target.model, job.params.n,
                          options.logprobs, options.include_usage, gw.tokenizers.token_text,
-                         echo)
+                         echo, tools)
     try:
         for chunk in writer.role_chunks():
             yield sse(chunk)

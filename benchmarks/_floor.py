@@ -1,0 +1,115 @@
+"""This machine's floors, measured in the same run as a benchmark: so a result from a slower
+or faster machine explains itself.
+
+- GEMM rate at the model's own shapes (every linear layer of a decoder layer and the LM
+  head, at a prefill-sized and a decode-sized number of rows), at the run's thread count
+  and dtype: GFLOP/s of ``torch.nn.functional.linear``, the best of a few repeats.
+- Streaming bandwidth: GB/s of copying a buffer far larger than the caches (read + write).
+- The workload's compute floor: its base-model FLOPs (2 x the parameters without the LM
+  head per processed token, prompt and output alike, plus 2 x the LM head's per sampled
+  token) at that GEMM rate. ``fraction`` of a run = floor seconds / the run's seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The linear layers that carry a decoder's FLOPs, from its HF config."""
+
+    hidden: int
+    intermediate: int
+    q_out: int
+    kv_out: int
+    num_layers: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShapes:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.hidden_size, config.intermediate_size, heads * head_dim,
+                   kv_heads * head_dim, config.num_hidden_layers, config.vocab_size)
+
+    def layer_linears(self) -> list[tuple[int, int]]:
+        """(in, out) of q, k, v, o, gate, up, down."""
+        h, i = self.hidden, self.intermediate
+        return [(h, self.q_out), (h, self.kv_out), (h, self.kv_out), (self.q_out, h),
+                (h, i), (h, i), (i, h)]
+
+    @property
+    def body_params(self) -> int:
+        return self.num_layers * sum(a * b for a, b in self.layer_linears())
+
+    @property
+    def head_params(self) -> int:
+        return self.hidden * self.vocab
+
+
+@dataclass(frozen=True)
+class Floors:
+    dtype: str
+    threads: int
+    gemm_gflops_prefill: float  # rows = 256
+    gemm_gflops_decode: float  # rows = 16
+    stream_gbps: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gemm_rate(shapes: ModelShapes, rows: int, dtype: torch.dtype, repeats: int) -> float:
+    layers = shapes.layer_linears() + [(shapes.hidden, shapes.vocab)]
+    weights = [torch.randn(out, inp, dtype=dtype) * 0.02 for inp, out in layers]
+    inputs = [torch.randn(rows, inp, dtype=dtype) for inp, _ in layers]
+    flops = sum(2 * rows * inp * out for inp, out in layers)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for x, w in zip(inputs, weights, strict=True):
+            F.linear(x, w)
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9
+
+
+def _stream_rate(repeats: int, megabytes: int = 512) -> float:
+    src = torch.ones(megabytes << 18, dtype=torch.float32)  # megabytes MiB
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def measure(shapes: ModelShapes, dtype: str, threads: int, repeats: int = 5) -> Floors:
+    """The floors now, at ``threads`` threads (set for the duration, then restored)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            t = _DTYPES[dtype]
+            _gemm_rate(shapes, 16, t, 1)  # warm-up: oneDNN primitives, page faults
+            return Floors(dtype, threads, _gemm_rate(shapes, 256, t, repeats),
+                          _gemm_rate(shapes, 16, t, repeats), _stream_rate(repeats))
+    finally:
+        torch.set_num_threads(before)
+
+
+def compute_floor_seconds(shapes: ModelShapes, floors: Floors, num_prompt_tokens: int,
+                          num_output_tokens: int) -> float:
+    """The seconds the workload's base-model FLOPs take at the prefill-shaped GEMM rate."""
+    flops = (2 * shapes.body_params * (num_prompt_tokens + num_output_tokens)
+             + 2 * shapes.head_params * num_output_tokens)
+    return flops / (floors.gemm_gflops_prefill * 1e9)
