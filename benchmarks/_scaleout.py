@@ -23,27 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loraplex.testing import process_descendants  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def ray_env() -> dict[str, str]:
@@ -94,7 +82,7 @@ class RayCluster:
         """SIGTERM to our ``ray start --block`` (it takes its cluster down), then SIGKILL to
         its process group after ``timeout``, and to any process it started that outlived
         it (some agents and workers leave its process group)."""
-        spawned = _descendants(self.proc.pid)
+        spawned = process_descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -352,3 +353,27 @@ def chi_square_fits(counts: Sequence[int], probs: Sequence[float], p_value: floa
     z = NormalDist().inv_cdf(1 - p_value)
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return statistic < critical, statistic, critical
+
+
+def process_descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc): what a ``ray start --block`` head
+    started, for its owner to stop them all (some of its agents outlive it otherwise)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def runner_logits(runner: Any, batch: Any) -> torch.Tensor:
+    """One forward of ``runner`` (a ``ModelRunner``) over ``batch``: the logits of each
+    sampling sequence's last token, in the batch's order, for comparison with an oracle."""
+    hidden, starts = runner._hidden(batch)
+    return runner._last_logits(batch, hidden, starts)

@@ -241,12 +241,6 @@ class ModelRunner:
             outputs.append(SeqOutput(tokens[-1:], p, tokens[:-1]))
         return outputs
 
-    def forward_logits(self, batch: BatchInputs) -> torch.Tensor:
-        """One forward; logits ``[num_sampling_seqs, vocab]`` of each sequence's last token,
-        in the batch's order."""
-        hidden, starts = self._hidden(batch)
-        return self._last_logits(batch, hidden, starts)
-
     def _last_logits(self, batch: BatchInputs, hidden: torch.Tensor,
                      starts: list[int]) -> torch.Tensor:
         rows = [start + len(s.token_ids) - 1

@@ -12,6 +12,7 @@ from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.errors import ConfigError, ModelLoadError
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
 from loraplex.model.sampler import SamplingRow
+from loraplex.testing import runner_logits
 
 LORA = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
 
@@ -20,12 +21,12 @@ LORA = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
 def test_half_precision_is_close_to_float32(tiny_llama_dir: Path, dtype: str) -> None:
     prompt = list(range(5, 30))
     batch = BatchInputs([SeqInput(prompt, 0, [0, 1], -1, [SamplingRow()])])
-    full = ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=4), LORA,
-                       progress=False).forward_logits(batch)
+    full = runner_logits(ModelRunner(ModelConfig(str(tiny_llama_dir)),
+                                     CacheConfig(num_kv_blocks=4), LORA, progress=False), batch)
     half_runner = ModelRunner(ModelConfig(str(tiny_llama_dir), dtype=dtype),  # type: ignore[arg-type]
                               CacheConfig(num_kv_blocks=4), LORA, progress=False)
     assert half_runner.kv_caches[0][0].dtype == getattr(torch, dtype)
-    half = half_runner.forward_logits(batch)
+    half = runner_logits(half_runner, batch)
     assert (half - full).abs().max().item() < 0.1
 
 

@@ -12,7 +12,7 @@ from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.model.adapter_loader import TargetShapes, load_adapter
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
 from loraplex.model.sampler import SamplingRow
-from loraplex.testing import build_tiny_model, load_reference, reference_greedy
+from loraplex.testing import build_tiny_model, load_reference, reference_greedy, runner_logits
 
 NUM_NEW = 6
 GREEDY = SamplingRow()
@@ -48,7 +48,7 @@ def _mixed_batch_matches(model_dir: Path, adapters: dict[str, Path], seed: int) 
 
     seqs = [SeqInput(p, 0, t, -1 if n is None else slot_of[n], [GREEDY])
             for p, t, n in zip(prompts, tables, names, strict=True)]
-    first_logits = runner.forward_logits(BatchInputs(seqs))
+    first_logits = runner_logits(runner, BatchInputs(seqs))
     generated: list[list[int]] = [[] for _ in names]
     tokens = first_logits.argmax(-1).tolist()
     for _ in range(NUM_NEW - 1):
@@ -94,7 +94,7 @@ def test_architectures_match_reference(tmp_path: Path, arch: str,
                          LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1),
                          progress=False)
     prompt = _prompts(runner.args.vocab_size, [45], 3)[0]
-    logits = runner.forward_logits(BatchInputs([SeqInput(prompt, 0, [5, 2, 9, 0], -1,
+    logits = runner_logits(runner, BatchInputs([SeqInput(prompt, 0, [5, 2, 9, 0], -1,
                                                          [GREEDY])]))
     _, ref_logits = reference_greedy(load_reference(model_dir), prompt, 1)
     assert (logits[0] - ref_logits).abs().max().item() < 1e-4
@@ -114,7 +114,7 @@ def test_prefill_over_cached_prefix(tiny_llama_dir: Path, llama_adapters: dict[s
         pos = 0
         for chunk in (17, 1, 14, 18):  # crosses block boundaries at odd offsets
             sampling = [GREEDY] if pos + chunk == len(prompt) else []
-            logits = runner.forward_logits(BatchInputs([SeqInput(
+            logits = runner_logits(runner, BatchInputs([SeqInput(
                 prompt[pos:pos + chunk], pos, table, slot, sampling)]))
             pos += chunk
         ref = load_reference(tiny_llama_dir, adapter_dir if slot == 0 else None)
@@ -134,7 +134,7 @@ def test_base_rows_get_exactly_zero_delta(tiny_llama_dir: Path,
     prompt = _prompts(runner.args.vocab_size, [20], 9)[0]
 
     def run(slots: list[int]) -> torch.Tensor:
-        return runner.forward_logits(BatchInputs([
+        return runner_logits(runner, BatchInputs([
             SeqInput(prompt, 0, [2 * i, 2 * i + 1], slot, [GREEDY])
             for i, slot in enumerate(slots)]))
 

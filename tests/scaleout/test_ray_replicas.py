@@ -47,7 +47,12 @@ from loraplex.engine.client import EngineClient  # noqa: E402
 from loraplex.engine.request import AdapterRef  # noqa: E402
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
 from loraplex.registry import db, service  # noqa: E402
-from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
+from loraplex.testing import (
+    postgres_schema,
+    process_descendants,
+    redis_key_prefix,
+    redis_url_for_tests,
+)  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -125,25 +130,10 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
     raise AssertionError(f"gateway not ready:\n{log.read_text()[-3000:]}")
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def stop_cluster(head: subprocess.Popen[bytes]) -> None:
     """Stops a ``ray start --block`` head and everything it started (SIGINT is its graceful
     stop; a few of its agents outlive it otherwise)."""
-    spawned = _descendants(head.pid)
+    spawned = process_descendants(head.pid)
     head.send_signal(signal.SIGINT)
     try:
         head.wait(30)
