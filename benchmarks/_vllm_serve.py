@@ -38,8 +38,12 @@ def vllm_python(venv: str | Path) -> Path | None:
 
 
 def vllm_env(venv: str | Path, threads: int, kv_cache_gib: float,
-             base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment vLLM's CPU build runs in (see benchmarks/peers/vllm/setup.sh)."""
+             base: dict[str, str] | None = None, omp_bind: str = "nobind") -> dict[str, str]:
+    """The environment vLLM's CPU build runs in (see benchmarks/peers/vllm/setup.sh).
+    ``omp_bind`` is VLLM_CPU_OMP_THREADS_BIND: "auto" pins the engine's OpenMP threads to
+    the first ``threads`` cores, "nobind" leaves them to the OS scheduler, as loraplex's
+    threads are (on cores shared with other jobs, a pinned thread cannot move off a busy
+    core), or an explicit core list."""
     venv = Path(venv).expanduser()
     # intel-openmp puts it in the venv's lib/; some wheels bundle it in site-packages.
     iomp = next(iter(sorted(venv.glob("lib/libiomp5.so"))
@@ -48,7 +52,8 @@ def vllm_env(venv: str | Path, threads: int, kv_cache_gib: float,
     env = dict(os.environ if base is None else base)
     for var in [k for k in env if k.startswith("LORAPLEX_")]:
         env.pop(var)
-    env.update({"LD_PRELOAD": preload, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+    bind = f"0-{threads - 1}" if omp_bind == "auto" else omp_bind
+    env.update({"LD_PRELOAD": preload, "VLLM_CPU_OMP_THREADS_BIND": bind,
                 "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
                 "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -64,7 +69,7 @@ class VllmServer:
                  max_lora_rank: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, prefix_caching: bool, chunked_prefill: bool,
                  threads: int, kv_cache_gib: float, env: dict[str, str],
-                 log_path: Path) -> None:
+                 log_path: Path, omp_bind: str = "nobind") -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -89,7 +94,11 @@ class VllmServer:
         self.cmd = cmd
         self._cwd = tempfile.TemporaryDirectory(prefix="vllm-serve-")
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, env=vllm_env(venv, threads, kv_cache_gib, env),
+        full_env = vllm_env(venv, threads, kv_cache_gib, env, omp_bind)
+        self.env_vars = {k: full_env.get(k) for k in (
+            "LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+            "OMP_WAIT_POLICY")}
+        self.proc = subprocess.Popen(cmd, env=full_env,
                                      cwd=self._cwd.name, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -40,7 +40,7 @@ config's scheduling limits (token budget per step, sequences per step, adapter s
 cache size, chunked prefill and prefix caching). Both servers are up side by side, each
 rate's stream goes to one and then the other (the order alternating by rate), and the
 greedy agreement of their outputs is reported per rate. Defaults then: config
-chunked+prefix, 2 GiB of KV cache each, --out docs/benchmarks/serving_vllm.
+chunked+prefix, 1 GiB of KV cache each, --out docs/benchmarks/serving_vllm.
 
     python benchmarks/serving.py --systems loraplex,vllm --quick
 
@@ -626,8 +626,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and activations, for every server")
     p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV cache of each server in GiB (default: loraplex's own, or 2 for "
-                        "every server when the vLLM peer runs)")
+                   help="KV cache of each server in GiB (default: loraplex's own, or 1 for "
+                        "every server when the vLLM peer runs: 18,900 float32 tokens of this "
+                        "model)")
     p.add_argument("--systems", default="loraplex",
                    help="comma-separated: loraplex, vllm (vLLM's `vllm serve` on the same "
                         "model, adapters and streams, with the first config's scheduling "
@@ -635,6 +636,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=DEFAULT_VENV,
                    help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it); "
                         "without it the peer is skipped")
+    p.add_argument("--vllm-omp-bind", default="nobind",
+                   help="VLLM_CPU_OMP_THREADS_BIND: nobind (threads left to the OS scheduler, "
+                        "as loraplex's), auto (pinned to the first cores), or a core list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", help="where benchmark adapters are cached")
     p.add_argument("--keep-logs", action="store_true", help="keep the server logs and registry")
@@ -700,7 +704,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.out == p.get_default("out"):
             args.out = "docs/benchmarks/serving_vllm"
         if args.kv_cache_gib is None:
-            args.kv_cache_gib = 2.0
+            args.kv_cache_gib = 1.0
     if args.quick and args.backend == "local":
         if args.rates == p.get_default("rates"):
             args.rates = "0.2,0.5"
@@ -933,8 +937,8 @@ def run_with_vllm(bench: Bench, env: dict[str, str], model_dir: str, home: Path,
                        max_num_batched_tokens=setup.budget(args),
                        max_model_len=max_model_len(args), prefix_caching=setup.prefix_caching,
                        chunked_prefill=setup.chunked_prefill, threads=os.cpu_count() or 1,
-                       kv_cache_gib=args.kv_cache_gib or 2.0, env=env,
-                       log_path=home / "server-vllm.log")
+                       kv_cache_gib=args.kv_cache_gib or 1.0, env=env,
+                       log_path=home / "server-vllm.log", omp_bind=args.vllm_omp_bind)
         targets.append((v_name, v, functools.partial(vllm_stats, v.url), True))
         t_boot = time.monotonic()
         for name, server, _, _ in targets:
@@ -951,7 +955,8 @@ def run_with_vllm(bench: Bench, env: dict[str, str], model_dir: str, home: Path,
         for name, server, _, _ in targets:
             rc = server.stop()
             log(f"   {name} stopped (exit {rc})")
-            servers.append({"config": name, "cmd": server.cmd, "exit_code": rc})
+            servers.append({"config": name, "cmd": server.cmd, "exit_code": rc,
+                            "env": getattr(server, "env_vars", None)})
     if len(targets) == 2:
         extra["agreement"] = [dict(rate=rate, **agreement(*(
             [r["text"] if r["error"] is None and r["end"] is not None else None
