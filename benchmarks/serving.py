@@ -39,7 +39,8 @@ prompts, output lengths (``ignore_eos``), greedy sampling and client code, and t
 config's scheduling limits (token budget per step, sequences per step, adapter slots, KV
 cache size, chunked prefill and prefix caching). Both servers are up side by side, each
 rate's stream goes to one and then the other (the order alternating by rate), and the
-greedy agreement of their outputs is reported per rate. Defaults then: config
+greedy agreement of their outputs is reported per rate (where they differ, HF transformers +
+PEFT on the same weights says which one is right). Defaults then: config
 chunked+prefix, 1 GiB of KV cache each, --out docs/benchmarks/serving_vllm.
 
     python benchmarks/serving.py --systems loraplex,vllm --quick
@@ -92,6 +93,8 @@ from _vllm_serve import (  # noqa: E402
     VllmServer,
     agreement,
     comparison_table,
+    hf_greedy,
+    same_text,
     vllm_python,
     vllm_stats,
 )
@@ -500,7 +503,7 @@ def fmt_ms(x: float | None) -> str:
 def table(results: Sequence[dict[str, Any]], slos: Sequence[tuple[float, float]]) -> str:
     good = " | ".join(f"goodput {i + 1} (req/s)" for i in range(len(slos)))
     head = ("| config | rate (req/s) | done/sent | out tok/s | TTFT p50 / p99 (ms) "
-            f"| TPOT p50 / p99 (ms) | ITL p99 (ms) | {good} | prefix hit | preempt |")
+            f"| TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | {good} | prefix hit | preempt |")
     lines = [head, "|" + "---|" * (9 + len(slos))]
     for r in results:
         s = r["summary"]
@@ -510,7 +513,8 @@ def table(results: Sequence[dict[str, Any]], slos: Sequence[tuple[float, float]]
         lines.append(
             f"| {r['config']} | {r['rate']:g} | {s['completed']}/{s['requests']} "
             f"| {s['throughput_tok_s']:.1f} | {fmt_ms(s['ttft_p50'])} / {fmt_ms(s['ttft_p99'])} "
-            f"| {fmt_ms(s['tpot_p50'])} / {fmt_ms(s['tpot_p99'])} | {fmt_ms(s['itl_p99'])} "
+            f"| {fmt_ms(s['tpot_p50'])} / {fmt_ms(s['tpot_p99'])} "
+            f"| {fmt_ms(s['itl_p50'])} / {fmt_ms(s['itl_p99'])} "
             f"| {goodput} | {100 * r['engine']['prefix_cache_hit_rate']:.0f}% "
             f"| {r['engine']['preemptions']:.0f} |")
     lines.append("")
@@ -636,6 +640,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=DEFAULT_VENV,
                    help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it); "
                         "without it the peer is skipped")
+    p.add_argument("--oracle-requests", type=int, default=10,
+                   help="per rate, how many of the requests loraplex and vLLM disagree on are "
+                        "rerun with HF transformers + PEFT to tell which output is right")
     p.add_argument("--vllm-omp-bind", default="nobind",
                    help="VLLM_CPU_OMP_THREADS_BIND: nobind (threads left to the OS scheduler, "
                         "as loraplex's), auto (pinned to the first cores), or a core list")
@@ -958,12 +965,53 @@ def run_with_vllm(bench: Bench, env: dict[str, str], model_dir: str, home: Path,
             servers.append({"config": name, "cmd": server.cmd, "exit_code": rc,
                             "env": getattr(server, "env_vars", None)})
     if len(targets) == 2:
-        extra["agreement"] = [dict(rate=rate, **agreement(*(
-            [r["text"] if r["error"] is None and r["end"] is not None else None
-             for r in row["records"]]
-            for row in (_row(bench.results, lp_name, rate), _row(bench.results, v_name, rate))),
-            encode)) for rate in args.rates]
         extra["compared"] = [lp_name, v_name]
+        extra["agreement"] = compare_outputs(bench, model_dir, adapter_paths,
+                                             (lp_name, v_name), encode)
+
+
+def compare_outputs(bench: Bench, model_dir: str, adapter_paths: Sequence[Path],
+                    names: Sequence[str], encode: Callable[[str], list[int]]
+                    ) -> list[dict[str, Any]]:
+    """Per rate, the greedy agreement of two systems' outputs on the same stream."""
+    rows = []
+    for rate in bench.args.rates:
+        texts = [[r["text"] if r["error"] is None and r["end"] is not None else None
+                  for r in _row(bench.results, name, rate)["records"]] for name in names]
+        row = dict(rate=rate, **agreement(*texts, encode))
+        row["oracle"] = judge(bench, model_dir, adapter_paths, rate, row["differ"], texts)
+        rows.append(row)
+    return rows
+
+
+def judge(bench: Bench, model_dir: str, adapter_paths: Sequence[Path], rate: float,
+          differ: Sequence[int], texts: Sequence[Sequence[str | None]]) -> list[dict[str, Any]]:
+    """Each request the two systems disagree on (up to --oracle-requests per rate), run by
+    the oracle (HF transformers + PEFT, greedy): which system's output is the oracle's."""
+    calls = bench.streams[rate]
+    cases = differ[:bench.args.oracle_requests]
+    if not cases:
+        return []
+    log(f"   {rate:g} req/s: {len(differ)} outputs differ; HF transformers + PEFT on "
+        f"{len(cases)} of them")
+
+    def adapter(model: str) -> Path | None:
+        name = model.rsplit("/", 1)[-1]
+        return None if model == bench.base_model else adapter_paths[int(name[len("lora"):])]
+
+    oracle = hf_greedy(model_dir, bench.args.dtype,
+                       [(calls[i].prompt, adapter(calls[i].model), calls[i].max_tokens)
+                        for i in cases])
+    out = []
+    for i, want in zip(cases, oracle, strict=True):
+        lp, v = texts[0][i], texts[1][i]
+        out.append({"index": i, "model": calls[i].model,
+                    "loraplex_is_oracle": lp is not None and same_text(lp, want),
+                    "vllm_is_oracle": v is not None and same_text(v, want)})
+        log(f"     request {i} ({calls[i].model}): loraplex "
+            f"{'=' if out[-1]['loraplex_is_oracle'] else '!='} oracle, vLLM "
+            f"{'=' if out[-1]['vllm_is_oracle'] else '!='} oracle")
+    return out
 
 
 def _row(results: Sequence[dict[str, Any]], config: str, rate: float) -> dict[str, Any]:
