@@ -209,7 +209,6 @@ def hf_greedy(model_dir: str, dtype: str, cases: Sequence[tuple[list[int], Path 
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = []
-    warnings.filterwarnings("ignore", module="transformers")  # the cache API's deprecations
     for prompt, adapter, max_tokens in cases:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir,
                                                           dtype=getattr(torch, dtype))
@@ -219,7 +218,9 @@ def hf_greedy(model_dir: str, dtype: str, cases: Sequence[tuple[list[int], Path 
         ids = torch.tensor([prompt])  # [1, prompt_len]
         out: list[int] = []
         past = None
-        with torch.no_grad():
+        # The cache API's deprecation warnings, once per step otherwise.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
             for _ in range(max_tokens):
                 res = model(input_ids=ids, past_key_values=past, use_cache=True)
                 past = res.past_key_values
