@@ -138,17 +138,18 @@ def available() -> bool:
     return _library() is not None
 
 
-def bf16_impls() -> list[str]:
+@functools.cache
+def bf16_impls() -> tuple[str, ...]:
     """The bfloat16 implementations this machine can run, best first: ``"avx512_bf16"``
     where the library has it compiled in and the CPU reports the flag, and ``"portable"``
     always (empty when the library is unavailable)."""
     lib = _library()
     if lib is None:
-        return []
+        return ()
     compiled = lib.loraplex_bf16_impls()
     flags = _cpu_signature().split()
-    return [name for name, impl in BF16_IMPLS.items() if compiled & (1 << impl)
-            and (name != "avx512_bf16" or "avx512_bf16" in flags)]
+    return tuple(name for name, impl in BF16_IMPLS.items() if compiled & (1 << impl)
+                 and (name != "avx512_bf16" or "avx512_bf16" in flags))
 
 
 def bf16_impl() -> str:
