@@ -3,10 +3,12 @@
 It states the limits this server enforces (``max_tokens``, ``n``, token ids, name patterns...)
 so generated clients and fuzzers know them: a request valid by this document is never refused
 for its shape (the tests send generated valid requests and expect them served). Bodies are
-closed (``additionalProperties: false``): the server refuses unknown fields. The vendor
-extras it also accepts, as vLLM does (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``), are
-left out, so they are never generated; the README lists them.
+closed (``additionalProperties: false``) and list exactly the fields the server reads, the
+vendor extras it accepts as vLLM does included (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``guided_*``, ``structured_outputs``...): the server
+refuses any other field. Where a field takes more than JSON Schema can say (any schema,
+regex or grammar the grammar engine compiles; ``min_tokens`` up to ``max_tokens``), the
+document states the simplest values and its description says the rest.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ from typing import Any
 
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
-from loraplex.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from loraplex.engine.sampling_params import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+)
 from loraplex.gateway.schemas import CHAT_ROLES, MAX_SEED, MAX_STOP_SEQUENCES
 from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
 _REF = "#/components/schemas/"
+# The document's range of repetition_penalty (the server takes any value > 0).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -71,10 +81,62 @@ def _below(limit: int) -> str:
     return "^(" + "|".join(["0", *shorter, *same]) + ")$"
 
 
+# The output constraints; one per request (a 400 names the second).
+CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "structured_outputs")
+_NO_FORMAT: dict[str, Any] = {"anyOf": [{"type": "null"}, {
+    "type": "object", "properties": {"type": {"const": "text"}}}]}
+
+
+def _alone(field: str) -> dict[str, Any]:
+    """What the body's other constraint fields must be when ``field`` is set."""
+    return {"properties": {other: (_NO_FORMAT if other == "response_format" else False)
+                           for other in CONSTRAINTS if other != field}}
+
+
+def _one_constraint() -> dict[str, Any]:
+    return {field: _alone(field) for field in CONSTRAINTS}
+
+
+def _simple_schema(description: str) -> dict[str, Any]:
+    return _closed({"type": "object", "required": ["type"], "description": description,
+                    "properties": {"type": {"enum": ["object", "array", "string", "integer",
+                                                     "number", "boolean", "null"]}}})
+
+
+def _guided() -> dict[str, Any]:
+    schema = _simple_schema("A JSON schema (or its JSON text) the output keeps to; any "
+                            "schema the grammar engine compiles is accepted (a 400 names "
+                            "what it cannot), this document lists the simplest")
+    regex = {"type": "string", "pattern": "^[a-z]{1,16}$",
+             "description": "A regular expression the whole output matches; any the grammar "
+                            "engine compiles is accepted, this document lists the simplest "
+                            "(literals)"}
+    choice = {"type": "array", "minItems": 1, "maxItems": 16,
+              "items": {"type": "string", "pattern": "^[A-Za-z0-9 ]{1,16}$"},
+              "description": f"The output is one of these strings (1 to {MAX_CHOICES} "
+                             "non-empty ones)"}
+    grammar = {"type": "string", "pattern": '^start: "[a-z]{1,8}"$',
+               "description": "A Lark (or llama.cpp GBNF) grammar of the output; any the "
+                              "grammar engine compiles is accepted, this document lists the "
+                              "simplest"}
+    return {
+        "guided_json": schema, "guided_regex": regex, "guided_choice": choice,
+        "guided_grammar": grammar,
+        "structured_outputs": _closed({
+            "type": "object", "maxProperties": 1,
+            "description": "vLLM's object: one of json, regex, choice, grammar, "
+                           "json_object: true",
+            "properties": {"json": schema, "regex": regex, "choice": choice,
+                           "grammar": grammar, "json_object": {"type": "boolean"}}}),
+    }
+
+
 def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     nullable_num = {"type": ["number", "null"]}
+    nullable_bool = {"type": ["boolean", "null"]}
     penalty = nullable_num | {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
-    return {
+    return _guided() | {
         "model": {"type": "string", "minLength": 1,
                   "description": "The base model's name, your adapter's name, or a public "
                                  "adapter as owner/name"},
@@ -119,6 +181,30 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                        "propertyNames": {"pattern": _below(model.vocab_size)},
                        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                 "maximum": MAX_LOGIT_BIAS}},
+        # vLLM's sampling extras
+        "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 1 << 31,
+                  "description": "Keep the k most likely tokens; 0 or -1: off"},
+        "min_p": nullable_num | {"minimum": 0, "maximum": 1,
+                                 "description": "Drop tokens below min_p times the top "
+                                                "token's probability"},
+        "repetition_penalty": nullable_num | {
+            "minimum": MIN_REPETITION_PENALTY, "maximum": MAX_REPETITION_PENALTY,
+            "description": "vLLM's, over prompt and output tokens; 1: off. Any value > 0 is "
+                           "accepted; this document lists a useful range"},
+        "min_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": 1,
+                       "description": "EOS, stop_token_ids and stop strings are ignored "
+                                      "until this many tokens. Up to max_tokens is accepted "
+                                      "(a 400 names min_tokens above it); this document "
+                                      "states the bound that holds whatever max_tokens"},
+        "ignore_eos": nullable_bool,
+        "stop_token_ids": {"type": ["array", "null"], "maxItems": 16, "items": {
+            "type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}},
+        "include_stop_str_in_output": nullable_bool,
+        "cache_salt": {"type": ["string", "null"],
+                       "description": "Accepted and ignored: the server derives each "
+                                      "tenant's prefix-cache salt"},
+        "salt": {"type": ["string", "null"], "description": "Accepted and ignored, as "
+                                                             "cache_salt"},
     }
 
 
@@ -200,6 +286,7 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
         "Usage": _usage_schema(),
         "CompletionRequest": _closed({
             "type": "object", "required": ["model", "prompt"],
+            "dependentSchemas": _one_constraint(),
             "properties": sampling | {
                 "prompt": {"oneOf": [
                     {"type": "string", "minLength": 1},
@@ -210,11 +297,15 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                              "maximum": MAX_LOGPROBS},
                 "echo": {"type": ["boolean", "null"],
                          "description": "The prompt (with logprobs: its logprobs, null for "
-                                        "the first token) before the completion"}}}),
+                                        "the first token) before the completion"},
+                "suffix": {"enum": ["", None],
+                           "description": "Not supported: a 400 unless empty"},
+                "best_of": {"enum": [1, None],
+                            "description": "Not supported: a 400 unless 1 or equal to n"}}}),
         "ChatCompletionRequest": _closed({
             "type": "object", "required": ["model", "messages"],
             # top_logprobs is read only with logprobs: true (400 otherwise).
-            "dependentSchemas": {"top_logprobs": {
+            "dependentSchemas": _one_constraint() | {"top_logprobs": {
                 "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
             # auto and required need tools; required forces the output, so no other
             # constraint may be set beside it (400 otherwise).
@@ -225,8 +316,7 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                           "properties": {"tools": {"type": "array", "minItems": 1}}}},
                 {"if": {"required": ["tool_choice"], "properties": {
                     "tool_choice": {"const": "required"}}},
-                 "then": {"properties": {"response_format": {"anyOf": [
-                     {"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}}],
+                 "then": _alone("")}],
             "properties": sampling | {
                 "messages": {"type": "array", "minItems": 1, "items": message},
                 "tools": {"type": ["array", "null"], "items": tool,
@@ -243,7 +333,22 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                 "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
                                  "maximum": MAX_LOGPROBS},
                 "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
-                                          "maximum": config.max_tokens_limit}}}),
+                                          "maximum": config.max_tokens_limit},
+                "echo": {"type": ["boolean", "null"],
+                         "description": "vLLM's: when the last message is the assistant's, "
+                                        "the answer opens with its content (streamed as the "
+                                        "first content delta)"},
+                "functions": {"type": ["array", "null"], "maxItems": 0,
+                              "description": "Deprecated: use tools (a 400 unless empty)"},
+                "function_call": {"enum": ["none", None],
+                                  "description": "Deprecated: use tool_choice (a 400 unless "
+                                                 "none)"},
+                "store": {"type": ["boolean", "null"],
+                          "description": "Accepted; answers are never stored"},
+                "metadata": {"type": ["object", "null"], "maxProperties": 16,
+                             "propertyNames": {"maxLength": 64},
+                             "additionalProperties": {"type": "string", "maxLength": 512},
+                             "description": "Accepted and ignored"}}}),
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"],
                        "properties": {
                            "id": {"type": "string"}, "object": {"const": "text_completion"},

@@ -36,6 +36,9 @@ _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
     "functions": ([],),
     "function_call": ("none",),
 }
+# OpenAI's deprecated spellings of tools: refused with the way to say it today.
+_DEPRECATED: Final = {"functions": "use tools instead",
+                      "function_call": "use tool_choice (with tools) instead"}
 
 
 _COMMON_FIELDS: Final = frozenset({
@@ -52,6 +55,7 @@ COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_o
 CHAT_FIELDS: Final = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools",
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "store", "metadata",
+    "echo",
 }
 
 
@@ -186,6 +190,9 @@ def _check_neutral(body: dict[str, Any]) -> None:
         if value is None:
             continue
         if not any(type(value) is type(n) and value == n for n in neutral):
+            if key in _DEPRECATED:
+                raise _bad(key, f"is deprecated and not supported by this server: "
+                                f"{_DEPRECATED[key]}")
             raise _bad(key, "is not supported by this server (leave it unset)")
     n, best_of = body.get("n", 1), body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
@@ -332,6 +339,8 @@ class ChatCompletionRequest:
     options: GenerationOptions
     messages: tuple[ChatMessage, ...]
     tools: ToolUse | None  # None: no tool may be called
+    # vLLM's echo: the last message's content, when it is the assistant's, opens the answer
+    echo: str | None = None
 
 
 def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
@@ -485,11 +494,42 @@ def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty array of messages")
     parsed = tuple(_message(i, m) for i, m in enumerate(messages))
+    _store_and_metadata(body)
+    echo = None
+    if _bool(body, "echo", False) and parsed[-1].role == "assistant":
+        echo = parsed[-1].content or ""
     tools = parse_tools(body)
-    forced = tools.grammar() if tools is not None else None
-    if forced is not None:
-        if options.grammar is not None:
-            raise _bad("tool_choice", f"forces a tool call, which cannot be combined with "
-                                      f"{options.grammar.param}")
-        options = replace(options, grammar=forced)
-    return ChatCompletionRequest(options, parsed, tools)
+    if tools is not None and tools.mode == "required" and options.grammar is not None:
+        raise _bad("tool_choice", f"forces a tool call, which cannot be combined with "
+                                  f"{options.grammar.param}")
+    return with_call_format(ChatCompletionRequest(options, parsed, tools, echo), bare=False)
+
+
+def with_call_format(req: ChatCompletionRequest, *, bare: bool) -> ChatCompletionRequest:
+    """``req`` for a model whose calls are Llama 3's bare JSON (``bare``) or ``<tool_call>``
+    blocks: a forced call's grammar is that format's."""
+    if req.tools is None:
+        return req
+    tools = replace(req.tools, bare=bare)
+    forced = tools.grammar()
+    options = req.options if forced is None else replace(req.options, grammar=forced)
+    return replace(req, options=options, tools=tools)
+
+
+MAX_METADATA_PAIRS: Final = 16
+
+
+def _store_and_metadata(body: dict[str, Any]) -> None:
+    # Read for their shape only (OpenAI's limits): nothing is stored, as no answer is kept.
+    _bool(body, "store", False)
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise _bad("metadata", f"expected an object of at most {MAX_METADATA_PAIRS} pairs")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise _bad("metadata", "keys must have at most 64 characters and values must be "
+                                   "strings of at most 512")
+        _check_text("metadata", key)
+        _check_text("metadata", value)
