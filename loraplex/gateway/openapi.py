@@ -95,7 +95,9 @@ def _alone(field: str) -> dict[str, Any]:
 
 
 def _one_constraint() -> dict[str, Any]:
-    return {field: _alone(field) for field in CONSTRAINTS}
+    # Each vLLM field excludes the others and a response_format other than text, which
+    # covers every pair.
+    return {field: _alone(field) for field in CONSTRAINTS if field != "response_format"}
 
 
 def _simple_schema(description: str) -> dict[str, Any]:

@@ -276,6 +276,9 @@ def _guided(param: str, kind: str, value: Any) -> GrammarSpec:
                 raise _bad(param, "the JSON schema is not valid JSON") from None
         return GrammarSpec.json_schema(value, param)
     if kind == "choice":
+        for choice in value if isinstance(value, list) else ():
+            if isinstance(choice, str):
+                _check_text(param, choice)
         return GrammarSpec.choice(value, param)
     if not isinstance(value, str):
         raise _bad(param, f"expected a string, got {_type_name(value)}")
