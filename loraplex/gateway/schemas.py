@@ -2,14 +2,17 @@
 
 Parsing is strict about what it reads: a field of the wrong JSON type, or out of range, is a
 400 that names the field. A field it does not know is a 400 too, as OpenAI answers
-("Unrecognized request argument supplied"); the vendor extras loraplex accepts, as vLLM
-does (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, sent through the client's
-``extra_body``), are known fields. Known OpenAI fields that loraplex cannot honour
-(``suffix``, ``best_of`` other than ``n``, ``functions``...) are refused when set to anything but
-their neutral value, never silently dropped. Ranges of sampling options are checked once,
-by ``SamplingParams``; this module checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and
-ignored on purpose: the salt is derived by the server from the tenant.
+("Unrecognized request argument supplied"); the fields it knows are ``COMPLETION_FIELDS``
+and ``CHAT_FIELDS``, which /openapi.json lists exactly (a test holds them equal). They
+include the vendor extras loraplex accepts, as vLLM does (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``guided_*``, ``structured_outputs``, chat ``echo``, sent
+through the client's ``extra_body``). Known OpenAI fields that loraplex cannot honour
+(``suffix``, ``best_of`` other than ``n``, the deprecated ``functions`` and
+``function_call``) are refused when set to anything but their neutral value, never silently
+dropped. Ranges of sampling options are checked once, by ``SamplingParams``; this module
+checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and ignored on
+purpose: the salt is derived by the server from the tenant.
 """
 
 from __future__ import annotations
