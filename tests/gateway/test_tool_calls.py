@@ -312,3 +312,25 @@ def test_deprecated_functions_are_400_pointing_to_tools(live: LiveServer, field:
     ok = client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=2,
                                         functions=[], function_call="none")
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_the_demo_model_s_template_gets_the_fallback() -> None:
+    """The demo model's own template (SmolLM2's, which knows no tools): the fallback system
+    message replaces its default one, calls and results come back as blocks."""
+    from transformers import AutoTokenizer
+
+    from loraplex.model.demo import prepare_demo_model
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_demo_model(progress=False)))
+    tokenizers = Tokenizers(tok)
+    assert not tokenizers.renders_tools and not tokenizers.bare_tool_calls
+    body = dict(CONVERSATION, messages=CONVERSATION["messages"][1:])  # no system message
+    req = parse_chat_completion(body, max_tokens_limit=10, max_n=1)
+    messages, tools = template_input(req.messages, req.tools, tokenizers.renders_tools)
+    text = tok.decode(asyncio.run(tokenizers.encode_chat(messages, tools)))
+    assert text.startswith("<|im_start|>system\nFunctions you may call")
+    assert "SmolLM" not in text  # the template's default system message gave way
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"' in text
+    assert text.endswith("<|im_start|>user\n<tool_response>12 C</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
