@@ -100,10 +100,10 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[st
 
 
 def measure(model: str, batch: int, workload: str, max_tokens: int, rounds: int,
-            spec: dict[str, Any]) -> dict[str, Any]:
+            spec: dict[str, Any], dtype: str = "float32") -> dict[str, Any]:
     def make(config: dict[str, Any] | None) -> LLM:
-        return LLM(model, max_num_seqs=batch, enable_prefix_caching=False, progress=False,
-                   speculative_config=config)
+        return LLM(model, dtype=dtype, max_num_seqs=batch, enable_prefix_caching=False,
+                   progress=False, speculative_config=config)
 
     off, on = make(None), make(spec)
     num_requests = 2 * batch if batch < 64 else batch
@@ -169,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="measure the layer-skip draft of this many layers instead of "
                              "prompt lookup")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype, with and without speculation alike")
     parser.add_argument("--out", default="docs/benchmarks/speculative",
                         help="output path without extension: writes .json and .png")
     args = parser.parse_args(argv)
@@ -185,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for workload in args.workloads:
         for batch in batches:
             max_tokens = 24 if args.quick else 32 if batch >= 64 else 64
-            r = measure(model, batch, workload, max_tokens, args.rounds, spec)
+            r = measure(model, batch, workload, max_tokens, args.rounds, spec, args.dtype)
             results.append(r)
             print(f"{workload:<8} {batch:>5} {statistics.median(r['tokens_per_s_off']):>10.1f} "
                   f"{statistics.median(r['tokens_per_s_on']):>9.1f} "
@@ -193,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"speculative_config": spec, "load_average": os.getloadavg(),
+    report = {"speculative_config": spec, "dtype": args.dtype, "load_average": os.getloadavg(),
               "cpu_count": os.cpu_count(), "results": results}
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(results, spec, out.with_suffix(".png"))
