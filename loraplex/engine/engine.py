@@ -54,7 +54,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True,
                  max_adapter_wait_s: float = 2.0) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.lora, progress=progress)
+        spec = config.speculative
+        self.runner = ModelRunner(config.model, config.cache, config.lora, progress=progress,
+                                  draft_model=spec.model if spec is not None else None)
         self.tokenizer = self.runner.tokenizer
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = self.runner.max_model_len
@@ -240,7 +242,9 @@ class LLMEngine:
     def _spec_token_ids(self, out: SchedulerOutput,
                         proposals: dict[str, list[int]]) -> dict[str, list[int]]:
         """The proposals of the sequences given slots for them: prompt lookup's (cut to
-        the slots), or the layer-skip draft's, run now that the slots exist."""
+        the slots), the layer-skip draft's or the draft model's, run now that the slots exist."""
+        if self.spec is not None and self.spec.config.method == "draft_model":
+            return self._draft_model_proposals(out)
         seqs = [s for s in out.scheduled if s.num_spec_tokens]
         if not seqs:
             return {}
@@ -254,6 +258,28 @@ class LLMEngine:
                       self.kv.block_table(s.request.request_id), s.lora_slot) for s in seqs],
             [s.num_spec_tokens for s in seqs], self.spec.config.num_draft_layers)
         return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
+
+    def _draft_model_proposals(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """The draft model's proposals for the sequences given slots for them. Every
+        scheduled sequence's draft KV catches up with the target's first, speculating or
+        not (see ``ModelRunner.propose``)."""
+        inputs, num_tokens = [], []
+        for s in out.scheduled:
+            request = s.request
+            done = request.num_computed_tokens
+            if request.num_draft_computed_tokens is not None:
+                # Past num_computed_tokens the draft's KV is of rejected proposals, or gone
+                # (a recompute preemption restarts the count at what the target has).
+                done = min(done, request.num_draft_computed_tokens)
+            end = request.num_computed_tokens + s.num_new_tokens - s.num_spec_tokens
+            inputs.append(SeqInput(request.all_token_ids[done:end], done,
+                                   self.kv.block_table(request.request_id)))
+            num_tokens.append(s.num_spec_tokens)
+            # The draft feeds every proposal but the last.
+            request.num_draft_computed_tokens = end + max(s.num_spec_tokens - 1, 0)
+        drafts = self.runner.propose(inputs, num_tokens)
+        return {s.request.request_id: ids
+                for s, ids in zip(out.scheduled, drafts, strict=True) if s.num_spec_tokens}
 
     def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
         """Starts computing the grammar masks of this step's constrained sequences (on the

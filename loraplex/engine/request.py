@@ -81,6 +81,11 @@ class Request:
     spec_acceptance: float = 1.0
     spec_pause_steps: int = 0
     spec_num_pauses: int = 0
+    # The draft model's KV reaches this far in the sequence's blocks (positions before it
+    # hold draft KV; past num_computed_tokens it held proposals, to be overwritten). None:
+    # never run yet, so the blocks it starts with (a prefix-cache hit, a parent's when it is
+    # one of n samples) hold draft KV as far as they hold the target's.
+    num_draft_computed_tokens: int | None = None
     # Text state kept by the engine's detokenizer.
     output_text: str = ""
     num_text_sent: int = 0
