@@ -52,7 +52,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 def test_config_is_refused_in_one_line(tiny_llama_dir: Path) -> None:
     for bad, match in [('{"method": "eagle"}',
                         "method must be one of ngram, layer_skip, draft_model"),
-                       ('{"method": "draft_model"}', "model (the draft's folder) is required"),
+                       ('{"method": "draft_model"}', "draft's folder\\) is required"),
                        ('{"model": "/tmp/x"}', "only by it"),
                        ('{"method": "draft_model", "model": 3}', "path to the draft"),
                        ('{"method": "layer_skip"}', "num_draft_layers is required"),
