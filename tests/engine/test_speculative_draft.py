@@ -111,6 +111,29 @@ def test_the_kv_budget_pays_for_both_pools(tiny_llama_dir: Path,
     assert drafter.kv_caches[0][0].shape[0] == spec.engine.kv.num_blocks
 
 
+def test_a_draft_of_another_shape_keeps_its_own_pool(tiny_llama_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """Another width, head count and depth than the target's: its pool takes its shape, with
+    the target's block count; outputs stay the oracle's."""
+    draft = build_tiny_model(tmp_path / "narrow", hidden_size=32, intermediate_size=64,
+                             num_layers=3, num_heads=2, num_kv_heads=1, seed=5)
+    llm = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_kv_blocks=64,
+              speculative_config={"method": "draft_model", "model": str(draft),
+                                  "disable_by_batch_size": None})
+    drafter = llm.engine.runner.drafter
+    assert drafter is not None and len(drafter.kv_caches) == 3
+    assert tuple(drafter.kv_caches[0][0].shape) == (64, 4, 1, 16)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 15))] for _ in range(6)]
+    ref = load_reference(tiny_llama_dir)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference_greedy(ref, prompt, 12)[0]
+    assert llm.stats().spec_num_draft_tokens > 0
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.all_free_or_cached()
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], capture_output=True,
                           text=True, timeout=300, check=False)
