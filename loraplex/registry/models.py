@@ -101,10 +101,6 @@ class Tenant(Base):
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
     adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant")
 
-    @property
-    def is_active(self) -> bool:
-        return self.status == "active"
-
     def __repr__(self) -> str:
         return f"Tenant(id={self.id!r}, name={self.name!r}, status={self.status!r})"
 
@@ -131,10 +127,6 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
-
-    @property
-    def is_revoked(self) -> bool:
-        return self.revoked_at is not None
 
     def __repr__(self) -> str:
         return f"ApiKey(id={self.id!r}, prefix={self.prefix!r}, role={self.role!r})"

@@ -32,7 +32,6 @@ from collections.abc import (
     Collection,
     Iterable,
     Iterator,
-    Mapping,
     Sequence,
 )
 from contextlib import contextmanager
@@ -324,18 +323,6 @@ class AdapterUploader:
                     staging.write(src.name, f)
             else:
                 raise AdapterError(f"{src}: no such file or folder")
-            return self.commit(factory, staging, tenant_id=tenant_id, name=name,
-                               visibility=visibility, on_registered=on_registered)
-
-    def upload_files(self, factory: sessionmaker[Session], *, tenant_id: int, name: str,
-                     files: Mapping[str, BinaryIO | IO[bytes] | Iterable[bytes]],
-                     visibility: str = "private",
-                     on_registered: OnRegistered | None = None) -> UploadResult:
-        """Uploads received files, ``{filename: file object or chunks}`` (multipart)."""
-        _check_request(name, visibility)
-        with self.staging() as staging:
-            for filename, src in files.items():
-                staging.write(filename, src)
             return self.commit(factory, staging, tenant_id=tenant_id, name=name,
                                visibility=visibility, on_registered=on_registered)
 

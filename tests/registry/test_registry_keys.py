@@ -124,7 +124,7 @@ def test_revoke_scoped_to_tenant(session: Session) -> None:
     row, _ = service.create_key(session, a.id)
     with pytest.raises(NotFoundError):
         service.revoke_key(session, row.id, tenant_id=b.id)
-    assert service.revoke_key(session, row.id, tenant_id=a.id).is_revoked
+    assert service.revoke_key(session, row.id, tenant_id=a.id).revoked_at is not None
     with pytest.raises(NotFoundError):
         service.revoke_key(session, 987654)
 

@@ -39,6 +39,7 @@ from loraplex.registry.upload import (
     AdapterUploader,
     DeletedAdapter,
     UploadLimits,
+    UploadResult,
     delete_adapter,
     remove_unreferenced,
     stored_digests,
@@ -80,6 +81,15 @@ def uploader(make_uploader: Callable[..., AdapterUploader]) -> AdapterUploader:
 def tenant_id(session_factory: sessionmaker[Session]) -> int:
     with session_factory.begin() as session:
         return service.create_tenant(session, "acme").id
+
+
+def upload_files(up: AdapterUploader, factory: sessionmaker[Session],
+                 files: dict[str, Any], **kwargs: Any) -> UploadResult:
+    """A multipart upload as the gateway makes one: files staged, then committed."""
+    with up.staging() as staging:
+        for filename, src in files.items():
+            staging.write(filename, src)
+        return up.commit(factory, staging, **kwargs)
 
 
 def _rows(factory: sessionmaker[Session]) -> list[Adapter]:
@@ -363,7 +373,7 @@ def test_bad_upload_is_refused_and_leaves_nothing(
     kwargs: dict[str, Any] = {"tenant_id": tenant_id, "name": "x"} | case.kwargs
     with pytest.raises(case.error) as info:
         if isinstance(source, dict):
-            up.upload_files(session_factory, files={
+            upload_files(up, session_factory, files={
                 k: io.BytesIO(v) for k, v in source.items()}, **kwargs)
         else:
             up.upload_path(session_factory, path=source, **kwargs)
@@ -433,7 +443,7 @@ def test_multipart_files(uploader: AdapterUploader, make_adapter: MakeAdapter,
     weights = (src / WEIGHTS_FILE).read_bytes()
     chunks = [weights[i:i + 100] for i in range(0, len(weights), 100)]
     with open(src / CONFIG_FILE, "rb") as config:
-        result = uploader.upload_files(session_factory, tenant_id=tenant_id, name="x", files={
+        result = upload_files(uploader, session_factory, tenant_id=tenant_id, name="x", files={
             # Browsers send a folder's files with their relative path: only the name counts.
             f"my-adapter/{CONFIG_FILE}": config,
             f"C:\\Users\\me\\{WEIGHTS_FILE}": iter(chunks),
