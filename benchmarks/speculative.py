@@ -77,6 +77,9 @@ INSTRUCTIONS = [
     "digits:",
     "Copy this text and correct any spelling mistakes:",
 ]
+# Each engine's KV budget: room for every workload here (no preemption) while five engines
+# (off and four methods) fit in memory side by side.
+KV_CACHE_BYTES = 384 << 20
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
 
@@ -117,7 +120,7 @@ def measure(model: str, batch: int, workload: str, max_tokens: int, rounds: int,
     rounds run every engine in turn, so load from other jobs hits them alike."""
     def make(config: dict[str, Any] | None) -> LLM:
         return LLM(model, max_num_seqs=batch, enable_prefix_caching=False, progress=False,
-                   speculative_config=config)
+                   kv_cache_memory=KV_CACHE_BYTES, speculative_config=config)
 
     engines = {"off": make(None), **{name: make(spec) for name, spec in specs.items()}}
     num_requests = 2 * batch if batch < 64 else batch
@@ -275,7 +278,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = method_specs(model, methods, draft_layers, work_dir)
     if args.no_batch_limit:
         specs = {name: {**spec, "disable_by_batch_size": None} for name, spec in specs.items()}
-    results = []
+    results: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # after every cell: an interrupted long run keeps what it measured
+        report = {"speculative_configs": {name: {k: v for k, v in spec.items() if k != "model"}
+                                          for name, spec in specs.items()},
+                  "draft_layers": draft_layers, "load_average": os.getloadavg(),
+                  "cpu_count": os.cpu_count(), "results": results}
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(results, draft_layers, out.with_suffix(".png"))
+
     print(f"{'method':<12} {'workload':<8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} "
           f"{'ratio':>6} {'steps off/on':>13} {'accept':>7} {'mean len':>8}", flush=True)
     for workload in args.workloads:
@@ -289,15 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{r['median_ratio']:>6.2f} {r['steps_off']:>6}/{r['steps_on']:<6} "
                       f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f}",
                       flush=True)
+            write()
     shutil.rmtree(work_dir, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"speculative_configs": {name: {k: v for k, v in spec.items() if k != "model"}
-                                      for name, spec in specs.items()},
-              "draft_layers": draft_layers, "load_average": os.getloadavg(),
-              "cpu_count": os.cpu_count(), "results": results}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, draft_layers, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 
