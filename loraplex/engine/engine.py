@@ -260,26 +260,25 @@ class LLMEngine:
         return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
     def _draft_model_proposals(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """The draft model's proposals for the sequences given slots for them. Every
-        scheduled sequence's draft KV catches up with the target's first, speculating or
-        not (see ``ModelRunner.propose``)."""
-        inputs, num_tokens = [], []
-        for s in out.scheduled:
+        """The draft model's proposals for the sequences given slots for them. Each one's
+        draft KV first catches up with the target's (see ``ModelRunner.propose``); the
+        draft does not run for the others, so it costs nothing where speculation is off."""
+        seqs = [s for s in out.scheduled if s.num_spec_tokens]
+        if not seqs:
+            return {}
+        inputs = []
+        for s in seqs:
             request = s.request
-            done = request.num_computed_tokens
-            if request.num_draft_computed_tokens is not None:
-                # Past num_computed_tokens the draft's KV is of rejected proposals, or gone
-                # (a recompute preemption restarts the count at what the target has).
-                done = min(done, request.num_draft_computed_tokens)
+            # A new sequence computes the draft's KV of its prefix-cache hits again: their
+            # blocks may have been filled while the draft did not run.
+            done = request.num_draft_computed_tokens
             end = request.num_computed_tokens + s.num_new_tokens - s.num_spec_tokens
             inputs.append(SeqInput(request.all_token_ids[done:end], done,
                                    self.kv.block_table(request.request_id)))
-            num_tokens.append(s.num_spec_tokens)
             # The draft feeds every proposal but the last.
-            request.num_draft_computed_tokens = end + max(s.num_spec_tokens - 1, 0)
-        drafts = self.runner.propose(inputs, num_tokens)
-        return {s.request.request_id: ids
-                for s, ids in zip(out.scheduled, drafts, strict=True) if s.num_spec_tokens}
+            request.num_draft_computed_tokens = end + s.num_spec_tokens - 1
+        drafts = self.runner.propose(inputs, [s.num_spec_tokens for s in seqs])
+        return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
     def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
         """Starts computing the grammar masks of this step's constrained sequences (on the
@@ -368,6 +367,9 @@ class LLMEngine:
         counters.num_draft_tokens += num_proposed
         counters.num_accepted_tokens += num_accepted
         request.num_computed_tokens += sched.num_new_tokens - num_proposed + num_accepted
+        # The draft's KV of rejected proposals is stale: computed again when next needed.
+        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens,
+                                                request.num_computed_tokens)
         self.kv.trim(request.request_id, request.num_computed_tokens)
         return self._append_tokens(request, [*result.accepted, *result.sampled], now)
 
@@ -380,6 +382,8 @@ class LLMEngine:
                             group_id=parent.group_id, sample_index=i,
                             eos_token_ids=parent.eos_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            # The blocks it shares with its parent hold the parent's draft KV.
+            child.num_draft_computed_tokens = parent.num_draft_computed_tokens
             child.prompt_logprobs = parent.prompt_logprobs  # complete, never appended to
             if parent.constraint is not None:  # the parent has not taken its own token yet
                 child.constraint = parent.constraint.fork()

@@ -314,12 +314,11 @@ class ModelRunner:
     def propose(self, seqs: Sequence[SeqInput], num_tokens: Sequence[int]) -> list[list[int]]:
         """The draft model's greedy proposals, ``num_tokens[i]`` for ``seqs[i]`` (0: none).
 
-        Every sequence of the step comes here, speculating or not: its ``token_ids`` are the
-        tokens whose target KV exists, or is computed this step, but whose draft KV does not
-        yet (``num_computed`` is where they start), so the draft's pool keeps up with the
-        target's and any block (a prefix-cache hit too) holds both. The draft then feeds its
-        own proposals, one forward each; their KV lands in the slots the scheduler gave the
-        proposals, and is overwritten wherever the target rejects them.
+        A sequence's ``token_ids`` are the tokens whose target KV exists, or is computed
+        this step, but whose draft KV does not yet (``num_computed`` is where they start):
+        the draft catches up in one forward, which also yields its first proposal. It then
+        feeds its own proposals, one forward each; their KV lands in the slots the scheduler
+        gave the proposals, and is overwritten wherever the target rejects them.
         """
         assert self.drafter is not None
         proposals: list[list[int]] = [[] for _ in seqs]
