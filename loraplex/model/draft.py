@@ -3,8 +3,9 @@ model that shares the target's tokenizer, runs base-only (no LoRA) and keeps its
 KV cache.
 
 Its KV pool has as many blocks, of the same size, as the target's, and is indexed by the
-very same block tables: block allocation, trimming of rejected slots, copy-on-write, swap
-and prefix-cache hits then hold for both pools at once, with no second block manager.
+very same block tables: block allocation, trimming of rejected slots, copy-on-write and
+swap then hold for both pools at once, with no second block manager. How far the draft's
+KV reaches in a sequence's blocks is ``Request.num_draft_computed_tokens``.
 Whoever moves the target's blocks (``ModelRunner.copy_blocks``, swaps) moves the draft's.
 """
 
