@@ -18,17 +18,18 @@ sequences that finish early, as a server's would):
 - ``offline``: the offline benchmark's random-token prompts (``_workload``), where proposals
   are rarely right: the controller's test.
 
-Both systems decode greedily with EOS ignored (identical outputs, checked), prefix caching
-off (every round computes the same work). Rounds alternate off / on, so a burst of load
-from other jobs on this shared machine hits both alike; the ratio reported is the median of
-the rounds' ratios. Engine steps are counted too: unlike seconds they do not move with load.
+Every engine decodes greedily with EOS ignored (identical outputs, checked), prefix
+caching off (every round computes the same work), a KV budget of ``KV_CACHE_BYTES``. Each
+round runs every engine in turn (off first), so a burst of load from other jobs on this
+shared machine hits them alike; the ratio reported is the median of the rounds' ratios. Engine steps are counted too: unlike seconds they do not move with load.
 
     python benchmarks/speculative.py            # the full run
     python benchmarks/speculative.py --quick    # a smoke run
     python benchmarks/speculative.py --draft-layers 24 --batches 1 8 \
         --out docs/benchmarks/speculative_layer_skip   # the layer-skip draft instead
     python benchmarks/speculative.py --methods ngram layer_skip draft_model random_draft \
-        --draft-layers 24 --batches 1 8 --out docs/benchmarks/speculative_draft_model
+        --draft-layers 24 --batches 1 8 --workloads copy \
+        --out docs/benchmarks/speculative_draft_model   # the methods side by side
 """
 
 from __future__ import annotations
