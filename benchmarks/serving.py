@@ -32,6 +32,19 @@ affinity (from the replicas' ``adapter_disk_loads`` in Redis).
     python benchmarks/serving.py --backend ray            # ~16 min, 2 cores
     python benchmarks/serving.py --backend ray --quick    # ~7 min
 
+``--systems loraplex,vllm`` measures vLLM's OpenAI server as the peer (``vllm serve
+--enable-lora --lora-modules ...`` from its own virtualenv, benchmarks/peers/vllm/setup.sh;
+skipped with a message when that is absent): the same model folder, PEFT adapters, token-id
+prompts, output lengths (``ignore_eos``), greedy sampling and client code, and the first
+config's scheduling limits (token budget per step, sequences per step, adapter slots, KV
+cache size, chunked prefill and prefix caching). Both servers are up side by side, each
+rate's stream goes to one and then the other (the order alternating by rate), and the
+greedy agreement of their outputs is reported per rate (where they differ, HF transformers +
+PEFT on the same weights says which one is right). Defaults then: config
+chunked+prefix, 1 GiB of KV cache each, --out docs/benchmarks/serving_vllm.
+
+    python benchmarks/serving.py --systems loraplex,vllm --quick
+
 Loads only 127.0.0.1; every run is bounded in requests and time.
 """
 
@@ -75,6 +88,16 @@ from _scaleout import (  # noqa: E402
     settled_replica_stats,
     summed,
 )
+from _vllm_serve import (  # noqa: E402
+    DEFAULT_VENV,
+    VllmServer,
+    agreement,
+    comparison_table,
+    hf_greedy,
+    same_text,
+    vllm_python,
+    vllm_stats,
+)
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
@@ -99,9 +122,13 @@ class ServerSetup:
     chunked_prefill: bool
     prefix_caching: bool
 
+    def budget(self, args: argparse.Namespace) -> int:
+        """Tokens per step: a small budget with chunking (its point), else one that holds
+        any prompt."""
+        return args.chunk_budget if self.chunked_prefill else args.max_num_batched_tokens
+
     def serve_args(self, args: argparse.Namespace) -> list[str]:
-        budget = args.chunk_budget if self.chunked_prefill else args.max_num_batched_tokens
-        out = ["--max-num-batched-tokens", str(budget)]
+        out = ["--max-num-batched-tokens", str(self.budget(args))]
         if not self.chunked_prefill:
             out.append("--no-chunked-prefill")
         if not self.prefix_caching:
@@ -157,6 +184,7 @@ class Record:
     output_tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""
 
     @property
     def ok(self) -> bool:
@@ -253,12 +281,17 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = ["loraplex", "serve", "--model", model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", "--dtype", "float32",
+               "--port", str(self.port), "--log-level", "warning", "--dtype", args.dtype,
                "--device", "cpu", "--max-loras", str(args.max_loras),
+               "--max-lora-rank", str(args.max_lora_rank),
                "--max-num-seqs", str(args.max_num_seqs), "--seed", "0",
                *setup.serve_args(args), *extra]
         if args.max_cpu_loras is not None:
             cmd += ["--max-cpu-loras", str(args.max_cpu_loras)]
+        if args.kv_cache_gib is not None:
+            cmd += ["--kv-cache-memory", str(int(args.kv_cache_gib * 2**30))]
+        if "vllm" in args.systems:  # the peer's context length, so both refuse the same
+            cmd += ["--max-model-len", str(max_model_len(args))]
         self.cmd = cmd
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -300,13 +333,25 @@ class Server:
 # --- the client ---------------------------------------------------------------------------
 
 
+def request_body(call: Call, tenant: str, vllm: bool = False) -> dict[str, Any]:
+    """The completion request of ``call``. To vLLM (no tenants), the adapter goes by its
+    bare name and the tenant's name is the prefix-cache salt, so its cache is shared within
+    a tenant only, as loraplex's (which derives the salt from the key)."""
+    body: dict[str, Any] = {"model": call.model, "prompt": call.prompt,
+                            "max_tokens": call.max_tokens, "temperature": 0.0,
+                            "stream": True, "ignore_eos": True,
+                            "stream_options": {"include_usage": True}}
+    if vllm:
+        body["model"] = call.model.rsplit("/", 1)[-1]
+        body["cache_salt"] = tenant
+    return body
+
+
 async def one_request(client: httpx.AsyncClient, url: str, key: str, call: Call,
-                      rec: Record, t_start: float) -> None:
+                      rec: Record, t_start: float, vllm: bool = False) -> None:
     await asyncio.sleep(max(0.0, t_start + call.at - time.monotonic()))
     rec.sent = time.monotonic()
-    body = {"model": call.model, "prompt": call.prompt, "max_tokens": call.max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = request_body(call, rec.tenant, vllm)
     last = None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body,
@@ -327,6 +372,7 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, call: Call,
                     return
                 now = time.monotonic()
                 if chunk.get("choices"):
+                    rec.text += chunk["choices"][0].get("text") or ""
                     if rec.first is None:
                         rec.first = now
                     elif last is not None:
@@ -344,7 +390,8 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, call: Call,
 
 
 async def run_stream(url: str, tenants: Sequence[Tenant], calls: Sequence[Call],
-                     drain_timeout: float, label: str) -> tuple[list[Record], float]:
+                     drain_timeout: float, label: str,
+                     vllm: bool = False) -> tuple[list[Record], float]:
     """Sends ``calls`` on schedule; returns the records and the span (first send to the last
     completion, or to the drain limit)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -354,7 +401,7 @@ async def run_stream(url: str, tenants: Sequence[Tenant], calls: Sequence[Call],
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t_start = time.monotonic() + 0.2
         tasks = [asyncio.create_task(one_request(client, url, tenants[c.tenant].key, c, r,
-                                                 t_start))
+                                                 t_start, vllm))
                  for c, r in zip(calls, records, strict=True)]
         deadline = t_start + calls[-1].at + drain_timeout
         progress = asyncio.create_task(_progress(records, t_start, label))
@@ -456,7 +503,7 @@ def fmt_ms(x: float | None) -> str:
 def table(results: Sequence[dict[str, Any]], slos: Sequence[tuple[float, float]]) -> str:
     good = " | ".join(f"goodput {i + 1} (req/s)" for i in range(len(slos)))
     head = ("| config | rate (req/s) | done/sent | out tok/s | TTFT p50 / p99 (ms) "
-            f"| TPOT p50 / p99 (ms) | ITL p99 (ms) | {good} | prefix hit | preempt |")
+            f"| TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | {good} | prefix hit | preempt |")
     lines = [head, "|" + "---|" * (9 + len(slos))]
     for r in results:
         s = r["summary"]
@@ -466,7 +513,8 @@ def table(results: Sequence[dict[str, Any]], slos: Sequence[tuple[float, float]]
         lines.append(
             f"| {r['config']} | {r['rate']:g} | {s['completed']}/{s['requests']} "
             f"| {s['throughput_tok_s']:.1f} | {fmt_ms(s['ttft_p50'])} / {fmt_ms(s['ttft_p99'])} "
-            f"| {fmt_ms(s['tpot_p50'])} / {fmt_ms(s['tpot_p99'])} | {fmt_ms(s['itl_p99'])} "
+            f"| {fmt_ms(s['tpot_p50'])} / {fmt_ms(s['tpot_p99'])} "
+            f"| {fmt_ms(s['itl_p50'])} / {fmt_ms(s['itl_p99'])} "
             f"| {goodput} | {100 * r['engine']['prefix_cache_hit_rate']:.0f}% "
             f"| {r['engine']['preemptions']:.0f} |")
     lines.append("")
@@ -577,6 +625,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="--max-num-batched-tokens with chunked prefill off (holds any prompt)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=32,
+                   help="largest adapter rank each server accepts (the adapters': 8/16/32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations, for every server")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache of each server in GiB (default: loraplex's own, or 1 for "
+                        "every server when the vLLM peer runs: 18,900 float32 tokens of this "
+                        "model)")
+    p.add_argument("--systems", default="loraplex",
+                   help="comma-separated: loraplex, vllm (vLLM's `vllm serve` on the same "
+                        "model, adapters and streams, with the first config's scheduling "
+                        "settings; each rate's stream goes to every system in turn)")
+    p.add_argument("--vllm-venv", default=DEFAULT_VENV,
+                   help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it); "
+                        "without it the peer is skipped")
+    p.add_argument("--oracle-requests", type=int, default=10,
+                   help="per rate, how many of the requests loraplex and vLLM disagree on are "
+                        "rerun with HF transformers + PEFT to tell which output is right")
+    p.add_argument("--vllm-omp-bind", default="nobind",
+                   help="VLLM_CPU_OMP_THREADS_BIND: nobind (threads left to the OS scheduler, "
+                        "as loraplex's), auto (pinned to the first cores), or a core list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", help="where benchmark adapters are cached")
     p.add_argument("--keep-logs", action="store_true", help="keep the server logs and registry")
@@ -631,6 +700,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.probe_requests = min(args.probe_requests, 8)
             args.max_output = min(args.max_output, 32)
             args.drain_timeout = min(args.drain_timeout, 25)
+    args.systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    if not args.systems or set(args.systems) - {"loraplex", "vllm"}:
+        p.error(f"--systems: choose from loraplex, vllm; got {args.systems}")
+    if "vllm" in args.systems:
+        if args.backend == "ray":
+            p.error("--systems vllm runs with the in-process backend only")
+        if args.configs == ",".join(SETUPS):
+            args.configs = "chunked+prefix"
+        if args.out == p.get_default("out"):
+            args.out = "docs/benchmarks/serving_vllm"
+        if args.kv_cache_gib is None:
+            args.kv_cache_gib = 1.0
     if args.quick and args.backend == "local":
         if args.rates == p.get_default("rates"):
             args.rates = "0.2,0.5"
@@ -739,7 +820,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 assert redis_url is not None and redis_prefix is not None
                 run_ray(bench, env, model_dir, home, database_url, redis_url, redis_prefix,
                         vocab, sorted(excluded), servers, extra)
-            for config in [] if ray_mode else args.configs:
+            configs = [] if ray_mode or "loraplex" not in args.systems else args.configs
+            if "vllm" in args.systems and vllm_available(args):
+                run_with_vllm(bench, env, model_dir, home, adapter_paths, servers, extra,
+                              lambda text: tokenizer(text, add_special_tokens=False)[
+                                  "input_ids"])
+                configs = configs[1:]
+            for config in configs:
                 setup = SETUPS[config]
                 log(f"== {config}: starting the server")
                 t_boot = time.monotonic()
@@ -777,10 +864,11 @@ class Bench:
     streams: dict[float, list[Call]]
     results: list[dict[str, Any]]
 
-    def warm_up(self, server: Server) -> None:
+    def warm_up(self, server: Server | VllmServer, vllm: bool = False) -> None:
         warm = warmup_calls(self.tenants, self.adapters[:self.args.num_adapters],
                             self.base_model, self.args.seed)
-        recs, _ = asyncio.run(run_stream(server.url, self.tenants, warm, 120, "warm-up"))
+        recs, _ = asyncio.run(run_stream(server.url, self.tenants, warm, 120, "warm-up",
+                                         vllm))
         bad = [r.error for r in recs if not r.ok]
         if bad:
             raise RuntimeError(f"warm-up requests failed: {bad[:3]}\n{server.tail()}")
@@ -788,29 +876,146 @@ class Bench:
     def run_rates(self, server: Server, config: str,
                   stats: Callable[[], dict[str, Any]]) -> None:
         for rate in self.args.rates:
-            calls = self.streams[rate]
-            label = f"{config} @ {rate:g} req/s"
-            log(f"   {label}: {len(calls)} requests over {calls[-1].at:.0f} s")
-            before = stats()
-            records, span = asyncio.run(run_stream(server.url, self.tenants, calls,
-                                                   self.args.drain_timeout, label))
-            after = stats()
-            summary = summarise(records, span, self.args.slos)
-            delta = engine_delta(before, after)
-            self.results.append({"config": config, "rate": rate, "summary": summary,
-                                 "engine": delta,
-                                 "records": [dict(asdict(r), gaps=None, ttft=r.ttft,
-                                                  tpot=r.tpot) for r in records]})
-            log(f"   {label}: done {summary['completed']}/{summary['requests']}, "
-                f"{summary['throughput_tok_s']:.1f} tok/s, TTFT p50/p99 "
-                f"{fmt_ms(summary['ttft_p50'])}/{fmt_ms(summary['ttft_p99'])} ms, "
-                f"TPOT p50/p99 {fmt_ms(summary['tpot_p50'])}/"
-                f"{fmt_ms(summary['tpot_p99'])} ms, goodput "
-                + "/".join(f"{g:.3f}" for g in summary["goodput_req_s"])
-                + " req/s, prefix hit "
-                f"{100 * delta['prefix_cache_hit_rate']:.0f}%, load "
-                f"{os.getloadavg()[0]:.2f}"
-                + (f", errors {summary['errors']}" if summary["errors"] else ""))
+            self.run_rate(server, config, rate, stats)
+
+    def run_rate(self, server: Server | VllmServer, config: str, rate: float,
+                 stats: Callable[[], dict[str, Any]], vllm: bool = False) -> None:
+        calls = self.streams[rate]
+        label = f"{config} @ {rate:g} req/s"
+        log(f"   {label}: {len(calls)} requests over {calls[-1].at:.0f} s")
+        before = stats()
+        records, span = asyncio.run(run_stream(server.url, self.tenants, calls,
+                                               self.args.drain_timeout, label, vllm))
+        after = stats()
+        summary = summarise(records, span, self.args.slos)
+        delta = engine_delta(before, after)
+        self.results.append({"config": config, "rate": rate, "summary": summary,
+                             "engine": delta,
+                             "records": [dict(asdict(r), gaps=None, ttft=r.ttft,
+                                              tpot=r.tpot) for r in records]})
+        log(f"   {label}: done {summary['completed']}/{summary['requests']}, "
+            f"{summary['throughput_tok_s']:.1f} tok/s, TTFT p50/p99 "
+            f"{fmt_ms(summary['ttft_p50'])}/{fmt_ms(summary['ttft_p99'])} ms, "
+            f"TPOT p50/p99 {fmt_ms(summary['tpot_p50'])}/"
+            f"{fmt_ms(summary['tpot_p99'])} ms, goodput "
+            + "/".join(f"{g:.3f}" for g in summary["goodput_req_s"])
+            + " req/s, prefix hit "
+            f"{100 * delta['prefix_cache_hit_rate']:.0f}%, load "
+            f"{os.getloadavg()[0]:.2f}"
+            + (f", errors {summary['errors']}" if summary["errors"] else ""))
+
+
+# --- the vLLM peer --------------------------------------------------------------------------
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    return args.system_prompt_tokens + args.max_prompt + args.max_output
+
+
+def vllm_available(args: argparse.Namespace) -> bool:
+    if vllm_python(args.vllm_venv) is not None:
+        return True
+    log(f"vLLM peer skipped: no virtualenv at {args.vllm_venv} "
+        f"(benchmarks/peers/vllm/setup.sh {args.vllm_venv} builds it)")
+    return False
+
+
+def run_with_vllm(bench: Bench, env: dict[str, str], model_dir: str, home: Path,
+                  adapter_paths: Sequence[Path], servers: list[dict[str, Any]],
+                  extra: dict[str, Any], encode: Callable[[str], list[int]]) -> None:
+    """loraplex (the first config) and ``vllm serve`` (its scheduling settings) up side by
+    side; each rate's stream goes to one and then the other, the order alternating by rate
+    so that neither always runs first on a machine whose load drifts. Then the greedy
+    agreement of the two systems' outputs, per rate."""
+    args = bench.args
+    setup = SETUPS[args.configs[0]]
+    lp_name, v_name = f"loraplex {setup.name}", "vllm"
+    targets: list[tuple[str, Server | VllmServer, Callable[[], dict[str, Any]], bool]] = []
+    try:
+        log(f"== {lp_name} and {v_name}: starting both servers")
+        if "loraplex" in args.systems:
+            lp = Server(setup, args, env, model_dir, home / "server-loraplex.log")
+            targets.append((lp_name, lp, functools.partial(engine_stats, lp.url,
+                                                           bench.admin_key), False))
+        v = VllmServer(args.vllm_venv, free_port(), model_dir, bench.base_model,
+                       adapter_paths[:args.num_adapters], dtype=args.dtype,
+                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                       max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=setup.budget(args),
+                       max_model_len=max_model_len(args), prefix_caching=setup.prefix_caching,
+                       chunked_prefill=setup.chunked_prefill, threads=os.cpu_count() or 1,
+                       kv_cache_gib=args.kv_cache_gib or 1.0, env=env,
+                       log_path=home / "server-vllm.log", omp_bind=args.vllm_omp_bind)
+        targets.append((v_name, v, functools.partial(vllm_stats, v.url), True))
+        t_boot = time.monotonic()
+        for name, server, _, _ in targets:
+            server.wait_ready(900)
+            log(f"   {name} ready after {time.monotonic() - t_boot:.1f} s on {server.url}: "
+                f"{' '.join(server.cmd[2:])}")
+        extra["vllm_version"] = v.version()
+        for _, server, _, is_vllm in targets:
+            bench.warm_up(server, is_vllm)
+        for ri, rate in enumerate(args.rates):
+            for name, server, stats, is_vllm in targets[::1 if ri % 2 == 0 else -1]:
+                bench.run_rate(server, name, rate, stats, is_vllm)
+    finally:
+        for name, server, _, _ in targets:
+            rc = server.stop()
+            log(f"   {name} stopped (exit {rc})")
+            servers.append({"config": name, "cmd": server.cmd, "exit_code": rc,
+                            "env": getattr(server, "env_vars", None)})
+    if len(targets) == 2:
+        extra["compared"] = [lp_name, v_name]
+        extra["agreement"] = compare_outputs(bench, model_dir, adapter_paths,
+                                             (lp_name, v_name), encode)
+
+
+def compare_outputs(bench: Bench, model_dir: str, adapter_paths: Sequence[Path],
+                    names: Sequence[str], encode: Callable[[str], list[int]]
+                    ) -> list[dict[str, Any]]:
+    """Per rate, the greedy agreement of two systems' outputs on the same stream."""
+    rows = []
+    for rate in bench.args.rates:
+        texts = [[r["text"] if r["error"] is None and r["end"] is not None else None
+                  for r in _row(bench.results, name, rate)["records"]] for name in names]
+        row = dict(rate=rate, **agreement(*texts, encode))
+        row["oracle"] = judge(bench, model_dir, adapter_paths, rate, row["differ"], texts)
+        rows.append(row)
+    return rows
+
+
+def judge(bench: Bench, model_dir: str, adapter_paths: Sequence[Path], rate: float,
+          differ: Sequence[int], texts: Sequence[Sequence[str | None]]) -> list[dict[str, Any]]:
+    """Each request the two systems disagree on (up to --oracle-requests per rate), run by
+    the oracle (HF transformers + PEFT, greedy): which system's output is the oracle's."""
+    calls = bench.streams[rate]
+    cases = differ[:bench.args.oracle_requests]
+    if not cases:
+        return []
+    log(f"   {rate:g} req/s: {len(differ)} outputs differ; HF transformers + PEFT on "
+        f"{len(cases)} of them")
+
+    def adapter(model: str) -> Path | None:
+        name = model.rsplit("/", 1)[-1]
+        return None if model == bench.base_model else adapter_paths[int(name[len("lora"):])]
+
+    oracle = hf_greedy(model_dir, bench.args.dtype,
+                       [(calls[i].prompt, adapter(calls[i].model), calls[i].max_tokens)
+                        for i in cases])
+    out = []
+    for i, want in zip(cases, oracle, strict=True):
+        lp, v = texts[0][i], texts[1][i]
+        out.append({"index": i, "model": calls[i].model,
+                    "loraplex_is_oracle": lp is not None and same_text(lp, want),
+                    "vllm_is_oracle": v is not None and same_text(v, want)})
+        log(f"     request {i} ({calls[i].model}): loraplex "
+            f"{'=' if out[-1]['loraplex_is_oracle'] else '!='} oracle, vLLM "
+            f"{'=' if out[-1]['vllm_is_oracle'] else '!='} oracle")
+    return out
+
+
+def _row(results: Sequence[dict[str, Any]], config: str, rate: float) -> dict[str, Any]:
+    return next(r for r in results if r["config"] == config and r["rate"] == rate)
 
 
 # --- Ray mode -------------------------------------------------------------------------------
@@ -1070,23 +1275,32 @@ def write_outputs(args: argparse.Namespace, out: Path, results: Sequence[dict[st
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     scope = (f"{args.num_tenants} tenants, {args.num_adapters} adapters, "
              f"{args.system_prompt_tokens}-token shared system prompt")
-    title = (f"loraplex serve over HTTP, CPU ({machine['os_cpus']} cores, load "
-             f"{machine['load_avg_at_start'][0]:.1f}-{machine['load_avg_at_end'][0]:.1f}); "
+    what = ("loraplex serve vs vllm serve" if (extra or {}).get("compared")
+            else "loraplex serve")
+    title = (f"{what} over HTTP, CPU ({machine['os_cpus']} cores, load "
+             f"{machine['load_avg_at_start'][0]:.1f}-{machine['load_avg_at_end'][0]:.1f}), "
+             f"{args.dtype}; "
              + (f"in-process vs Ray Serve replicas; {scope}" if args.backend == "ray"
                 else scope))
     if results:
         plot(results, out.with_suffix(".png"), title, args.slos)
         log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
-    if extra:
+    ray = args.backend == "ray" and bool(extra)
+    if ray:
+        assert extra is not None
         path = out.parent / f"{out.name}_adapters.png"
         plot_ray(extra, path, title)
         log(f"wrote {path}")
     print()
     if results:
         print(table(results, args.slos))
-    if extra:
+    if ray:
+        assert extra is not None
         print()
         print(ray_tables(extra))
+    if extra and extra.get("compared"):
+        print()
+        print(comparison_table(results, extra["compared"], args.slos, extra["agreement"]))
 
 
 def ray_tables(extra: dict[str, Any]) -> str:

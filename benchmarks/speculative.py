@@ -116,12 +116,12 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[st
 
 
 def measure(model: str, batch: int, workload: str, max_tokens: int, rounds: int,
-            specs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+            specs: dict[str, dict[str, Any]], dtype: str = "float32") -> list[dict[str, Any]]:
     """One result per method in ``specs``, each against the same no-speculation engine;
     rounds run every engine in turn, so load from other jobs hits them alike."""
     def make(config: dict[str, Any] | None) -> LLM:
-        return LLM(model, max_num_seqs=batch, enable_prefix_caching=False, progress=False,
-                   kv_cache_memory=KV_CACHE_BYTES, speculative_config=config)
+        return LLM(model, dtype=dtype, max_num_seqs=batch, enable_prefix_caching=False,
+                   progress=False, kv_cache_memory=KV_CACHE_BYTES, speculative_config=config)
 
     engines = {"off": make(None), **{name: make(spec) for name, spec in specs.items()}}
     num_requests = 2 * batch if batch < 64 else batch
@@ -268,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         choices=["ngram", "layer_skip", "draft_model", "random_draft"],
                         help="measure these methods side by side (default: ngram, or "
                              "layer_skip with --draft-layers)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype, with and without speculation alike")
     parser.add_argument("--out", default="docs/benchmarks/speculative",
                         help="output path without extension: writes .json and .png")
     args = parser.parse_args(argv)
@@ -286,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def write() -> None:  # after every cell: an interrupted long run keeps what it measured
         report = {"speculative_configs": {name: {k: v for k, v in spec.items() if k != "model"}
                                           for name, spec in specs.items()},
-                  "draft_layers": draft_layers, "load_average": os.getloadavg(),
+                  "draft_layers": draft_layers, "dtype": args.dtype,
+                  "load_average": os.getloadavg(),
                   "cpu_count": os.cpu_count(), "results": results}
         out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
         plot(results, draft_layers, out.with_suffix(".png"))
@@ -296,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for workload in args.workloads:
         for batch in batches:
             max_tokens = 24 if args.quick else 32 if batch >= 64 else 64
-            for r in measure(model, batch, workload, max_tokens, args.rounds, specs):
+            for r in measure(model, batch, workload, max_tokens, args.rounds, specs,
+                             args.dtype):
                 results.append(r)
                 print(f"{r['method']:<12} {workload:<8} {batch:>5} "
                       f"{statistics.median(r['tokens_per_s_off']):>10.1f} "

@@ -59,13 +59,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the model's dtype")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     if args.quick:
         args.requests, args.max_tokens, args.repeats = 8, 32, 1
     from loraplex.cli_engine import model_arg
 
-    llm = LLM(model_arg(None), progress=False)
+    llm = LLM(model_arg(None), dtype=args.dtype, progress=False)
     prompts = [f"Describe film number {i} as JSON with title, year, genres and rating."
                for i in range(args.requests)]
     _batch(llm, prompts[:4], True, 8)  # warm-up: the compiler's tokenizer, first steps
@@ -91,7 +93,7 @@ def main() -> None:
         start = time.perf_counter()
         compiler.constraint(spec)
         cached.append(time.perf_counter() - start)
-    result = {"requests": args.requests, "max_tokens": args.max_tokens,
+    result = {"dtype": args.dtype, "requests": args.requests, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "tokens_per_s_none": none,
               "tokens_per_s_half_constrained": half, "ratio": half / none,
               "compile_ms_cold_median": 1000 * statistics.median(cold),

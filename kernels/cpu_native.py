@@ -1,9 +1,15 @@
-"""Native CPU kernels: built from ``csrc/cpu_kernels.c`` on first use, called via ctypes.
+"""Native CPU kernels: built from ``csrc/`` on first use, called via ctypes.
 
 The CPU fast path for what the PyTorch reference does with many small ops: decode
 attention over the paged cache, and LoRA for many short (decode) segments. The reference stays the oracle and the fallback: when no
 C compiler is found, the build fails, or ``LORAPLEX_CPU_KERNELS=0`` is set, ``available()``
 is False and the dispatcher uses the reference.
+
+float32 kernels live in ``cpu_kernels.c``, bfloat16 ones (float32 accumulation) in
+``cpu_kernels_bf16.c``, each of those in two implementations (``bf16_impls``): AVX-512
+BF16 dot products, compiled in only where the CPU has ``avx512_bf16``, and a portable one
+that widens bf16 to float32. The best one available runs; ``LORAPLEX_CPU_BF16=portable``
+forces the portable one (tests run both).
 
 The library is compiled with ``-march=native``, so the cache key includes the compiler,
 the flags and the CPU's feature flags: a cache directory shared between machines never
@@ -29,11 +35,16 @@ from loraplex_kernels.meta import AttentionMeta
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_kernels.c", _CSRC / "cpu_kernels_bf16.c"]
+_HEADERS = [_CSRC / "common.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
 _ENV_CACHE = "LORAPLEX_KERNEL_CACHE"
+_ENV_BF16 = "LORAPLEX_CPU_BF16"
+# implementation name -> the C kernels' `impl` (cpu_kernels_bf16.c), best first
+BF16_IMPLS = {"avx512_bf16": 1, "portable": 0}
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -72,8 +83,9 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(encoding="utf-8"), cc, *version,
-                                    *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    texts = [f.read_text(encoding="utf-8") for f in (*_SOURCES, *_HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, cc, *version, *_FLAGS,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -82,10 +94,11 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"building {_SOURCE.name} failed: {proc.stderr.strip()[:2000]}")
+            raise RuntimeError(f"building the kernels in {_CSRC} failed: "
+                               f"{proc.stderr.strip()[:2000]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -106,10 +119,18 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int]
-    fn = lib.lora_segments_f32
+    fn = lib.paged_decode_attention_bf16
     fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
-                   _ptr, ctypes.c_int]
+    fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
+                   _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
+                   ctypes.c_int]
+    for name, extra in (("lora_segments_f32", []), ("lora_segments_bf16", [ctypes.c_int])):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
+                       _ptr, _ptr, ctypes.c_int, *extra]
+    lib.loraplex_bf16_impls.restype = ctypes.c_int
+    lib.loraplex_bf16_impls.argtypes = []
     return lib
 
 
@@ -117,12 +138,47 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.cache
+def bf16_impls() -> tuple[str, ...]:
+    """The bfloat16 implementations this machine can run, best first: ``"avx512_bf16"``
+    where the library has it compiled in and the CPU reports the flag, and ``"portable"``
+    always (empty when the library is unavailable)."""
+    lib = _library()
+    if lib is None:
+        return ()
+    compiled = lib.loraplex_bf16_impls()
+    flags = _cpu_signature().split()
+    return tuple(name for name, impl in BF16_IMPLS.items() if compiled & (1 << impl)
+                 and (name != "avx512_bf16" or "avx512_bf16" in flags))
+
+
+def bf16_impl() -> str:
+    """The bfloat16 implementation the kernels run by default: the best of ``bf16_impls``,
+    or ``"portable"`` when ``LORAPLEX_CPU_BF16=portable``; ValueError for another value."""
+    choice = os.environ.get(_ENV_BF16, "auto")
+    if choice not in ("auto", "portable"):
+        raise ValueError(f"{_ENV_BF16} must be auto or portable, not {choice!r}")
+    impls = bf16_impls()
+    return "portable" if choice == "portable" or not impls else impls[0]
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def can_decode(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the native decode kernel takes these tensors (float32 CPU, unit last stride,
-    contiguous cache)."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and out.dtype == torch.float32
+    """Whether the native decode kernel takes these tensors (float32 or bfloat16 alike, CPU,
+    unit last stride, contiguous cache)."""
+    return (query.device.type == "cpu" and query.dtype in _NATIVE_DTYPES
+            and k_cache.dtype == query.dtype and out.dtype == query.dtype
             and query.stride(2) == 1 and out.stride(2) == 1 and k_cache.is_contiguous())
+
+
+def _impl_code(lib: ctypes.CDLL, impl: str | None) -> int:
+    name = impl or bf16_impl()
+    if name not in BF16_IMPLS or not lib.loraplex_bf16_impls() & (1 << BF16_IMPLS[name]):
+        raise ValueError(f"bfloat16 kernel implementation {name!r} is not available here "
+                         f"(available: {', '.join(bf16_impls())})")
+    return BF16_IMPLS[name]
 
 
 def paged_decode_attention(
@@ -132,8 +188,10 @@ def paged_decode_attention(
     meta: AttentionMeta,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    impl: str | None = None,
 ) -> None:
-    """Attention of every decode row (one query token) over its sequence's cached keys."""
+    """Attention of every decode row (one query token) over its sequence's cached keys.
+    ``impl``: the bfloat16 implementation (default ``bf16_impl()``); float32 has one."""
     lib = _library()
     assert lib is not None, "native CPU kernels are not available"
     assert can_decode(query, k_cache, out) and v_cache.is_contiguous()
@@ -147,22 +205,25 @@ def paged_decode_attention(
     tables, lens = meta.block_tables, meta.seq_lens
     assert tables.dtype == torch.int32 and tables.is_contiguous()
     assert lens.dtype == torch.int32 and seq_ids.dtype == rows.dtype == torch.int64
-    status = lib.paged_decode_attention_f32(
-        query.data_ptr(), query.stride(0), query.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(),
-        tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), seq_ids.data_ptr(), rows.data_ptr(),
-        seq_ids.numel(), num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
-        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+    args = (query.data_ptr(), query.stride(0), query.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), seq_ids.data_ptr(), rows.data_ptr(),
+            seq_ids.numel(), num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
+            out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+    if query.dtype == torch.bfloat16:
+        status = lib.paged_decode_attention_bf16(*args, _impl_code(lib, impl))
+    else:
+        status = lib.paged_decode_attention_f32(*args)
     if status != 0:
         raise MemoryError("native decode attention could not allocate its scratch memory")
 
 
 def can_lora(x: torch.Tensor, out: torch.Tensor, slots: LoRASlots) -> bool:
-    """Whether the native LoRA kernel takes these tensors (float32 CPU, unit last stride,
-    the per-slot layout)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32
-            and out.dtype == torch.float32 and slots.dtype == torch.float32
+    """Whether the native LoRA kernel takes these tensors (float32 or bfloat16 alike, CPU,
+    unit last stride, the per-slot layout)."""
+    return (x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES
+            and out.dtype == x.dtype and slots.dtype == x.dtype
             and slots.layout == "per_slot" and x.stride(1) == 1 and out.stride(1) == 1)
 
 
@@ -171,8 +232,11 @@ def add_lora(
     x: torch.Tensor,  # [num_tokens, in]
     segments: torch.Tensor,  # [3, num_segments] int64: first token, length, slot
     slots: LoRASlots,
+    impl: str | None = None,
 ) -> None:
-    """``out[t] += x[t] @ A_s^T @ B_s^T`` (scale folded into B) for each segment's tokens."""
+    """``out[t] += x[t] @ A_s^T @ B_s^T`` (scale folded into B) for each segment's tokens;
+    in bfloat16 with float32 sums, the shrink's output rounded to bfloat16 as in the
+    reference. ``impl``: as for ``paged_decode_attention``."""
     lib = _library()
     assert lib is not None, "native CPU kernels are not available"
     assert can_lora(x, out, slots) and x.shape[0] == out.shape[0]
@@ -181,10 +245,13 @@ def add_lora(
     num_segments = segments.shape[1]
     if num_segments == 0:
         return
-    status = lib.lora_segments_f32(
-        x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], out.shape[1],
-        segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), num_segments,
-        slots.at_ptrs.data_ptr(), slots.bt_ptrs.data_ptr(), slots.ranks.data_ptr(),
-        torch.get_num_threads())
+    args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], out.shape[1],
+            segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(),
+            num_segments, slots.at_ptrs.data_ptr(), slots.bt_ptrs.data_ptr(),
+            slots.ranks.data_ptr(), torch.get_num_threads())
+    if x.dtype == torch.bfloat16:
+        status = lib.lora_segments_bf16(*args, _impl_code(lib, impl))
+    else:
+        status = lib.lora_segments_f32(*args)
     if status != 0:
         raise MemoryError("native LoRA could not allocate its scratch memory")

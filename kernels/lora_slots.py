@@ -6,7 +6,11 @@ Two layouts, one per kind of kernel, never both:
   A of every slice transposed ``[in, R]`` and the block-diagonal B with the LoRA scale
   folded in, transposed ``[R, out]``, where ``R`` is the sum of the slices' own ranks
   rounded up to 16 (the native kernel keeps 16 ranks in registers). Allocated when an
-  adapter is loaded, at its own rank; an empty slot holds nothing.
+  adapter is loaded, at its own rank; an empty slot holds nothing. In bfloat16 the
+  native kernel's AVX-512 BF16 dot products sum pairs of consecutive values, so it reads
+  its own pair-interleaved copy of both (``vnni_pair_layout``); the reference reads the
+  plain ones. LoRA weights are small (rank x (in + out) per slot), so two copies cost
+  little.
 - ``"stacked"`` (Triton): per slice, A ``[num_slots, max_rank, in]`` and B
   ``[num_slots, out_k, max_rank]``, allocated up front, because the kernels address a slot
   by its stride. A slot's rows past its rank stay zero and are never read.
@@ -43,6 +47,8 @@ class LoRASlots:
         self.device = device
         # per_slot: (A^T [in, R], scaled block-diagonal B^T [R, out]) or None when empty
         self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        # per_slot bfloat16: the native kernel's pair-interleaved copies (kept alive here)
+        self.native: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
         # per_slot, for the native kernel: each slot's addresses and R (0 = empty)
         self.at_ptrs = torch.zeros(num_slots, dtype=torch.int64)
         self.bt_ptrs = torch.zeros(num_slots, dtype=torch.int64)
@@ -76,7 +82,7 @@ class LoRASlots:
             return
         total = sum(p[0].shape[0] for p in pairs if p is not None)
         if total == 0:
-            self.weights[slot] = None
+            self.weights[slot] = self.native[slot] = None
             self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
             return
         width = -(-total // _NATIVE_RANK_MULTIPLE) * _NATIVE_RANK_MULTIPLE
@@ -93,6 +99,19 @@ class LoRASlots:
             bt[r0:r1, self.slice_offsets[k]:self.slice_offsets[k + 1]] = b.t() * scale
             r0 = r1
         self.weights[slot] = (at, bt)
-        self.at_ptrs[slot] = at.data_ptr()
-        self.bt_ptrs[slot] = bt.data_ptr()
+        native = (at, bt)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            native = (vnni_pair_layout(at), vnni_pair_layout(bt))
+        self.native[slot] = native if native[0] is not at else None  # None: weights
+        self.at_ptrs[slot] = native[0].data_ptr()
+        self.bt_ptrs[slot] = native[1].data_ptr()
         self.ranks[slot] = width
+
+
+def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:
+    """``w [k, n]`` as ``[ceil(k / 2), n, 2]``, element ``[i, j, p] = w[2i + p, j]`` (a zero
+    row appended when k is odd): each pair along k side by side, as vdpbf16ps reads it."""
+    k, n = w.shape
+    if k % 2:
+        w = torch.cat([w, w.new_zeros(1, n)])
+    return w.view(-1, 2, n).transpose(1, 2).contiguous()  # [ceil(k / 2), n, 2]

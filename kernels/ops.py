@@ -3,8 +3,9 @@
 Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"triton"``:
 
 - ``"triton"``: the Triton kernels (CUDA; tests run them under ``TRITON_INTERPRET=1``).
-- ``"cpu"``: the native CPU kernels where they apply (float32 decode attention, built from
-  ``csrc/`` on first use), the PyTorch reference for the rest. The default on CPU when the
+- ``"cpu"``: the native CPU kernels where they apply (float32 and bfloat16 decode
+  attention and short LoRA segments, built from ``csrc/`` on first use), the PyTorch
+  reference for the rest. The default on CPU when the
   native library is available.
 - ``"torch"``: the PyTorch reference only (the tests' oracle).
 """
@@ -123,24 +124,30 @@ def cpu_gemm_choice() -> str:
     return choice
 
 
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeight | None:
-    """A packed copy of a float32 CPU linear weight ``[out, in]`` for ``linear``; None
-    where packing does not apply (another device or dtype, a small weight, a torch build
-    with neither oneDNN nor MKL). ``LORAPLEX_CPU_GEMM=mkl`` or ``=plain`` picks MKL's
+    """A packed copy of a float32 or bfloat16 CPU linear weight ``[out, in]`` for
+    ``linear``; None where packing does not apply (another device or dtype, a small weight,
+    a torch build with neither oneDNN nor MKL; MKL packs float32 only). In bfloat16 oneDNN
+    runs its AVX-512 BF16 (or AMX) kernels with float32 accumulation, where the CPU has
+    them. ``LORAPLEX_CPU_GEMM=mkl`` or ``=plain`` picks MKL's
     packing or none (for comparisons).
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
     embedding), so no copy is made: oneDNN's GEMM reads the plain layout itself, at about
     the packed copy's speed and well ahead of ``F.linear`` at decode (docs/engine.md,
     "Memory"), where a copy would cost the whole embedding's memory again."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+    if (weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES
             or weight.numel() < _PACK_MIN_ELEMENTS):
         return None
     choice = cpu_gemm_choice()
     if choice == "onednn" and _onednn_linear_available():
         return PackedWeight("onednn", weight if shared else
                             torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
-    if choice != "plain" and not shared and torch.backends.mkl.is_available():
+    if (choice != "plain" and not shared and weight.dtype == torch.float32
+            and torch.backends.mkl.is_available()):
         return PackedWeight("mkl", torch.ops.mkl._mkl_reorder_linear_weight(
             weight, _MKL_PACK_MAX_ROWS))
     return None

@@ -80,6 +80,11 @@ class LLM:
 
         ``arrival_steps`` (optional, one per prompt) admits prompt i only after that many
         engine steps, to exercise requests that arrive while others run.
+
+        Prompts that arrive together are queued longest first (by ``max_tokens × n``): when
+        more adapters are wanted than there are slots, some requests wait for a slot, and
+        the run ends when the last-started long one does; starting the long ones first
+        keeps that tail short (the classic longest-job-first rule for a batch's makespan).
         """
         items = _as_prompt_list(prompts)
         n = len(items)
@@ -94,7 +99,8 @@ class LLM:
         if len(arrivals) != n:
             raise InvalidRequestError("arrival_steps must have one entry per prompt")
         outputs: dict[str, RequestOutput] = {}
-        order = sorted(range(n), key=lambda i: arrivals[i])
+        order = sorted(range(n), key=lambda i: (arrivals[i],
+                                                -params[i].max_tokens * params[i].n))
         pending = list(order)
         ids = [f"offline-{next(self._ids)}" for _ in range(n)]
         step = 0

@@ -9,30 +9,7 @@
  * Compiled on first use by loraplex_kernels.cpu_native (gcc -O3 -march=native -fopenmp)
  * and called through ctypes; OpenMP is the runtime torch already loaded (libgomp.so.1).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp on [-87, 0]); written out so
- * the softmax loop vectorises without -ffast-math. */
-static inline float exp_nonpositive(float x)
-{
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
+#include "common.h"
 
 /* One sequence, every head: `kv_heads` groups of `group` query heads over the sequence's
  * `len` cached positions, reading each cached position's K (then V) row for all KV heads
@@ -91,23 +68,7 @@ static inline __attribute__((always_inline)) void decode_one(
             }
         }
     }
-    /* softmax over positions, per head (max first, for range) */
-    for (int64_t h = 0; h < heads; ++h) {
-        float *restrict sh = scores + h * len;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < len; ++j) m = sh[j] > m ? sh[j] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; ++j) {
-            const float e = exp_nonpositive(sh[j] - m);
-            sh[j] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) sh[j] *= inv;
-    }
+    softmax_rows(scores, heads, len);
     /* pass 2: probability-weighted values */
     for (int64_t j = 0; j < heads * head_dim; ++j) acc[j] = 0.0f;
     for (int64_t pos0 = 0; pos0 < len; pos0 += block_size) {
@@ -272,19 +233,11 @@ int lora_segments_f32(
     int num_threads)
 {
     int64_t num_groups = 0, max_rank = 1;
-    for (int64_t i = 0; i < num_segs; ++i) {
-        num_groups += (seg_len[i] + LORA_TOKENS - 1) / LORA_TOKENS;
+    for (int64_t i = 0; i < num_segs; ++i)
         if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
-    }
-    /* work item -> (first token, token count, slot): groups of up to LORA_TOKENS tokens */
-    int64_t *work = malloc(sizeof(int64_t) * (size_t)(3 * (num_groups ? num_groups : 1)));
+    int64_t *work = lora_work_items(seg_first, seg_len, seg_slot, num_segs, LORA_TOKENS,
+                                    &num_groups);
     if (!work) return -1;
-    for (int64_t i = 0, w = 0; i < num_segs; ++i)
-        for (int64_t j = 0; j < seg_len[i]; j += LORA_TOKENS, ++w) {
-            work[3 * w] = seg_first[i] + j;
-            work[3 * w + 1] = seg_len[i] - j < LORA_TOKENS ? seg_len[i] - j : LORA_TOKENS;
-            work[3 * w + 2] = seg_slot[i];
-        }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {

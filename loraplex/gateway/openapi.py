@@ -3,10 +3,12 @@
 It states the limits this server enforces (``max_tokens``, ``n``, token ids, name patterns...)
 so generated clients and fuzzers know them: a request valid by this document is never refused
 for its shape (the tests send generated valid requests and expect them served). Bodies are
-closed (``additionalProperties: false``): the server refuses unknown fields. The vendor
-extras it also accepts, as vLLM does (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``), are
-left out, so they are never generated; the README lists them.
+closed (``additionalProperties: false``) and list exactly the fields the server reads, the
+vendor extras it accepts as vLLM does included (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``guided_*``, ``structured_outputs``...): the server
+refuses any other field. Where a field takes more than JSON Schema can say (any schema,
+regex or grammar the grammar engine compiles; ``min_tokens`` up to ``max_tokens``), the
+document states the simplest values and its description says the rest.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ from typing import Any
 
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
-from loraplex.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
-from loraplex.gateway.schemas import CHAT_ROLES, MAX_SEED, MAX_STOP_SEQUENCES
+from loraplex.gateway.openapi_requests import closed, request_schemas
 from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
 _REF = "#/components/schemas/"
@@ -58,79 +59,10 @@ def _error_responses() -> dict[str, Any]:
     return out
 
 
-def _below(limit: int) -> str:
-    """An anchored pattern of the decimal integers 0 .. limit - 1 (no leading zeros)."""
-    top = str(limit - 1)
-    shorter = [rf"[1-9]\d{{0,{len(top) - 2}}}"] if len(top) > 1 else []
-    same = [top]
-    for i, digit in enumerate(top):
-        low = 1 if i == 0 and len(top) > 1 else 0
-        if int(digit) > low:
-            rest = len(top) - i - 1
-            same.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (r"\d" * rest))
-    return "^(" + "|".join(["0", *shorter, *same]) + ")$"
-
-
-def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
-    nullable_num = {"type": ["number", "null"]}
-    penalty = nullable_num | {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
-    return {
-        "model": {"type": "string", "minLength": 1,
-                  "description": "The base model's name, your adapter's name, or a public "
-                                 "adapter as owner/name"},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1,
-                       "maximum": config.max_tokens_limit},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": config.max_n},
-        "temperature": nullable_num | {"minimum": 0, "maximum": 2},
-        "top_p": nullable_num | {"exclusiveMinimum": 0, "maximum": 1},
-        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
-        "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 256},
-                           {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
-                            "items": {"type": "string", "minLength": 1, "maxLength": 256}},
-                           {"type": "null"}]},
-        "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"],
-                           "properties": {"include_usage": {"type": "boolean"}}},
-        "user": {"type": ["string", "null"]},
-        "presence_penalty": penalty,
-        "frequency_penalty": penalty,
-        "response_format": {"oneOf": [
-            {"type": "null"},
-            _closed({"type": "object", "required": ["type"],
-                     "properties": {"type": {"enum": ["text", "json_object"]}}}),
-            _closed({"type": "object", "required": ["type", "json_schema"], "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": _closed({
-                    "type": "object", "required": ["schema"],
-                    "description": "The output is constrained to the schema (strict or not). "
-                                   "Any JSON Schema the grammar engine compiles is accepted "
-                                   "(a 400 names what it cannot); this document lists the "
-                                   "simplest.",
-                    "properties": {
-                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-                        "description": {"type": "string"},
-                        "strict": {"type": ["boolean", "null"]},
-                        "schema": _closed({"type": "object", "required": ["type"],
-                                           "properties": {"type": {"enum": [
-                                               "object", "array", "string", "integer",
-                                               "number", "boolean", "null"]}}})}})}})]},
-        "logit_bias": {"type": ["object", "null"],
-                       "description": "Token id (as a string) to a bias added to its logit",
-                       "propertyNames": {"pattern": _below(model.vocab_size)},
-                       "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
-                                                "maximum": MAX_LOGIT_BIAS}},
-    }
-
-
 def _usage_schema() -> dict[str, Any]:
     return {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
             "properties": {k: {"type": "integer", "minimum": 0}
                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-
-
-def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    # The server refuses unknown fields (400), so the document does too.
-    return schema | {"additionalProperties": False}
 
 
 def _pattern(regex: re.Pattern[str]) -> str:
@@ -138,57 +70,6 @@ def _pattern(regex: re.Pattern[str]) -> str:
 
 
 def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
-    sampling = _sampling(config, model)
-    # Token ids the vocabulary has, and few enough to leave room for any max_tokens. A text
-    # prompt's length in tokens is known only once tokenized: over the context it is 400
-    # context_length_exceeded.
-    token_ids = {"type": "array", "minItems": 1,
-                 "maxItems": max(1, model.max_model_len - config.max_tokens_limit),
-                 "items": {"type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}}
-    content = {"oneOf": [
-        {"type": "string"},
-        {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
-    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
-        "id": {"type": "string"}, "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
-            "name": {"type": "string"},
-            "arguments": {"type": "string", "description": "JSON text"}}}}}
-    calls = {"type": "array", "items": call}
-    message = {"anyOf": [
-        {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": [r for r in CHAT_ROLES if r not in ("assistant", "tool")]},
-            "content": content, "name": {"type": "string"}}},
-        {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"const": "assistant"}, "content": content, "name": {"type": "string"},
-            "tool_calls": calls}},
-        {"type": "object", "required": ["role", "tool_calls"],
-         "description": "An assistant's turn that only called tools",
-         "properties": {"role": {"const": "assistant"}, "content": {"type": "null"},
-                        "name": {"type": "string"}, "tool_calls": calls | {"minItems": 1}}},
-        {"type": "object", "required": ["role", "content", "tool_call_id"],
-         "description": "A tool's result", "properties": {
-             "role": {"const": "tool"}, "content": content,
-             "tool_call_id": {"type": "string"}}}]}
-    tool = _closed({"type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": _closed({"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-            "description": {"type": "string"},
-            "strict": {"type": ["boolean", "null"]},
-            "parameters": _closed({
-                "type": "object", "required": ["type", "properties"],
-                "description": "The arguments' JSON schema. Any JSON Schema the grammar "
-                               "engine compiles is accepted (a 400 names "
-                               "tools[i].function.parameters when it cannot); this "
-                               "document lists the simplest: flat objects.",
-                "properties": {
-                    "type": {"const": "object"},
-                    "properties": {"type": "object", "additionalProperties": _closed({
-                        "type": "object", "required": ["type"], "properties": {
-                            "type": {"enum": ["string", "integer", "number", "boolean"]},
-                            "description": {"type": "string"}}})}}})}})}})
     choice_finish = {"type": ["string", "null"],
                      "enum": ["stop", "length", "tool_calls", None]}
     return {
@@ -198,52 +79,7 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                            "param": {"type": ["string", "null"]},
                            "code": {"type": ["string", "null"]}}}}},
         "Usage": _usage_schema(),
-        "CompletionRequest": _closed({
-            "type": "object", "required": ["model", "prompt"],
-            "properties": sampling | {
-                "prompt": {"oneOf": [
-                    {"type": "string", "minLength": 1},
-                    token_ids,
-                    {"type": "array", "minItems": 1, "maxItems": 1,
-                     "items": {"type": "string", "minLength": 1}}]},
-                "logprobs": {"type": ["integer", "null"], "minimum": 0,
-                             "maximum": MAX_LOGPROBS},
-                "echo": {"type": ["boolean", "null"],
-                         "description": "The prompt (with logprobs: its logprobs, null for "
-                                        "the first token) before the completion"}}}),
-        "ChatCompletionRequest": _closed({
-            "type": "object", "required": ["model", "messages"],
-            # top_logprobs is read only with logprobs: true (400 otherwise).
-            "dependentSchemas": {"top_logprobs": {
-                "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
-            # auto and required need tools; required forces the output, so no other
-            # constraint may be set beside it (400 otherwise).
-            "allOf": [
-                {"if": {"required": ["tool_choice"], "properties": {
-                    "tool_choice": {"enum": ["auto", "required"]}}},
-                 "then": {"required": ["tools"],
-                          "properties": {"tools": {"type": "array", "minItems": 1}}}},
-                {"if": {"required": ["tool_choice"], "properties": {
-                    "tool_choice": {"const": "required"}}},
-                 "then": {"properties": {"response_format": {"anyOf": [
-                     {"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}}],
-            "properties": sampling | {
-                "messages": {"type": "array", "minItems": 1, "items": message},
-                "tools": {"type": ["array", "null"], "items": tool,
-                          "description": "Functions the model may call"},
-                "tool_choice": {
-                    "enum": ["none", "auto", "required", None],
-                    "description": "Default: auto with tools, none without. The server "
-                                   "also accepts {\"type\": \"function\", \"function\": "
-                                   "{\"name\": ...}} naming one of tools (a 400 when it "
-                                   "names none), which forces that function"},
-                "parallel_tool_calls": {"type": ["boolean", "null"],
-                                        "description": "false: at most one call"},
-                "logprobs": {"type": ["boolean", "null"]},
-                "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
-                                 "maximum": MAX_LOGPROBS},
-                "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
-                                          "maximum": config.max_tokens_limit}}}),
+        **request_schemas(config, model),
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"],
                        "properties": {
                            "id": {"type": "string"}, "object": {"const": "text_completion"},
@@ -384,7 +220,7 @@ def _admin_paths() -> dict[str, Any]:
             "get": {"summary": "Every tenant (admin)",
                     "responses": {"200": _json(_LIST, "Tenants"), **_errors(401, 403)}},
             "post": {"summary": "Create a tenant (admin)",
-                     "requestBody": _body(_closed({
+                     "requestBody": _body(closed({
                          "type": "object", "required": ["name"],
                          "properties": {"name": _TENANT_NAME} | _LIMITS})),
                      "responses": {"201": _json(_OBJ, "The tenant"),
@@ -394,7 +230,7 @@ def _admin_paths() -> dict[str, Any]:
             "get": {"summary": "One tenant (admin)",
                     "responses": {"200": _json(_OBJ, "The tenant"), **admin}},
             "patch": {"summary": "Change a tenant's limits or status (admin)",
-                      "requestBody": _body(_closed({"type": "object", "properties": _LIMITS | {
+                      "requestBody": _body(closed({"type": "object", "properties": _LIMITS | {
                           "status": {"type": "string", "enum": ["active", "suspended"]}}})),
                       "responses": {"200": _json(_OBJ, "The tenant"), **admin}}},
         "/admin/api/tenants/{tenant}/keys": {
@@ -402,7 +238,7 @@ def _admin_paths() -> dict[str, Any]:
             "get": {"summary": "A tenant's API keys (admin)",
                     "responses": {"200": _json(_LIST, "Keys"), **admin}},
             "post": {"summary": "Issue an API key; the key is in this response only (admin)",
-                     "requestBody": _body(_closed({"type": "object", "properties": {
+                     "requestBody": _body(closed({"type": "object", "properties": {
                          "name": {"type": ["string", "null"], "maxLength": 128},
                          "role": {"type": "string", "enum": ["tenant", "admin"]}}})),
                      "responses": {"201": _json(_OBJ, "The key, with its plaintext"),
@@ -432,7 +268,7 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/api/tenants/{tenant}/adapters/{name}": {
             "parameters": [tenant, _path_param("name", _ADAPTER_NAME)],
             "patch": {"summary": "Make an adapter public or private (admin)",
-                      "requestBody": _body(_closed({
+                      "requestBody": _body(closed({
                           "type": "object", "required": ["visibility"],
                           "properties": {"visibility": {"type": "string",
                                                         "enum": ["private", "public"]}}})),

@@ -112,9 +112,11 @@ class Accumulator:
     """Collects deltas into the choices of a whole (non-streaming) response."""
 
     def __init__(self, n: int, logprobs: int | None, token_text: TokenText,
-                 echo: Echo | None = None, tools: ToolUse | None = None) -> None:
+                 echo: Echo | None = None, tools: ToolUse | None = None,
+                 chat_echo: str = "") -> None:
         self.choices = [Choice(i, echo.text if echo else "") for i in range(n)]
         self._tools = tools
+        self._chat_echo = chat_echo
         self._top_k = logprobs
         self._token_text = token_text
         self._echo = echo
@@ -154,14 +156,16 @@ class Accumulator:
     def chat(self, rid: str, created: int, model: str,
              usage_: dict[str, int]) -> dict[str, Any]:
         choices = []
+        echo = self._chat_echo
         for c in self.choices:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            # The echoed last message opens the content; calls are read from the answer only.
+            message: dict[str, Any] = {"role": "assistant", "content": echo + c.text}
             reason = c.finish_reason
             if self._tools is not None:
                 reader = ToolCallReader(self._tools)
                 content = reader.feed(c.text)[0] + reader.close()[0]
                 if reader.calls:
-                    message = {"role": "assistant", "content": content or None,
+                    message = {"role": "assistant", "content": echo + content or None,
                                "tool_calls": [call.to_json() for call in reader.calls]}
                     reason = _tool_finish_reason(reason)
             choices.append({"index": c.index, "message": message, "finish_reason": reason,
@@ -182,8 +186,10 @@ class ChunkWriter:
 
     def __init__(self, chat: bool, rid: str, created: int, model: str, n: int,
                  logprobs: int | None, include_usage: bool, token_text: TokenText,
-                 echo: Echo | None = None, tools: ToolUse | None = None) -> None:
+                 echo: Echo | None = None, tools: ToolUse | None = None,
+                 chat_echo: str = "") -> None:
         self.chat = chat
+        self._chat_echo = chat_echo
         self._readers = [ToolCallReader(tools) for _ in range(n)] if tools else None
         self._echo = echo
         self._echo_pending = [echo is not None] * n
@@ -202,15 +208,22 @@ class ChunkWriter:
         return dumps(obj)
 
     def role_chunks(self) -> list[str]:
-        """Chat only: the opening chunk of every choice, announcing the assistant."""
+        """Chat only: the opening chunk of every choice, announcing the assistant, then (as
+        vLLM sends it) the echoed last message, if any."""
         if not self.chat:
             return []
         self._sent_role = [True] * len(self._sent_role)
         # With tools the content may stay null (calls only), as in the whole answer.
         opening = None if self._readers else ""
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": opening},
-                              "logprobs": None, "finish_reason": None}])
-                for i in range(len(self._sent_role))]
+        chunks = []
+        for i in range(len(self._sent_role)):
+            chunks.append(self._chunk([{"index": i,
+                                        "delta": {"role": "assistant", "content": opening},
+                                        "logprobs": None, "finish_reason": None}]))
+            if self._chat_echo:
+                chunks.append(self._chunk([{"index": i, "delta": {"content": self._chat_echo},
+                                            "logprobs": None, "finish_reason": None}]))
+        return chunks
 
     def delta_chunk(self, delta: SequenceDelta) -> str | None:
         reason = finish_reason(delta)

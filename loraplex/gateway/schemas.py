@@ -2,30 +2,43 @@
 
 Parsing is strict about what it reads: a field of the wrong JSON type, or out of range, is a
 400 that names the field. A field it does not know is a 400 too, as OpenAI answers
-("Unrecognized request argument supplied"); the vendor extras loraplex accepts, as vLLM
-does (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, sent through the client's
-``extra_body``), are known fields. Known OpenAI fields that loraplex cannot honour
-(``suffix``, ``best_of`` other than ``n``, ``functions``...) are refused when set to anything but
-their neutral value, never silently dropped. Ranges of sampling options are checked once,
-by ``SamplingParams``; this module checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and
-ignored on purpose: the salt is derived by the server from the tenant.
+("Unrecognized request argument supplied"); the fields it knows are ``COMPLETION_FIELDS``
+and ``CHAT_FIELDS``, which /openapi.json lists exactly (a test holds them equal). They
+include the vendor extras loraplex accepts, as vLLM does (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``guided_*``, ``structured_outputs``, chat ``echo``, sent
+through the client's ``extra_body``). Known OpenAI fields that loraplex cannot honour
+(``suffix``, ``best_of`` other than ``n``, the deprecated ``functions`` and
+``function_call``) are refused when set to anything but their neutral value, never silently
+dropped. Ranges of sampling options are checked once, by ``SamplingParams``; this module
+checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and ignored on
+purpose: the salt is derived by the server from the tenant.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from loraplex.engine.sampling_params import MAX_LOGPROBS, GrammarSpec
 from loraplex.errors import InvalidRequestError
+from loraplex.gateway.fields import (
+    bad,
+    check_text,
+    read_bool,
+    read_float,
+    read_int,
+    read_logit_bias,
+    read_number,
+    read_stop,
+    read_str,
+    read_token_ids,
+    type_name,
+)
 from loraplex.gateway.tools import ToolCall, ToolUse, parse_tools
 
-MAX_STOP_SEQUENCES: Final = 4
-MAX_STOP_LENGTH: Final = 256
 MAX_SEED: Final = (1 << 63) - 1  # the engine seeds a 64-bit generator
 CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
 
@@ -36,6 +49,9 @@ _NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
     "functions": ([],),
     "function_call": ("none",),
 }
+# OpenAI's deprecated spellings of tools: refused with the way to say it today.
+_DEPRECATED: Final = {"functions": "use tools instead",
+                      "function_call": "use tool_choice (with tools) instead"}
 
 
 _COMMON_FIELDS: Final = frozenset({
@@ -52,6 +68,7 @@ COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_o
 CHAT_FIELDS: Final = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools",
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "store", "metadata",
+    "echo",
 }
 
 
@@ -62,134 +79,19 @@ def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
             f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
 
 
-# --- field readers -----------------------------------------------------------------------
-
-
-def _bad(param: str, message: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{param}: {message}", param=param)
-
-
-def _type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean",
-            int: "integer", float: "number", type(None): "null"}.get(type(value), "value")
-
-
-def _check_text(param: str, value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _bad(param, "contains a lone surrogate, which is not valid Unicode") from None
-    return value
-
-
-def _str(body: dict[str, Any], key: str, default: str | None = None) -> str | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise _bad(key, f"expected a string, got {_type_name(value)}")
-    return _check_text(key, value)
-
-
-def _token_ids(value: Any) -> tuple[int, ...] | None:
-    # JSON integers, 16.0 included (JSON Schema's "integer" allows it); None if not all are.
-    if not isinstance(value, list) or not all(
-            (isinstance(t, int) and not isinstance(t, bool))
-            or (isinstance(t, float) and t.is_integer()) for t in value):
-        return None
-    return tuple(int(t) for t in value)
-
-
-def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 16.0 is an integer in JSON's eyes
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(key, f"expected an integer, got {_type_name(value)}")
-    if not lo <= value <= hi:
-        raise _bad(key, f"must be between {lo} and {hi}, got {value}")
-    return value
-
-
-def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
-           lo_open: bool = False) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _bad(key, f"expected a number, got {_type_name(value)}")
-    value = float(value)
-    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise _bad(key, f"must be in {bracket}{lo:g}, {hi:g}], got {value:g}")
-    return value
-
-
-def _number(body: dict[str, Any], key: str, default: float) -> float:
-    # The type only: the range is SamplingParams' to check.
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _bad(key, f"expected a number, got {_type_name(value)}")
-    return float(value)
-
-
-def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    value = body.get("logit_bias")
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise _bad("logit_bias", f"expected an object, got {_type_name(value)}")
-    pairs = []
-    for key, bias in value.items():
-        # OpenAI's keys are token ids written as JSON strings.
-        if not key.strip().lstrip("-").isdecimal():
-            raise _bad("logit_bias", f"keys must be token ids, got {key!r}")
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise _bad("logit_bias", f"values must be numbers, got {_type_name(bias)} for "
-                                     f"{key!r}")
-        pairs.append((int(key), float(bias)))
-    return tuple(pairs)
-
-
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad(key, f"expected a boolean, got {_type_name(value)}")
-    return value
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise _bad("stop", "expected a string or an array of strings")
-    if len(items) > MAX_STOP_SEQUENCES:
-        raise _bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}")
-    for s in items:
-        _check_text("stop", s)
-        if not s or len(s) > MAX_STOP_LENGTH:
-            raise _bad("stop", f"each sequence must have 1 to {MAX_STOP_LENGTH} characters")
-    return tuple(items)
-
-
 def _check_neutral(body: dict[str, Any]) -> None:
     for key, neutral in _NEUTRAL.items():
         value = body.get(key)
         if value is None:
             continue
         if not any(type(value) is type(n) and value == n for n in neutral):
-            raise _bad(key, "is not supported by this server (leave it unset)")
+            if key in _DEPRECATED:
+                raise bad(key, f"is deprecated and not supported by this server: "
+                                f"{_DEPRECATED[key]}")
+            raise bad(key, "is not supported by this server (leave it unset)")
     n, best_of = body.get("n", 1), body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
-        raise _bad("best_of", "is not supported by this server (leave it unset)")
+        raise bad("best_of", "is not supported by this server (leave it unset)")
 
 
 def _grammar(body: dict[str, Any]) -> GrammarSpec | None:
@@ -208,54 +110,54 @@ def _grammar(body: dict[str, Any]) -> GrammarSpec | None:
     so = body.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
-            raise _bad("structured_outputs", f"expected an object, got {_type_name(so)}")
+            raise bad("structured_outputs", f"expected an object, got {type_name(so)}")
         unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
         if unknown:
-            raise _bad("structured_outputs", f"unknown field {unknown[0]!r}")
+            raise bad("structured_outputs", f"unknown field {unknown[0]!r}")
         for key, value in so.items():
             if value is None or (key == "json_object" and value is False):
                 continue
             if key == "json_object":
                 if value is not True:
-                    raise _bad("structured_outputs", "json_object must be true")
+                    raise bad("structured_outputs", "json_object must be true")
                 found.append(GrammarSpec("json_object", "", "structured_outputs"))
             else:
                 found.append(_guided("structured_outputs", key, value))
     if len(found) > 1:
-        raise _bad(found[1].param, f"sets a second output constraint (besides "
+        raise bad(found[1].param, f"sets a second output constraint (besides "
                                    f"{found[0].param}): set one")
     return found[0] if found else None
 
 
 def _response_format(fmt: Any) -> list[GrammarSpec]:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise _bad("response_format", "expected an object with a string 'type'")
+        raise bad("response_format", "expected an object with a string 'type'")
     kind = fmt["type"]
     extra = sorted(set(fmt) - {"type", "json_schema"})
     if extra:
-        raise _bad("response_format", f"unknown field {extra[0]!r}")
+        raise bad("response_format", f"unknown field {extra[0]!r}")
     if kind == "text":
         return []
     if kind == "json_object":
         return [GrammarSpec("json_object", "", "response_format")]
     if kind != "json_schema":
-        raise _bad("response_format", f"type must be text, json_object or json_schema, got "
+        raise bad("response_format", f"type must be text, json_object or json_schema, got "
                                       f"{kind!r}")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad("response_format", "json_schema must be an object with a 'schema'")
+        raise bad("response_format", "json_schema must be an object with a 'schema'")
     extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
     if extra:
-        raise _bad("response_format", f"unknown field json_schema.{extra[0]}")
+        raise bad("response_format", f"unknown field json_schema.{extra[0]}")
     name = spec.get("name")
     if name is not None and not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}",
                                                                          name)):
-        raise _bad("response_format", "json_schema.name must be 1 to 64 of a-z, A-Z, 0-9, "
+        raise bad("response_format", "json_schema.name must be 1 to 64 of a-z, A-Z, 0-9, "
                                       "_ and -")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise _bad("response_format", "json_schema.strict must be a boolean")
+        raise bad("response_format", "json_schema.strict must be a boolean")
     if "schema" not in spec:
-        raise _bad("response_format", "json_schema.schema is required")
+        raise bad("response_format", "json_schema.schema is required")
     # Strict or not, the schema is enforced: a constrained decoder has no looser mode.
     return [GrammarSpec.json_schema(spec["schema"], "response_format")]
 
@@ -266,13 +168,16 @@ def _guided(param: str, kind: str, value: Any) -> GrammarSpec:
             try:
                 value = json.loads(value)
             except ValueError:
-                raise _bad(param, "the JSON schema is not valid JSON") from None
+                raise bad(param, "the JSON schema is not valid JSON") from None
         return GrammarSpec.json_schema(value, param)
     if kind == "choice":
+        for choice in value if isinstance(value, list) else ():
+            if isinstance(choice, str):
+                check_text(param, choice)
         return GrammarSpec.choice(value, param)
     if not isinstance(value, str):
-        raise _bad(param, f"expected a string, got {_type_name(value)}")
-    return GrammarSpec("regex" if kind == "regex" else "grammar", _check_text(param, value),
+        raise bad(param, f"expected a string, got {type_name(value)}")
+    return GrammarSpec("regex" if kind == "regex" else "grammar", check_text(param, value),
                        param)
 
 
@@ -332,53 +237,55 @@ class ChatCompletionRequest:
     options: GenerationOptions
     messages: tuple[ChatMessage, ...]
     tools: ToolUse | None  # None: no tool may be called
+    # vLLM's echo: the last message's content, when it is the assistant's, opens the answer
+    echo: str | None = None
 
 
 def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
              logprobs: int | None, max_tokens_keys: tuple[str, ...]) -> GenerationOptions:
-    model = _str(body, "model")
+    model = read_str(body, "model")
     if not model:
-        raise _bad("model", "is required (the base model's name or an adapter's)")
+        raise bad("model", "is required (the base model's name or an adapter's)")
     _check_neutral(body)
     max_tokens = None
     for key in max_tokens_keys:
-        value = _int(body, key, 1, max_tokens_limit)
+        value = read_int(body, key, 1, max_tokens_limit)
         if value is not None:
             max_tokens = value
-    stream = _bool(body, "stream", False)
+    stream = read_bool(body, "stream", False)
     include_usage = False
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict):
-            raise _bad("stream_options", f"expected an object, got {_type_name(stream_options)}")
-        include_usage = _bool(stream_options, "include_usage", False)
+            raise bad("stream_options", f"expected an object, got {type_name(stream_options)}")
+        include_usage = read_bool(stream_options, "include_usage", False)
     raw_stop_ids = body.get("stop_token_ids")
-    stop_token_ids = _token_ids(raw_stop_ids) if raw_stop_ids is not None else ()
+    stop_token_ids = read_token_ids(raw_stop_ids) if raw_stop_ids is not None else ()
     if stop_token_ids is None:
-        raise _bad("stop_token_ids", "expected an array of integers")
+        raise bad("stop_token_ids", "expected an array of integers")
     return GenerationOptions(
         model=model,
-        n=_int(body, "n", 1, max_n) or 1,
+        n=read_int(body, "n", 1, max_n) or 1,
         max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", -1, 1 << 31) or 0,
-        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
-        seed=_int(body, "seed", 0, MAX_SEED),
-        stop=_stop(body),
+        temperature=read_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=read_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=read_int(body, "top_k", -1, 1 << 31) or 0,
+        min_p=read_float(body, "min_p", 0.0, 0.0, 1.0),
+        seed=read_int(body, "seed", 0, MAX_SEED),
+        stop=read_stop(body),
         stop_token_ids=stop_token_ids,
-        ignore_eos=_bool(body, "ignore_eos", False),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        logit_bias=_logit_bias(body),
-        min_tokens=_int(body, "min_tokens", 0, max_tokens_limit) or 0,
+        ignore_eos=read_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=read_bool(body, "include_stop_str_in_output", False),
+        presence_penalty=read_number(body, "presence_penalty", 0.0),
+        frequency_penalty=read_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=read_number(body, "repetition_penalty", 1.0),
+        logit_bias=read_logit_bias(body),
+        min_tokens=read_int(body, "min_tokens", 0, max_tokens_limit) or 0,
         logprobs=logprobs,
         grammar=_grammar(body),
         stream=stream,
         include_usage=include_usage,
-        user=_str(body, "user"),
+        user=read_str(body, "user"),
     )
 
 
@@ -386,30 +293,30 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
                      max_n: int) -> CompletionRequest:
     """Validates a completions body; InvalidRequestError names the first bad field."""
     _check_known(body, COMPLETION_FIELDS)
-    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    logprobs = read_int(body, "logprobs", 0, MAX_LOGPROBS)
     options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
                        logprobs=logprobs, max_tokens_keys=("max_tokens",))
     if options.max_tokens is None:
         options = _replace_max_tokens(options, min(16, max_tokens_limit))  # OpenAI's default
-    echo = _bool(body, "echo", False)
+    echo = read_bool(body, "echo", False)
     prompt = body.get("prompt")
     if prompt is None:
-        raise _bad("prompt", "is required")
+        raise bad("prompt", "is required")
     # One prompt per request: a string, token ids, or an array holding exactly one of those.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise _bad("prompt", "must not be empty")
-        return CompletionRequest(options, _check_text("prompt", prompt), None, echo)
-    token_ids = _token_ids(prompt)
+            raise bad("prompt", "must not be empty")
+        return CompletionRequest(options, check_text("prompt", prompt), None, echo)
+    token_ids = read_token_ids(prompt)
     if token_ids:
         return CompletionRequest(options, None, token_ids, echo)
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", "batches of prompts are not supported: send one prompt per "
+        raise bad("prompt", "batches of prompts are not supported: send one prompt per "
                              "request")
-    raise _bad("prompt", "expected a non-empty string or a non-empty array of token ids")
+    raise bad("prompt", "expected a non-empty string or a non-empty array of token ids")
 
 
 def _replace_max_tokens(options: GenerationOptions, max_tokens: int) -> GenerationOptions:
@@ -419,10 +326,10 @@ def _replace_max_tokens(options: GenerationOptions, max_tokens: int) -> Generati
 def _message(i: int, raw: Any) -> ChatMessage:
     param = f"messages[{i}]"
     if not isinstance(raw, dict):
-        raise _bad(param, f"expected an object, got {_type_name(raw)}")
+        raise bad(param, f"expected an object, got {type_name(raw)}")
     role = raw.get("role")
     if role not in CHAT_ROLES:
-        raise _bad(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}")
+        raise bad(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}")
     content = raw.get("content")
     calls = _tool_calls(param, raw.get("tool_calls")) if role == "assistant" else ()
     if content is None and calls:
@@ -432,18 +339,18 @@ def _message(i: int, raw: Any) -> ChatMessage:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
-                raise _bad(f"{param}.content[{j}]", "only text parts are supported")
+                raise bad(f"{param}.content[{j}]", "only text parts are supported")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise _bad(f"{param}.content", "expected a string or an array of text parts")
-    _check_text(f"{param}.content", content)
+        raise bad(f"{param}.content", "expected a string or an array of text parts")
+    check_text(f"{param}.content", content)
     call_id = None
     if role == "tool":
         call_id = raw.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise _bad(f"{param}.tool_call_id", "a tool message needs the id of its call")
-        _check_text(f"{param}.tool_call_id", call_id)
+            raise bad(f"{param}.tool_call_id", "a tool message needs the id of its call")
+        check_text(f"{param}.tool_call_id", call_id)
     # The template's "system" is what OpenAI now calls "developer".
     return ChatMessage("system" if role == "developer" else role, content, calls, call_id)
 
@@ -452,7 +359,7 @@ def _tool_calls(param: str, raw: Any) -> tuple[ToolCall, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        raise _bad(f"{param}.tool_calls", f"expected an array, got {_type_name(raw)}")
+        raise bad(f"{param}.tool_calls", f"expected an array, got {type_name(raw)}")
     calls = []
     for j, call in enumerate(raw):
         where = f"{param}.tool_calls[{j}]"
@@ -460,10 +367,10 @@ def _tool_calls(param: str, raw: Any) -> tuple[ToolCall, ...]:
         if not (isinstance(call, dict) and call.get("type", "function") == "function"
                 and isinstance(call.get("id"), str) and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
-            raise _bad(where, "expected {\"id\", \"type\": \"function\", \"function\": "
+            raise bad(where, "expected {\"id\", \"type\": \"function\", \"function\": "
                               "{\"name\", \"arguments\"}} with strings")
         for text in (call["id"], fn["name"], fn["arguments"]):
-            _check_text(where, text)
+            check_text(where, text)
         calls.append(ToolCall(fn["name"], fn["arguments"], call["id"]))
     return tuple(calls)
 
@@ -473,23 +380,54 @@ def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
     """Validates a chat completions body; InvalidRequestError names the first bad field."""
     _check_known(body, CHAT_FIELDS)
     logprobs = None
-    if _bool(body, "logprobs", False):
-        logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+    if read_bool(body, "logprobs", False):
+        logprobs = read_int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:
-        _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-        raise _bad("top_logprobs", "requires logprobs to be true")
+        read_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        raise bad("top_logprobs", "requires logprobs to be true")
     options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
                        logprobs=logprobs,
                        max_tokens_keys=("max_tokens", "max_completion_tokens"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "expected a non-empty array of messages")
+        raise bad("messages", "expected a non-empty array of messages")
     parsed = tuple(_message(i, m) for i, m in enumerate(messages))
+    _store_and_metadata(body)
+    echo = None
+    if read_bool(body, "echo", False) and parsed[-1].role == "assistant":
+        echo = parsed[-1].content or ""
     tools = parse_tools(body)
-    forced = tools.grammar() if tools is not None else None
-    if forced is not None:
-        if options.grammar is not None:
-            raise _bad("tool_choice", f"forces a tool call, which cannot be combined with "
-                                      f"{options.grammar.param}")
-        options = replace(options, grammar=forced)
-    return ChatCompletionRequest(options, parsed, tools)
+    if tools is not None and tools.mode == "required" and options.grammar is not None:
+        raise bad("tool_choice", f"forces a tool call, which cannot be combined with "
+                                  f"{options.grammar.param}")
+    return with_call_format(ChatCompletionRequest(options, parsed, tools, echo), bare=False)
+
+
+def with_call_format(req: ChatCompletionRequest, *, bare: bool) -> ChatCompletionRequest:
+    """``req`` for a model whose calls are Llama 3's bare JSON (``bare``) or ``<tool_call>``
+    blocks: a forced call's grammar is that format's."""
+    if req.tools is None:
+        return req
+    tools = replace(req.tools, bare=bare)
+    forced = tools.grammar()
+    options = req.options if forced is None else replace(req.options, grammar=forced)
+    return replace(req, options=options, tools=tools)
+
+
+MAX_METADATA_PAIRS: Final = 16
+
+
+def _store_and_metadata(body: dict[str, Any]) -> None:
+    # Read for their shape only (OpenAI's limits): nothing is stored, as no answer is kept.
+    read_bool(body, "store", False)
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise bad("metadata", f"expected an object of at most {MAX_METADATA_PAIRS} pairs")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise bad("metadata", "keys must have at most 64 characters and values must be "
+                                   "strings of at most 512")
+        check_text("metadata", key)
+        check_text("metadata", value)

@@ -18,6 +18,7 @@ from loraplex.engine.backend import EngineBackend
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.gateway.ratelimit import RateLimiter
+from loraplex.gateway.tools import CALL_OPEN
 from loraplex.gateway.usage import UsageMeter
 from loraplex.registry.store import AdapterStore
 
@@ -49,6 +50,13 @@ class Tokenizers:
         """The chat template uses ``tools`` (Llama 3's, Qwen's do; the demo model's does
         not): tools, calls and tool results are then its to render."""
         return "tools" in str(getattr(self._encoder, "chat_template", None) or "")
+
+    @property
+    def bare_tool_calls(self) -> bool:
+        """The model writes a call as Llama 3's bare JSON: its template renders ``tools``
+        and names no ``<tool_call>`` block (Hermes/Qwen's format, also the fallback's)."""
+        template = str(getattr(self._encoder, "chat_template", None) or "")
+        return self.renders_tools and CALL_OPEN not in template
 
     def _render_chat(self, messages: Sequence[dict[str, Any]],
                      tools: list[dict[str, Any]] | None) -> list[int]:

@@ -1,17 +1,24 @@
 """Tool calls on chat completions: the declared tools, the grammar that enforces a call, the
 prompt that shows the tools to the model, and the parser that reads calls back out.
 
-One text format is enforced and read: Hermes/Qwen's
-``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``, one block per call. With
-``tool_choice`` ``required`` (or a named function) a grammar admits only such blocks, over
-the declared tools' (or that one tool's) parameters schemas: exactly one block, or one or
-more when ``parallel_tool_calls``. With ``auto`` the text is free and the blocks the model
-wrote are parsed out of it: text before and between them stays content, a block that does
-not parse stays text. With ``none`` the tools are neither shown nor parsed.
+Two text formats of a call are enforced and read, the model's own:
+
+- Hermes/Qwen's ``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``, one block per
+  call: what a template that names ``<tool_call>`` asks for, and what the fallback system
+  message (for a template that renders no tools, the demo model's) asks for.
+- Llama 3's bare JSON, the whole answer being ``{"name": "...", "parameters": {...}}`` (calls
+  separated by ``"; "`` when several): what a template that renders ``tools`` without naming
+  ``<tool_call>`` asks for (Llama 3.1's).
+
+With ``tool_choice`` ``required`` (or a named function) a grammar admits only calls in the
+model's format, over the declared tools' (or that one tool's) parameters schemas: exactly one,
+or one or more when ``parallel_tool_calls``. With ``auto`` the text is free and the calls the
+model wrote are parsed out of it: text before and between blocks stays content, a call that
+does not parse stays text. With ``none`` the tools are neither shown nor parsed.
 
 The model sees the tools through its chat template's own ``tools`` when the template uses
 them (Llama 3's, Qwen's); otherwise through :func:`fallback_system_text`, added to the system
-message, which describes this same format.
+message, which describes the block format.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
 
 CALL_OPEN: Final = "<tool_call>"
 CALL_CLOSE: Final = "</tool_call>"
+BARE_SEPARATOR: Final = "; "  # between Llama 3's bare JSON calls
 _NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 
 ToolMode = Literal["auto", "required"]
@@ -68,9 +76,10 @@ class ToolUse:
     mode: ToolMode
     function: str | None
     parallel: bool
-    # The chat template renders the tools itself (Llama 3's): its models answer a call as a
-    # bare JSON object, {"name": ..., "parameters": ...}, which ``auto`` reads too.
-    native: bool = False
+    # The model's calls are Llama 3's bare JSON objects, {"name": ..., "parameters": ...}
+    # (its chat template renders the tools and names no <tool_call> block): the grammar
+    # forces that format, and ``auto`` reads it besides the blocks.
+    bare: bool = False
 
     @property
     def names(self) -> frozenset[str]:
@@ -81,25 +90,28 @@ class ToolUse:
         if self.mode == "auto":
             return None
         allowed = [t for t in self.tools if self.function in (None, t.name)]
-        rules = [f"call_{i}: %json {json.dumps(_call_schema(t))}" for i, t in
+        key = "parameters" if self.bare else "arguments"
+        rules = [f"call_{i}: %json {json.dumps(_call_schema(t, key))}" for i, t in
                  enumerate(allowed)]
         alternatives = " | ".join(f"call_{i}" for i in range(len(allowed)))
-        source = "\n".join([f"start: call{'+' if self.parallel else ''}",
-                            f"call: {json.dumps(CALL_OPEN)} ({alternatives}) "
-                            f"{json.dumps(CALL_CLOSE)}", *rules])
-        return GrammarSpec("grammar", source, "tool_choice")
+        if self.bare:
+            head = ["start: call" + (f" ({json.dumps(BARE_SEPARATOR)} call)*"
+                                     if self.parallel else ""), f"call: {alternatives}"]
+        else:
+            head = [f"start: call{'+' if self.parallel else ''}",
+                    f"call: {json.dumps(CALL_OPEN)} ({alternatives}) {json.dumps(CALL_CLOSE)}"]
+        return GrammarSpec("grammar", "\n".join([*head, *rules]), "tool_choice")
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
+def _call_schema(tool: Tool, key: str) -> dict[str, Any]:
     # JSON written as json.dumps writes it (no free whitespace), name before arguments. The
     # parameters' definitions move to the root, where their "#/$defs/..." refs now point
     # (pydantic's schemas use them).
     arguments = dict(tool.parameters)
     defs: dict[str, Any] = {k: arguments.pop(k) for k in ("$defs", "definitions")
                             if k in arguments}
-    return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False,
+    return {"type": "object", "properties": {"name": {"const": tool.name}, key: arguments},
+            "required": ["name", key], "additionalProperties": False,
             "x-guidance": dict(JSON_LAYOUT), **defs}
 
 
@@ -264,19 +276,34 @@ def _parse_call(block: str, names: frozenset[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))
 
 
-def _parse_bare_call(text: str, names: frozenset[str]) -> ToolCall | None:
-    """A whole answer that is one call as Llama 3's template asks for it:
-    ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), naming a declared tool."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
+def _parse_bare_calls(text: str, names: frozenset[str],
+                      max_calls: int | None) -> list[ToolCall] | None:
+    """A whole answer that is calls as Llama 3's template asks for them: each
+    ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) naming a declared tool,
+    separated by ``;``; None when it is anything else (or more calls than allowed)."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos, text = 0, text.strip()
+    while True:
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or len(obj) != 2 or obj.get("name") not in names:
+            return None
+        arguments = obj.get("parameters", obj.get("arguments"))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False)))
+        rest = text[pos:].lstrip()
+        if not rest:
+            break
+        if not rest.startswith(";"):
+            return None
+        pos = len(text) - len(rest[1:].lstrip())
+    if max_calls is not None and len(calls) > max_calls:
         return None
-    if not isinstance(obj, dict) or len(obj) != 2 or obj.get("name") not in names:
-        return None
-    arguments = obj.get("parameters", obj.get("arguments"))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return calls
 
 
 def _held_prefix(text: str) -> int:
@@ -303,9 +330,9 @@ class ToolCallReader:
         self._gap = ""
         self._in_call = False
         self.calls: list[ToolCall] = []
-        # A native template's bare JSON call: an answer that opens with "{" is held whole
-        # until the end (None once the answer is known not to be one).
-        self._bare: str | None = "" if tools.native and tools.mode == "auto" else None
+        # Llama 3's bare JSON calls: an answer that opens with "{" is held whole until the
+        # end (None once the answer is known not to be one).
+        self._bare: str | None = "" if tools.bare else None
 
     def _content(self, text: str) -> str:
         if not self.calls:
@@ -359,10 +386,10 @@ class ToolCallReader:
         held bare JSON answer is a call, or content."""
         if self._bare is not None:
             held, self._bare = self._bare, None
-            call = _parse_bare_call(held, self._names)
-            if call is not None:
-                self.calls.append(call)
-                return "", [call]
+            calls = _parse_bare_calls(held, self._names, self._max_calls)
+            if calls:
+                self.calls += calls
+                return "", calls
             content, calls = self.feed(held)
             more, late = self.close()
             return content + more, calls + late

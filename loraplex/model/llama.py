@@ -148,8 +148,8 @@ class LlamaModel(nn.Module):
         self.packed_lm_head: PackedWeight | None = None
 
     def pack_weights(self) -> None:
-        """GEMM-packed copies of the base weights where faster (float32 CPU); call once the
-        weights are loaded."""
+        """GEMM-packed copies of the base weights where faster (float32 or bfloat16 on
+        CPU); call once the weights are loaded."""
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.pack_weight()

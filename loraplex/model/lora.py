@@ -65,7 +65,7 @@ class LoRALinear(nn.Module):
 
     def pack_weight(self) -> None:
         """Keeps a GEMM-packed copy of the (loaded, now fixed) base weight where that is
-        faster (float32 on CPU; see ``pack_linear_weight``). A oneDNN-packed copy is all
+        faster (float32 or bfloat16 on CPU; see ``pack_linear_weight``). A oneDNN-packed copy is all
         the GEMM reads, so the plain weight is released (half the base weights' memory);
         ``weight`` is then an empty tensor. Packing twice is a no-op."""
         if self.packed_weight is not None:

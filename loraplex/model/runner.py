@@ -21,6 +21,7 @@ from loraplex.model.llama import DecoderLayer
 from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
 from loraplex.model.sampler import SampledToken, SamplingRow, sample, verify
+from loraplex_kernels import cpu_native
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
 from loraplex_kernels.ops import Backend, cpu_gemm_choice
 
@@ -83,7 +84,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kernel_backend = kernel_backend
         try:
-            cpu_gemm_choice()  # refuse a bad LORAPLEX_CPU_GEMM before loading anything
+            # refuse a bad LORAPLEX_CPU_GEMM or LORAPLEX_CPU_BF16 before loading anything
+            cpu_gemm_choice()
+            cpu_native.bf16_impl()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.model, self.args = load_model(

@@ -137,3 +137,18 @@ def test_a_request_that_could_never_fit_the_pool_is_refused_at_admission(
         assert small.engine.kv.all_free_or_cached()
     finally:
         small.close()
+
+
+def test_prompts_arriving_together_start_longest_first(tiny_llama_dir: Path) -> None:
+    # One sequence at a time, so the queue order shows in each request's queue time.
+    one_at_a_time = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=16, num_kv_blocks=64,
+                        max_num_seqs=1, progress=False)
+    try:
+        lengths = [2, 9, 5, 3]
+        outs = one_at_a_time.generate(
+            [PROMPT] * 4, [SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths])
+        assert [len(o.outputs[0].token_ids) for o in outs] == lengths  # prompts' order
+        queued = [o.metrics[0].queue_time for o in outs]  # type: ignore[union-attr]
+        assert sorted(range(4), key=lambda i: queued[i]) == [1, 2, 3, 0]
+    finally:
+        one_at_a_time.close()

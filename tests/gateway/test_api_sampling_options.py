@@ -173,3 +173,29 @@ def test_out_of_range_logit_bias_is_400_and_the_engine_keeps_serving(
         ok = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=3,
                                        temperature=0.0)
     assert ok.usage is not None and ok.usage.completion_tokens == 3
+
+
+def test_chat_echo_opens_the_answer_with_the_last_assistant_message(live: LiveServer) -> None:
+    """vLLM's echo on chat: when the last message is the assistant's, the answer opens with
+    its content (streamed as the first content delta); otherwise it changes nothing."""
+    partial = "The fox is"
+    messages: list[Any] = [{"role": "user", "content": "Tell me about the fox."},
+                           {"role": "assistant", "content": partial}]
+    with live.openai("alice") as client:
+        kwargs: dict[str, Any] = {"model": SERVED_NAME, "messages": messages,
+                                  "max_tokens": 8, "temperature": 0.0}
+        plain = client.chat.completions.create(**kwargs).choices[0].message.content
+        echoed = client.chat.completions.create(extra_body={"echo": True},
+                                                **kwargs).choices[0].message.content
+        assert echoed == partial + (plain or "")
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(
+            stream=True, extra_body={"echo": True}, **kwargs) if c.choices]
+        assert chunks[0].role == "assistant" and chunks[1].content == partial
+        assert "".join(d.content or "" for d in chunks) == echoed
+        user_last = client.chat.completions.create(
+            model=SERVED_NAME, messages=messages[:1], max_tokens=8, temperature=0.0,
+            extra_body={"echo": True}).choices[0].message.content
+        again = client.chat.completions.create(
+            model=SERVED_NAME, messages=messages[:1], max_tokens=8,
+            temperature=0.0).choices[0].message.content
+        assert user_last == again

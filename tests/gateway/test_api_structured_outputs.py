@@ -31,40 +31,34 @@ def _chat(client: openai.OpenAI, model: str, i: int, **kwargs: Any) -> Any:
         max_tokens=80, seed=i, **kwargs).choices[0]
 
 
-def test_json_schema_answers_validate_in_mixed_batches(live: LiveServer) -> None:
+def test_constrained_answers_validate_in_mixed_batches(live: LiveServer) -> None:
+    """json_schema, json_object and free requests on two adapters and the base model, at
+    three temperatures, all in flight together: every constrained answer that stops keeps
+    to its constraint."""
     client = live.openai("alice")
-    jobs = []
-    for i in range(18):
-        model = ["sql", "summarizer", live.served_name][i % 3]
-        temperature = [0.0, 0.7, 1.2][(i // 3) % 3]
-        constrained = i % 2 == 0
-        jobs.append((model, temperature, constrained, i))
+    models = ["sql", "summarizer", live.served_name]
+    kinds: list[dict[str, Any] | None] = [RESPONSE_FORMAT, {"type": "json_object"}, None]
+    jobs = [(model, temperature, kind, i) for i, (model, temperature, kind) in enumerate(
+        (m, t, k) for m in models for t in (0.0, 0.7, 1.2) for k in kinds)]
 
-    def run(job: tuple[str, float, bool, int]) -> tuple[bool, Any]:
-        model, temperature, constrained, i = job
-        extra = {"response_format": RESPONSE_FORMAT} if constrained else {}
-        return constrained, _chat(client, model, i, temperature=temperature, **extra)
+    def run(job: tuple[str, float, dict[str, Any] | None, int]) -> tuple[Any, Any]:
+        model, temperature, kind, i = job
+        extra = {"response_format": kind} if kind else {}
+        return kind, _chat(client, model, i, temperature=temperature, **extra)
 
     with ThreadPoolExecutor(9) as pool:
         results = list(pool.map(run, jobs))
-    stopped = 0
-    for constrained, choice in results:
-        if constrained and choice.finish_reason == "stop":
-            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-            stopped += 1
-    assert stopped >= 5
-
-
-def test_json_object_answers_are_objects(live: LiveServer) -> None:
-    client = live.openai("alice")
-    stopped = 0
-    for i in range(6):
-        choice = _chat(client, "sql", i, temperature=0.8,
-                       response_format={"type": "json_object"})
-        if choice.finish_reason == "stop":
-            assert isinstance(json.loads(choice.message.content), dict)
-            stopped += 1
-    assert stopped >= 1
+    stopped = {"json_schema": 0, "json_object": 0}
+    for kind, choice in results:
+        if kind is None or choice.finish_reason != "stop":
+            continue
+        value = json.loads(choice.message.content)
+        if kind["type"] == "json_schema":
+            jsonschema.validate(value, SCHEMA)
+        else:
+            assert isinstance(value, dict)
+        stopped[kind["type"]] += 1
+    assert stopped["json_schema"] >= 4 and stopped["json_object"] >= 1, stopped
 
 
 @pytest.mark.parametrize(("extra", "check"), [
@@ -112,3 +106,44 @@ def test_a_bad_schema_is_400_and_the_server_keeps_serving(live: LiveServer) -> N
     ok = client.chat.completions.create(model="sql", max_tokens=3,
                                         messages=[{"role": "user", "content": "x"}])
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
+    # (route, the bad part of the body, the field the 400 names)
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}}}},
+     "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ("chat", {"extra_body": {"guided_json": {"not": {"type": "string"}}}}, "guided_json"),
+    ("completion", {"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
+    ("completion", {"extra_body": {"structured_outputs": {"regex": "a{2,1}"}}},
+     "structured_outputs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strnig"}}}}}]},
+     "tools[0].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "if": {"required": ["x"]}, "then": {}}}}],
+        "tool_choice": "required"}, "tools[0].function.parameters"),
+    ("completion", {"logit_bias": {"999999": 1}}, "logit_bias"),
+    ("completion", {"logit_bias": {"3": -150}}, "logit_bias"),
+    ("completion", {"extra_body": {"suffix": "tail"}}, "suffix"),
+    ("completion", {"n": 1, "extra_body": {"best_of": 2}}, "best_of"),
+]
+
+
+def test_bad_constraints_are_400_and_the_engine_keeps_serving(live: LiveServer) -> None:
+    client = live.openai("alice")
+    for route, bad, param in BAD_REQUESTS:
+        with pytest.raises(openai.BadRequestError) as info:
+            if route == "chat":
+                client.chat.completions.create(
+                    model="summarizer", max_tokens=5,
+                    messages=[{"role": "user", "content": "x"}], **bad)
+            else:
+                client.completions.create(model="summarizer", prompt="x", max_tokens=5, **bad)
+        assert info.value.body["param"] == param, (bad, info.value.body)  # type: ignore[index]
+    ok = _chat(client, "summarizer", 0, temperature=0.0, response_format=RESPONSE_FORMAT)
+    assert ok.finish_reason in ("stop", "length")
+    stats = live.wait_idle()
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0

@@ -173,7 +173,7 @@ def test_without_parallel_calls_a_second_block_stays_text() -> None:
     assert len(reader.calls) == 1
 
 
-NATIVE = None if AUTO is None else replace(AUTO, native=True)
+BARE = None if AUTO is None else replace(AUTO, bare=True)
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
@@ -182,19 +182,43 @@ NATIVE = None if AUTO is None else replace(AUTO, native=True)
     ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
     ('{"a": 1} is JSON', '{"a": 1} is JSON', []),
     ("plain " + CALL, "plain ", [("add", '{"a": 3}')]),
+    ('{"name": "add", "parameters": {"a": 3}}; {"name": "get_weather", "parameters": {}}',
+     "", [("add", '{"a": 3}'), ("get_weather", "{}")]),
+    ('{"name": "add", "parameters": {"a": 3}} and more',
+     '{"name": "add", "parameters": {"a": 3}} and more', []),
 ])
 def test_a_native_template_answer_may_be_a_bare_json_call(
         text: str, content: str, calls: list[tuple[str, str]]) -> None:
-    """Llama 3's template asks for a call as a bare JSON object: auto reads it too, held
-    whole until the answer ends (streamed and whole alike)."""
-    assert NATIVE is not None
+    """Llama 3's template asks for a call as a bare JSON object (several separated by
+    "; "): auto reads it too, held whole until the answer ends (streamed and whole
+    alike)."""
+    assert BARE is not None
     for pieces in ([text], list(text)):
-        reader = ToolCallReader(NATIVE)
+        reader = ToolCallReader(BARE)
         got = "".join(reader.feed(p)[0] for p in pieces)
         rest, late = reader.close()
         assert got + rest == content
         assert [(c.name, c.arguments) for c in reader.calls] == calls
-        assert len(late) == (1 if calls and not text.startswith("plain") else 0)
+        assert len(late) == (len(calls) if not text.startswith("plain") else 0)
+
+
+def test_bare_calls_beyond_parallel_tool_calls_false_stay_text() -> None:
+    tools = parse_tools({"tools": TWO_TOOLS, "parallel_tool_calls": False})
+    assert tools is not None
+    reader = ToolCallReader(replace(tools, bare=True))
+    text = '{"name": "add", "parameters": {"a": 3}}; {"name": "add", "parameters": {"a": 4}}'
+    assert reader.feed(text)[0] + reader.close()[0] == text and not reader.calls
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_bare_call_grammar_compiles(parallel: bool) -> None:
+    tools = parse_tools({"tool_choice": "required", "tools": TWO_TOOLS,
+                         "parallel_tool_calls": parallel})
+    assert tools is not None
+    grammar = replace(tools, bare=True).grammar()
+    assert grammar is not None and '"parameters"' in grammar.source
+    assert ('"; "' in grammar.source) is parallel
+    check_spec(grammar)
 
 
 # --- the prompt ---------------------------------------------------------------------------
@@ -244,3 +268,69 @@ def test_a_template_with_tools_renders_them_itself(tmp_path: Any) -> None:
     assert "Functions you may call" not in text
     assert '"name": "get_weather"' in text and "<|im_start|>ipython\n12 C" in text
     assert '"parameters": {"city": "Oslo", "unit": "c"}' in text  # arguments as an object
+
+
+# --- tool_choice none, and the deprecated spellings ---------------------------------------
+
+
+def test_none_reads_no_call_even_from_text_that_looks_like_one(live: LiveServer) -> None:
+    """none: the tools are not shown (the prompt is the one without tools) and nothing is
+    read as a call, even an answer that is a well-formed block of a declared function."""
+    client = live.openai("alice")
+    block = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "c"\}\}</tool_call>'
+    kwargs: dict[str, Any] = {"model": "sql", "messages": MESSAGES, "tools": TOOLS,
+                              "tool_choice": "none", "temperature": 0.0, "max_tokens": 150,
+                              "extra_body": {"guided_regex": block}}
+    whole = client.chat.completions.create(**kwargs)
+    out = whole.choices[0]
+    assert out.finish_reason == "stop" and out.message.tool_calls is None
+    assert out.message.content == ('<tool_call>{"name": "get_weather", "arguments": '
+                                   '{"city": "Oslo", "unit": "c"}}</tool_call>')
+    plain = client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=1)
+    assert whole.usage is not None and plain.usage is not None
+    assert whole.usage.prompt_tokens == plain.usage.prompt_tokens
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs)
+              if c.choices]
+    assert all(d.tool_calls is None for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == out.message.content
+
+
+@pytest.mark.parametrize(("field", "value", "hint"), [
+    ("functions", [{"name": "get_weather", "parameters": WEATHER}], "use tools"),
+    ("function_call", "auto", "use tool_choice"),
+    ("function_call", {"name": "get_weather"}, "use tool_choice"),
+])
+def test_deprecated_functions_are_400_pointing_to_tools(live: LiveServer, field: str,
+                                                        value: Any, hint: str) -> None:
+    client = live.openai("alice")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=2,
+                                       **{field: value})
+    body: Any = info.value.body
+    assert body["param"] == field and "deprecated" in body["message"] and hint in body["message"]
+    # Their neutral values change nothing, and are accepted.
+    ok = client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=2,
+                                        functions=[], function_call="none")
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_the_demo_model_s_template_gets_the_fallback() -> None:
+    """The demo model's own template (SmolLM2's, which knows no tools): the fallback system
+    message replaces its default one, calls and results come back as blocks."""
+    from transformers import AutoTokenizer
+
+    from loraplex.model.demo import prepare_demo_model
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_demo_model(progress=False)))
+    tokenizers = Tokenizers(tok)
+    assert not tokenizers.renders_tools and not tokenizers.bare_tool_calls
+    body = dict(CONVERSATION, messages=CONVERSATION["messages"][1:])  # no system message
+    req = parse_chat_completion(body, max_tokens_limit=10, max_n=1)
+    messages, tools = template_input(req.messages, req.tools, tokenizers.renders_tools)
+    text = tok.decode(asyncio.run(tokenizers.encode_chat(messages, tools)))
+    assert text.startswith("<|im_start|>system\nFunctions you may call")
+    assert "SmolLM" not in text  # the template's default system message gave way
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"' in text
+    assert text.endswith("<|im_start|>user\n<tool_response>12 C</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")

@@ -334,7 +334,8 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str,
     # The reference gathers whole blocks and masks, so it needs finite garbage; the Triton
     # and native CPU kernels must never load an unowned row, so NaN garbage proves it.
     # ("cpu" runs float16 on the reference.)
-    exact_reads = backend == "triton" or (backend == "cpu" and dtype == torch.float32)
+    exact_reads = backend == "triton" or (backend == "cpu"
+                                          and dtype in (torch.float32, torch.bfloat16))
     inp = make_attention_inputs(case, dtype, device,
                                 garbage=float("nan") if exact_reads else 30.0)
     out = _new_out(case, inp.query)

@@ -82,3 +82,22 @@ def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "fastest")
     with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be onednn, mkl or plain"):
         ops.pack_linear_weight(torch.randn(512, 512))
+
+
+@pytest.mark.skipif(not KINDS["onednn"], reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_bfloat16_weights_are_packed_by_onednn(rows: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 x bf16 with float32 sums: within bf16 rounding of the output of float64."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(320, 272, generator=g).bfloat16()
+    bias = torch.randn(320, generator=g).bfloat16()
+    x = torch.randn(rows, 272, generator=g).bfloat16()
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "onednn"
+    got = ops.linear(x, weight, bias, packed)
+    assert got.dtype == torch.bfloat16
+    expected = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2)
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "mkl")  # MKL packs float32 only
+    assert ops.pack_linear_weight(weight) is None

@@ -41,3 +41,29 @@ def test_stacked_layout_pads_to_max_rank_and_clears() -> None:
     assert torch.equal(slots.lora_b[0][1, :, :3], b) and slots.weights == [None, None]
     slots.set(1, [None], 2.0)
     assert not slots.lora_a[0].any() and not slots.lora_b[0].any()
+
+
+def test_bfloat16_slots_give_the_native_kernel_pair_interleaved_copies() -> None:
+    slots = LoRASlots(5, [4, 3], 2, 64, torch.bfloat16, CPU, "per_slot")
+    a, b = torch.randn(3, 5).bfloat16(), torch.randn(7, 3).bfloat16()
+    slots.set(0, [(a[:2], b[:4, :2]), (a[2:], b[4:, 2:])], 1.0)
+    at, bt = slots.weights[0] or (None, None)
+    pair = slots.native[0]
+    assert at is not None and bt is not None and pair is not None
+    vat, vbt = pair
+    assert vat.shape == (3, 16, 2) and vbt.shape == (8, 7, 2)  # in 5 -> 3 pairs, R 16 -> 8
+    for i in range(5):
+        assert torch.equal(vat[i // 2, :, i % 2], at[i])
+    assert not vat[2, :, 1].any()  # the odd row's partner is zero
+    for k in range(16):
+        assert torch.equal(vbt[k // 2, :, k % 2], bt[k])
+    assert slots.at_ptrs[0] == vat.data_ptr() and slots.bt_ptrs[0] == vbt.data_ptr()
+    slots.set(0, [None, None], 1.0)
+    assert slots.native[0] is None and slots.weights[0] is None
+
+
+def test_float32_slots_keep_one_copy() -> None:
+    slots = LoRASlots(5, [4], 1, 64, torch.float32, CPU, "per_slot")
+    slots.set(0, [(torch.randn(2, 5), torch.randn(4, 2))], 1.0)
+    assert slots.native == [None]
+    assert slots.weights[0] is not None and slots.at_ptrs[0] == slots.weights[0][0].data_ptr()

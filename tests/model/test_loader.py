@@ -50,6 +50,14 @@ def test_bad_cpu_gemm_setting_is_refused(tiny_llama_dir: Path,
                     progress=False)
 
 
+def test_bad_cpu_bf16_setting_is_refused(tiny_llama_dir: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CPU_BF16", "fastest")
+    with pytest.raises(ConfigError, match="LORAPLEX_CPU_BF16 must be auto or portable"):
+        ModelRunner(ModelConfig(str(tiny_llama_dir), dtype="bfloat16"),
+                    CacheConfig(num_kv_blocks=4), LORA, progress=False)
+
+
 def test_pickle_only_checkpoints_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, model)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -42,6 +41,7 @@ from loraplex.gateway.schemas import (
     GenerationOptions,
     parse_chat_completion,
     parse_completion,
+    with_call_format,
 )
 from loraplex.gateway.state import Gateway, gateway
 from loraplex.gateway.targets import Target, resolve_target
@@ -173,20 +173,20 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
-    native = gw.tokenizers.renders_tools
-    messages, tools = template_input(req.messages, req.tools, native)
+    req = with_call_format(req, bare=gw.tokenizers.bare_tool_calls)
+    messages, tools = template_input(req.messages, req.tools, gw.tokenizers.renders_tools)
     token_ids = await gw.tokenizers.encode_chat(messages, tools)
     params = _sampling_params(gw, req.options, len(token_ids),
                               default_max_tokens=gw.config.max_tokens_limit)
     return await _generate(request, gw, obs, principal, target, token_ids, params,
-                           req.options, chat=True,
-                           tools=req.tools and replace(req.tools, native=native))
+                           req.options, chat=True, tools=req.tools,
+                           chat_echo=req.echo or "")
 
 
 async def _generate(request: Request, gw: Gateway, obs: Observation, principal: Principal,
                     target: Target, token_ids: list[int], params: SamplingParams,
                     options: GenerationOptions, *, chat: bool, echo: Echo | None = None,
-                    tools: ToolUse | None = None) -> Response:
+                    tools: ToolUse | None = None, chat_echo: str = "") -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(gw, principal, target, token_ids, params, rid, obs)
     try:
@@ -195,13 +195,13 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
         await shielded(job.finish(_failure_status(exc)))
         raise
     if options.stream:
-        return EventStreamResponse(_events(gw, job, options, chat, echo, tools),
+        return EventStreamResponse(_events(gw, job, options, chat, echo, tools, chat_echo),
                                    on_close=lambda gone: job.finish(
                                        "aborted" if gone else job.stream_status))
     try:
         body = await run_until_disconnect(request,
                                           lambda: _collect(gw, job, options, chat, echo,
-                                                           tools))
+                                                           tools, chat_echo))
     except BaseException as exc:
         await shielded(job.finish(_failure_status(exc)))
         raise
@@ -217,8 +217,10 @@ def _failure_status(exc: BaseException) -> str:
 
 
 async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
-                   echo: Echo | None, tools: ToolUse | None) -> dict[str, Any]:
-    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text, echo, tools)
+                   echo: Echo | None, tools: ToolUse | None,
+                   chat_echo: str) -> dict[str, Any]:
+    acc = Accumulator(job.params.n, options.logprobs, gw.tokenizers.token_text, echo, tools,
+                      chat_echo)
     async for delta in job.deltas():
         acc.add(delta)
     if acc.aborted:
@@ -229,10 +231,11 @@ async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool
 
 
 async def _events(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
-                  echo: Echo | None, tools: ToolUse | None) -> AsyncGenerator[bytes, None]:
+                  echo: Echo | None, tools: ToolUse | None,
+                  chat_echo: str) -> AsyncGenerator[bytes, None]:
     writer = ChunkWriter(chat, job.request_id, job.created, job.target.model, job.params.n,
                          options.logprobs, options.include_usage, gw.tokenizers.token_text,
-                         echo, tools)
+                         echo, tools, chat_echo)
     try:
         for chunk in writer.role_chunks():
             yield sse(chunk)

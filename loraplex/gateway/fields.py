@@ -1,0 +1,128 @@
+"""Readers of JSON request fields shared by the request parsers: each checks one field's
+JSON type (and, where no layer below does, its range) and raises an
+``InvalidRequestError`` that names the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+from loraplex.errors import InvalidRequestError
+
+MAX_STOP_SEQUENCES: Final = 4
+MAX_STOP_LENGTH: Final = 256
+
+
+def bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean",
+            int: "integer", float: "number", type(None): "null"}.get(type(value), "value")
+
+
+def check_text(param: str, value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(param, "contains a lone surrogate, which is not valid Unicode") from None
+    return value
+
+
+def read_str(body: dict[str, Any], key: str, default: str | None = None) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad(key, f"expected a string, got {type_name(value)}")
+    return check_text(key, value)
+
+
+def read_token_ids(value: Any) -> tuple[int, ...] | None:
+    # JSON integers, 16.0 included (JSON Schema's "integer" allows it); None if not all are.
+    if not isinstance(value, list) or not all(
+            (isinstance(t, int) and not isinstance(t, bool))
+            or (isinstance(t, float) and t.is_integer()) for t in value):
+        return None
+    return tuple(int(t) for t in value)
+
+
+def read_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 16.0 is an integer in JSON's eyes
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad(key, f"expected an integer, got {type_name(value)}")
+    if not lo <= value <= hi:
+        raise bad(key, f"must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def read_float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
+           lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise bad(key, f"expected a number, got {type_name(value)}")
+    value = float(value)
+    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise bad(key, f"must be in {bracket}{lo:g}, {hi:g}], got {value:g}")
+    return value
+
+
+def read_number(body: dict[str, Any], key: str, default: float) -> float:
+    # The type only: the range is SamplingParams' to check.
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise bad(key, f"expected a number, got {type_name(value)}")
+    return float(value)
+
+
+def read_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("logit_bias", f"expected an object, got {type_name(value)}")
+    pairs = []
+    for key, bias in value.items():
+        # OpenAI's keys are token ids written as JSON strings.
+        if not key.strip().lstrip("-").isdecimal():
+            raise bad("logit_bias", f"keys must be token ids, got {key!r}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise bad("logit_bias", f"values must be numbers, got {type_name(bias)} for "
+                                     f"{key!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+def read_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(key, f"expected a boolean, got {type_name(value)}")
+    return value
+
+
+def read_stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("stop", "expected a string or an array of strings")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}")
+    for s in items:
+        check_text("stop", s)
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise bad("stop", f"each sequence must have 1 to {MAX_STOP_LENGTH} characters")
+    return tuple(items)

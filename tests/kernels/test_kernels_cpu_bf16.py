@@ -1,0 +1,157 @@
+"""Native bfloat16 CPU kernels (``csrc/cpu_kernels_bf16.c``), every implementation this
+machine runs (the AVX-512 BF16 one where the CPU has it, and the portable one, forced with
+``LORAPLEX_CPU_BF16=portable``), against float64 and the PyTorch reference.
+
+As for float32, unowned cache rows hold NaN and outputs start as NaN, so a kernel that
+reads outside a sequence's blocks, or leaves an output unwritten, fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import (
+    ATTENTION_CASES,
+    SGMV_CASES,
+    AttentionCase,
+    SGMVCase,
+    check_add_lora,
+    check_attention,
+    lora_slots,
+    make_attention_inputs,
+    make_sgmv_inputs,
+)
+
+from loraplex_kernels import cpu_native, ops
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(),
+                                reason="no C compiler: the native CPU kernels are not built")
+
+BF16 = torch.bfloat16
+IMPLS = cpu_native.bf16_impls()
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each implementation in turn, as the dispatcher picks it (the environment switch)."""
+    name: str = request.param
+    monkeypatch.setenv("LORAPLEX_CPU_BF16", "portable" if name == "portable" else "auto")
+    assert cpu_native.bf16_impl() == name
+    return name
+
+
+def _cpu_flags() -> list[str]:
+    return cpu_native._cpu_signature().split()
+
+
+def test_implementations_follow_the_cpu_flags() -> None:
+    assert IMPLS[-1] == "portable"
+    assert ("avx512_bf16" in IMPLS) == ("avx512_bf16" in _cpu_flags())
+
+
+def test_bad_switch_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CPU_BF16", "fast")
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_BF16 must be auto or portable"):
+        cpu_native.bf16_impl()
+
+
+def test_an_implementation_this_machine_lacks_is_refused() -> None:
+    case = ATTENTION_CASES[0]
+    inp = make_attention_inputs(case, BF16, "cpu", garbage=0.0)
+    out = torch.empty_like(inp.query)
+    with pytest.raises(ValueError, match="'sse2' is not available"):
+        cpu_native.paged_decode_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta,
+                                          0.1, out, impl="sse2")
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
+def test_attention(case: AttentionCase, impl: str) -> None:
+    check_attention(case, BF16, "cpu", "cpu")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    prefill=st.lists(st.integers(1, 12), min_size=0, max_size=2),
+    kv_heads=st.sampled_from([1, 3]),
+    group=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([8, 17, 32, 64, 96]),
+    block_size=st.sampled_from([1, 3, 16]),
+)
+def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: int,
+                               group: int, head_dim: int, block_size: int) -> None:
+    """Odd lengths and block sizes (a V pass pairs positions: odd ones pair with zeros),
+    head sizes the vector path does not take (not a multiple of 32), every implementation."""
+    seq_lens = tuple(lens) + tuple(q + 5 for q in prefill)
+    query_lens = (1,) * len(lens) + tuple(prefill)
+    case = AttentionCase("random", seq_lens, query_lens, kv_heads * group, kv_heads,
+                         head_dim, block_size)
+    for name in IMPLS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LORAPLEX_CPU_BF16", "portable" if name == "portable" else "auto")
+            check_attention(case, BF16, "cpu", "cpu")
+
+
+def test_implementations_agree_on_attention() -> None:
+    """Both round the same values to bf16, so they differ by fp32 summation order only:
+    far closer to each other than either is to float64."""
+    case = replace(ATTENTION_CASES[0], name="long", seq_lens=(300, 7, 129),
+                   query_lens=(1, 1, 1), head_dim=64)
+    inp = make_attention_inputs(case, BF16, "cpu", garbage=float("nan"))
+    outs = []
+    for name in IMPLS:
+        out = torch.full_like(inp.query, float("nan"))
+        cpu_native.paged_decode_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta,
+                                          case.head_dim ** -0.5, out, impl=name)
+        outs.append(out.double())
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], atol=8e-3, rtol=8e-3)
+
+
+def _sorted(case: SGMVCase) -> SGMVCase:
+    return replace(case, name=case.name + "-sorted", token_slots=tuple(sorted(case.token_slots)))
+
+
+@pytest.mark.parametrize("case", [_sorted(c) for c in SGMV_CASES], ids=str)
+def test_add_lora(case: SGMVCase, impl: str) -> None:
+    check_add_lora(case, BF16, "cpu", "cpu")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 45)), min_size=1, max_size=6),
+    ranks=st.lists(st.sampled_from([1, 2, 8, 16, 33, 64]), min_size=4, max_size=4),
+    hidden=st.integers(1, 80),
+    widths=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+)
+def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hidden: int,
+                              widths: list[int]) -> None:
+    """Odd input sizes (the pair layout pads a zero row), outputs past and short of whole
+    64-column tiles, short and long runs mixed with base-model tokens."""
+    slots = sorted(s for s, n in runs for _ in range(n))
+    case = SGMVCase("random", tuple(slots), tuple(ranks), hidden, tuple(widths))
+    for name in IMPLS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LORAPLEX_CPU_BF16", "portable" if name == "portable" else "auto")
+            check_add_lora(case, BF16, "cpu", "cpu")
+
+
+def test_implementations_agree_on_lora() -> None:
+    case = SGMVCase("decode", (0, 0, 1, 1, 1, 2, 3, 3), (8, 16, 33, 64), 576, (576, 192, 192))
+    inp = make_sgmv_inputs(case, BF16, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    segments = ops.SGMVMeta.build(case.token_slots, case.slot_ranks).short_segments
+    assert segments is not None
+    out0 = torch.randn(len(case.token_slots), 960).to(BF16)
+    outs = []
+    for name in IMPLS:
+        out = out0.clone()
+        cpu_native.add_lora(out, inp.x, segments, slots, impl=name)
+        outs.append(out.double())
+    assert not torch.equal(outs[0], out0.double())
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], atol=2e-2, rtol=8e-3)

@@ -1,0 +1,133 @@
+"""The runner in bfloat16 (weights, KV cache, GEMMs, native decode attention and LoRA with
+float32 sums) against the float32 oracle, HF transformers + PEFT.
+
+bf16 cannot be exact, so logits are compared within a bf16 tolerance, teacher-forced on
+the oracle's own greedy continuation (the same positions for both), once per bf16 kernel
+implementation this machine runs; free-running greedy agreement with float32 is measured
+and bounded below. The model's head size is 64, the one the vectorised kernels take.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
+from loraplex.model.adapter_loader import TargetShapes, load_adapter
+from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
+from loraplex.model.sampler import SamplingRow
+from loraplex.testing import build_adapter, build_tiny_model, load_reference, runner_logits
+from loraplex_kernels import cpu_native
+
+NUM_NEW = 8
+GREEDY = SamplingRow()
+NAMES: list[str | None] = [None, "r8", "r16qv", "r8", None, "r16qv", "r8"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("bf16_llama"), hidden_size=128,
+                            intermediate_size=256, num_heads=2, num_kv_heads=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bf16_adapters")
+    return {"r8": build_adapter(root / "r8", model_dir, rank=8, alpha=16.0, seed=21),
+            "r16qv": build_adapter(root / "r16qv", model_dir, rank=16, alpha=16.0, seed=22,
+                                   target_modules=("q_proj", "v_proj"))}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(3, 380) for _ in range(rng.randrange(3, 40))] for _ in NAMES]
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: Path, adapters: dict[str, Path],
+           prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Per sequence: the float32 oracle's greedy continuation and its logits at the last
+    prompt position and every continuation position but the last, [NUM_NEW, vocab]."""
+    refs = {name: load_reference(model_dir, None if name is None else adapters[name])
+            for name in set(NAMES)}
+    out = []
+    for name, prompt in zip(NAMES, prompts, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(NUM_NEW):
+                ids.append(int(refs[name](input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = refs[name](input_ids=torch.tensor([ids])).logits[0]
+        out.append((ids[len(prompt):], logits[len(prompt) - 1:len(ids) - 1]))
+    return out
+
+
+def _forced_logits(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+                   continuations: list[list[int]], dtype: str) -> torch.Tensor:
+    """The runner's logits [num_seqs, NUM_NEW, vocab], fed the given continuations: one
+    prefill step, then decode steps of one token each (the native kernels' path)."""
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(num_kv_blocks=64),
+                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
+                         progress=False)
+    target = TargetShapes.from_model_dir(model_dir)
+    slot_of = {"r8": 2, "r16qv": 0}
+    for name, slot in slot_of.items():
+        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
+    slots = [-1 if n is None else slot_of[n] for n in NAMES]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2, 40 + i] for i in range(len(NAMES))]
+    steps = [runner_logits(runner, BatchInputs([
+        SeqInput(p, 0, t, s, [GREEDY]) for p, t, s in zip(prompts, tables, slots, strict=True)]))]
+    for k in range(NUM_NEW - 1):
+        steps.append(runner_logits(runner, BatchInputs([
+            SeqInput([c[k]], len(p) + k, t, s, [GREEDY])
+            for p, c, t, s in zip(prompts, continuations, tables, slots, strict=True)])))
+    return torch.stack(steps, dim=1).float()
+
+
+@pytest.fixture(params=cpu_native.bf16_impls() or ("portable",))
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    name: str = request.param
+    monkeypatch.setenv("LORAPLEX_CPU_BF16", "portable" if name == "portable" else "auto")
+    return name
+
+
+def test_bfloat16_logits_are_close_to_the_float32_oracle(
+        model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+        oracle: list[tuple[list[int], torch.Tensor]], impl: str) -> None:
+    continuations = [c for c, _ in oracle]
+    expected = torch.stack([lg for _, lg in oracle])  # [num_seqs, NUM_NEW, vocab]
+    got = _forced_logits(model_dir, adapters, prompts, continuations, "bfloat16")
+    scale = expected.abs().amax(dim=-1, keepdim=True)  # per position
+    err = ((got - expected).abs() / scale).amax().item()
+    # bf16 keeps 8 significant bits (relative step 2^-8 = 0.4 %) in two layers' worth of
+    # rounded weights and activations: a few steps' worth, far from a wrong result.
+    assert err < 0.05, f"bf16 logits differ from float32 by {err:.3f} of their range"
+    # The adapters' deltas are visible in bf16: a LoRA row differs from the base model's
+    # own logits for the same tokens by far more than the bf16 error.
+    assert err < 0.5 * (expected[1] - expected[0]).abs().amax().item() / scale.max().item()
+    # And float32 through the same runner stays exact (the parity oracle's bound).
+    exact = _forced_logits(model_dir, adapters, prompts, continuations, "float32")
+    assert (exact - expected).abs().max().item() < 1e-4
+
+
+def test_bfloat16_greedy_agrees_with_float32(model_dir: Path, adapters: dict[str, Path],
+                                            prompts: list[list[int]], impl: str) -> None:
+    """Free-running greedy decoding, bf16 against float32, through the whole engine:
+    most tokens agree (ties in a random tiny model's logits may flip), and the first
+    token of every request does."""
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(model_dir), dtype=dtype, progress=False, max_lora_rank=16, max_loras=2)
+        loras = [None if n is None else LoRARequest(n, str(adapters[n])) for n in NAMES]
+        result = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW,
+                                                      ignore_eos=True), loras)
+        outs[dtype] = [r.outputs[0].token_ids for r in result]
+        llm.close()
+    pairs = list(zip(outs["float32"], outs["bfloat16"], strict=True))
+    assert all(a[0] == b[0] for a, b in pairs), pairs
+    same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
+    assert same >= 0.75 * NUM_NEW * len(NAMES), f"{same} of {NUM_NEW * len(NAMES)} agree"
