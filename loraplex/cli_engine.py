@@ -78,7 +78,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="host-memory KV blocks for --preemption-mode swap")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (default: off)')
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or '
+                        '\'{"method": "draft_model", "model": "/path/to/draft", '
+                        '"num_speculative_tokens": 3}\' (default: off)')
     g.add_argument("--seed", type=int, default=0,
                    help="engine seed (sampling of requests that give no seed)")
 

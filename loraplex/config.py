@@ -91,7 +91,7 @@ class SchedulerConfig:
         _require(self.max_waiting >= 1, "max_waiting must be >= 1")
 
 
-SPECULATIVE_METHODS = ("ngram", "layer_skip")
+SPECULATIVE_METHODS = ("ngram", "layer_skip", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,10 @@ class SpeculativeConfig:
     LM head (with the request's adapter) propose greedily, one token per draft forward.
     They share the target's weights and its KV cache: the first layers' KV of accepted
     tokens is exactly what the draft computes, so it needs no cache of its own.
+
+    ``draft_model``: a separate, smaller model (the HuggingFace folder ``model``, with the
+    target's tokenizer) proposes greedily, base-only, on its own paged KV cache indexed by
+    the target's block tables.
     """
 
     method: str = "ngram"
@@ -116,6 +120,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     num_draft_layers: int | None = None  # layer_skip only
+    model: str | None = None  # draft_model only: the draft's folder
     # Measured cross-over on 2 quiet CPU cores (docs/benchmarks.md): about 8.
     disable_by_batch_size: int | None = 8
     min_acceptance_rate: float = 0.1
@@ -133,6 +138,11 @@ class SpeculativeConfig:
                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         _require((self.method == "layer_skip") == (self.num_draft_layers is not None),
                  "num_draft_layers is required by the layer_skip method, and only by it")
+        _require((self.method == "draft_model") == (self.model is not None),
+                 "model (the draft's folder) is required by the draft_model method, and "
+                 "only by it")
+        _require(self.model is None or (isinstance(self.model, str) and bool(self.model)),
+                 f"model must be a path to the draft model's folder, got {self.model!r}")
         _require(self.num_draft_layers is None or (isinstance(self.num_draft_layers, int)
                                                    and self.num_draft_layers >= 1),
                  f"num_draft_layers must be an integer >= 1, got {self.num_draft_layers!r}")

@@ -70,13 +70,14 @@ def build_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     seed: int = 0,
     shard_size: str | None = None,
+    tokenizer_vocab_size: int = 384,
 ) -> Path:
     """Saves a random Llama/Mistral/Qwen2 model plus a locally trained tokenizer."""
     import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    tok = build_tokenizer(out, tokenizer_vocab_size)
     common: dict[str, Any] = dict(
         vocab_size=len(tok),
         hidden_size=hidden_size,

@@ -49,3 +49,19 @@ def llama_adapters(tiny_llama_dir: Path,
 def qwen2_adapters(tiny_qwen2_dir: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return _adapters(tiny_qwen2_dir, tmp_path_factory.mktemp("qwen2_adapters"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft model for tiny_llama_dir: its first layer, norm, LM head and tokenizer."""
+    from loraplex.model.truncate import save_first_layers
+
+    return save_first_layers(tiny_llama_dir, tmp_path_factory.mktemp("llama_draft"), 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_draft_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft model for tiny_qwen2_dir: its first layer, norm, LM head and tokenizer."""
+    from loraplex.model.truncate import save_first_layers
+
+    return save_first_layers(tiny_qwen2_dir, tmp_path_factory.mktemp("qwen2_draft"), 1)

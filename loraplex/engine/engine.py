@@ -54,7 +54,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True,
                  max_adapter_wait_s: float = 2.0) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.lora, progress=progress)
+        spec = config.speculative
+        self.runner = ModelRunner(config.model, config.cache, config.lora, progress=progress,
+                                  draft_model=spec.model if spec is not None else None)
         self.tokenizer = self.runner.tokenizer
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = self.runner.max_model_len
@@ -240,7 +242,9 @@ class LLMEngine:
     def _spec_token_ids(self, out: SchedulerOutput,
                         proposals: dict[str, list[int]]) -> dict[str, list[int]]:
         """The proposals of the sequences given slots for them: prompt lookup's (cut to
-        the slots), or the layer-skip draft's, run now that the slots exist."""
+        the slots), the layer-skip draft's or the draft model's, run now that the slots exist."""
+        if self.spec is not None and self.spec.config.method == "draft_model":
+            return self._draft_model_proposals(out)
         seqs = [s for s in out.scheduled if s.num_spec_tokens]
         if not seqs:
             return {}
@@ -253,6 +257,27 @@ class LLMEngine:
             [SeqInput(s.token_ids, s.request.num_computed_tokens,
                       self.kv.block_table(s.request.request_id), s.lora_slot) for s in seqs],
             [s.num_spec_tokens for s in seqs], self.spec.config.num_draft_layers)
+        return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
+
+    def _draft_model_proposals(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """The draft model's proposals for the sequences given slots for them. Each one's
+        draft KV first catches up with the target's (see ``ModelRunner.propose``); the
+        draft does not run for the others, so it costs nothing where speculation is off."""
+        seqs = [s for s in out.scheduled if s.num_spec_tokens]
+        if not seqs:
+            return {}
+        inputs = []
+        for s in seqs:
+            request = s.request
+            # A new sequence computes the draft's KV of its prefix-cache hits again: their
+            # blocks may have been filled while the draft did not run.
+            done = request.num_draft_computed_tokens
+            end = request.num_computed_tokens + s.num_new_tokens - s.num_spec_tokens
+            inputs.append(SeqInput(request.all_token_ids[done:end], done,
+                                   self.kv.block_table(request.request_id)))
+            # The draft feeds every proposal but the last.
+            request.num_draft_computed_tokens = end + s.num_spec_tokens - 1
+        drafts = self.runner.propose(inputs, [s.num_spec_tokens for s in seqs])
         return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
     def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
@@ -342,6 +367,9 @@ class LLMEngine:
         counters.num_draft_tokens += num_proposed
         counters.num_accepted_tokens += num_accepted
         request.num_computed_tokens += sched.num_new_tokens - num_proposed + num_accepted
+        # The draft's KV of rejected proposals is stale: computed again when next needed.
+        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens,
+                                                request.num_computed_tokens)
         self.kv.trim(request.request_id, request.num_computed_tokens)
         return self._append_tokens(request, [*result.accepted, *result.sampled], now)
 
@@ -354,6 +382,8 @@ class LLMEngine:
                             group_id=parent.group_id, sample_index=i,
                             eos_token_ids=parent.eos_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            # The blocks it shares with its parent hold the parent's draft KV.
+            child.num_draft_computed_tokens = parent.num_draft_computed_tokens
             child.prompt_logprobs = parent.prompt_logprobs  # complete, never appended to
             if parent.constraint is not None:  # the parent has not taken its own token yet
                 child.constraint = parent.constraint.fork()

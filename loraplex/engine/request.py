@@ -81,12 +81,20 @@ class Request:
     spec_acceptance: float = 1.0
     spec_pause_steps: int = 0
     spec_num_pauses: int = 0
+    # The draft model's KV reaches this far in the sequence's blocks: every position before
+    # it holds the draft's KV of the sequence's token there. Never past num_computed_tokens.
+    num_draft_computed_tokens: int = 0
     # Text state kept by the engine's detokenizer.
     output_text: str = ""
     num_text_sent: int = 0
     # Structured output: the sequence's position in its grammar (a grammar.Constraint,
     # which keeps torch out of this module); it only ever reads this sequence's output.
     constraint: Any = None
+
+    def drop_computed(self) -> None:
+        """Its KV is gone (a recompute preemption): the target's and the draft's."""
+        self.num_computed_tokens = 0
+        self.num_draft_computed_tokens = 0
 
     @property
     def all_token_ids(self) -> list[int]:

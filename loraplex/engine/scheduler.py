@@ -205,7 +205,7 @@ class Scheduler:
             if self._allocate(request, num_new) is None:
                 # Room for its blocks but not its next token: swap straight back out later.
                 self.kv.free(request.request_id)
-                request.num_computed_tokens = 0
+                request.drop_computed()
                 request.status = RequestStatus.PREEMPTED
                 self.waiting.appendleft(request)
                 continue
@@ -298,6 +298,6 @@ class Scheduler:
             self.swapped.append(request)
             return
         self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
+        request.drop_computed()
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)

@@ -2,8 +2,8 @@
 Pure Python (no torch).
 
 Proposals guess a sequence's next tokens: prompt lookup here, before scheduling; or the
-layer-skip draft (``ModelRunner.draft``), once the scheduler has given the slots its KV
-goes to. The target model scores them all in the step's one forward, next to the batch's
+layer-skip draft (``ModelRunner.draft``) or the draft model (``ModelRunner.propose``), once
+the scheduler has given the slots their KV goes to. The target model scores them all in the step's one forward, next to the batch's
 other decodes and prefill chunks, and keeps the longest prefix it agrees with plus one
 token of its own (see ``model.sampler.verify``).
 

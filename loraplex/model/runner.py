@@ -1,7 +1,8 @@
 """The model runner: one batch of sequences at any mix of prefill and decode → tokens.
 
-It owns the resident model, the paged KV cache tensors (plus the host swap pool) and the
-LoRA slot weights. What to run comes in as ``BatchInputs``; the engine decides it.
+It owns the resident model, the paged KV cache tensors (plus the host swap pool), the
+LoRA slot weights and, for the ``draft_model`` method of speculative decoding, the draft
+model with its own KV pool (``model/draft.py``). What to run comes in as ``BatchInputs``; the engine decides it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.errors import ConfigError
 from loraplex.model.args import ModelArgs
+from loraplex.model.draft import DraftModel
 from loraplex.model.llama import DecoderLayer
 from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
@@ -74,7 +76,8 @@ def pick_device(device: str | None) -> torch.device:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  lora_config: LoRAConfig, progress: bool = True,
-                 kernel_backend: Backend | None = None) -> None:
+                 kernel_backend: Backend | None = None,
+                 draft_model: str | None = None) -> None:
         self.device = pick_device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         self.lora_config = lora_config
@@ -92,6 +95,11 @@ class ModelRunner:
         self.model.pack_weights()
         self.max_model_len = model_config.max_model_len or self.args.max_position_embeddings
         self.tokenizer = load_tokenizer(model_config.model)
+        # Loaded before the KV pools are sized: its weights take memory, and its blocks
+        # count in every block's cost.
+        self.drafter = (DraftModel(draft_model, self.args, self.tokenizer, self.max_model_len,
+                                   model_config.dtype, self.device, progress)
+                        if draft_model is not None else None)
         self.num_blocks = self._num_blocks(cache_config)
         shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
         # Per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -102,6 +110,9 @@ class ModelRunner:
         self.host_caches = [(torch.zeros(host_shape, dtype=self.dtype),
                              torch.zeros(host_shape, dtype=self.dtype))
                             for _ in range(self.args.num_layers)] if host_shape[0] else []
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, self.block_size,
+                                  cache_config.swap_space_blocks, self.device)
         self.slot_ranks = [0] * lora_config.max_loras
         self.lora_scales = torch.zeros(lora_config.max_loras, dtype=torch.float32,
                                        device=self.device)
@@ -110,9 +121,20 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        """What one KV block costs: the target's pool, plus the draft's when there is one
+        (both pools hold the same blocks)."""
         a = self.args
-        return (2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+        target = (2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim
+                  * torch.finfo(self.dtype).bits // 8)
+        return target + (self.drafter.block_bytes(self.block_size) if self.drafter else 0)
+
+    def _pools(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                              list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every layer's device and host KV tensors: the target's, then the draft's."""
+        if self.drafter is None:
+            return self.kv_caches, self.host_caches
+        return (self.kv_caches + self.drafter.kv_caches,
+                self.host_caches + self.drafter.host_caches)
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_kv_blocks is not None:
@@ -162,7 +184,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for k, v in self.kv_caches:
+        for k, v in self._pools()[0]:
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -179,7 +201,8 @@ class ModelRunner:
             return
         src = torch.tensor([a for a, _ in pairs])
         dst = torch.tensor([b for _, b in pairs])
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches, strict=True):
+        device, host = self._pools()
+        for (k, v), (hk, hv) in zip(device, host, strict=True):
             if to_host:
                 hk[dst] = k[src.to(k.device)].cpu()
                 hv[dst] = v[src.to(v.device)].cpu()
@@ -291,11 +314,47 @@ class ModelRunner:
             live = [i for i in live if len(proposals[i]) < num_tokens[i]]
         return proposals
 
-    def _hidden(self, batch: BatchInputs,
-                num_layers: int | None = None) -> tuple[torch.Tensor, list[int]]:
-        """One forward (through the first ``num_layers`` layers only, if given); the hidden
-        states ``[num_tokens, hidden]`` of every token computed, and where each sequence's
-        first token is among them."""
+    def propose(self, seqs: Sequence[SeqInput], num_tokens: Sequence[int]) -> list[list[int]]:
+        """The draft model's greedy proposals, ``num_tokens[i]`` for ``seqs[i]`` (0: none).
+
+        A sequence's ``token_ids`` are the tokens whose target KV exists, or is computed
+        this step, but whose draft KV does not yet (``num_computed`` is where they start):
+        the draft catches up in one forward, which also yields its first proposal. It then
+        feeds its own proposals, one forward each; their KV lands in the slots the scheduler
+        gave the proposals, and is overwritten wherever the target rejects them.
+        """
+        assert self.drafter is not None
+        proposals: list[list[int]] = [[] for _ in seqs]
+        current = [SeqInput(s.token_ids, s.num_computed, s.block_table) for s in seqs]
+        live = list(range(len(seqs)))  # the first forward: every sequence catches up
+        while live:
+            batch = BatchInputs([current[i] for i in live])
+            hidden, starts = self._hidden(batch, draft=True)
+            wanting = [j for j, i in enumerate(live) if len(proposals[i]) < num_tokens[i]]
+            if not wanting:
+                break
+            rows = [starts[j] + len(batch.seqs[j].token_ids) - 1 for j in wanting]
+            logits = self.drafter.model.compute_logits(hidden.index_select(
+                0, torch.tensor(rows, dtype=torch.int64, device=self.device)))  # [rows, vocab]
+            next_live = []
+            for j, token in zip(wanting, logits.argmax(dim=-1).tolist(), strict=True):
+                i = live[j]
+                proposals[i].append(token)
+                # The last proposal is not fed: the target computes it (or rejects it).
+                if len(proposals[i]) < num_tokens[i]:
+                    s = current[i]
+                    current[i] = SeqInput([token], s.num_computed + len(s.token_ids),
+                                          s.block_table)
+                    next_live.append(i)
+            live = next_live
+        return proposals
+
+    def _hidden(self, batch: BatchInputs, num_layers: int | None = None,
+                draft: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """One forward of the target (through its first ``num_layers`` layers only, if
+        given) or, with ``draft``, of the draft model, base-only; the hidden states
+        ``[num_tokens, hidden]`` of every token computed, and where each sequence's first
+        token is among them."""
         # Sequences of one adapter side by side: each slot's tokens form one contiguous run,
         # which the LoRA step slices instead of gathering and scattering.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.seqs[i].lora_slot)
@@ -315,6 +374,13 @@ class ModelRunner:
             [s.block_table for s in seqs], [s.num_computed + len(s.token_ids) for s in seqs],
             [len(s.token_ids) for s in seqs], self.block_size, dev)
         lora = None
+        if draft:  # base-only
+            assert self.drafter is not None
+            hidden = self.drafter.model(torch.tensor(input_ids, device=dev),
+                                        torch.tensor(positions, device=dev),
+                                        self.drafter.kv_caches, meta, None,
+                                        self.kernel_backend)  # [num_tokens, hidden]
+            return hidden, starts
         if any(slot >= 0 for slot in token_slots):
             lora = LoRAStep(SGMVMeta.build(token_slots, self.slot_ranks, dev), self.lora_scales,
                             self.kernel_backend)

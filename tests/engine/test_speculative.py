@@ -26,7 +26,16 @@ SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max"
 # The tiny models have two layers: the draft is the first one.
 LAYER_SKIP = {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 3,
               "disable_by_batch_size": None}
-METHODS = {"ngram": SPEC, "layer_skip": LAYER_SKIP}
+# A separate draft model (the first layer saved as its own folder, its own KV cache).
+DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 3,
+               "disable_by_batch_size": None}
+METHODS = {"ngram": SPEC, "layer_skip": LAYER_SKIP, "draft_model": DRAFT_MODEL}
+
+
+def _method_config(method: str, arch: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    if method != "draft_model":
+        return METHODS[method]
+    return {**DRAFT_MODEL, "model": str(request.getfixturevalue(f"tiny_{arch}_draft_dir"))}
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
@@ -41,7 +50,11 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 
 def test_config_is_refused_in_one_line(tiny_llama_dir: Path) -> None:
-    for bad, match in [('{"method": "eagle"}', "method must be one of ngram, layer_skip"),
+    for bad, match in [('{"method": "eagle"}',
+                        "method must be one of ngram, layer_skip, draft_model"),
+                       ('{"method": "draft_model"}', "draft's folder\\) is required"),
+                       ('{"model": "/tmp/x"}', "only by it"),
+                       ('{"method": "draft_model", "model": 3}', "path to the draft"),
                        ('{"method": "layer_skip"}', "num_draft_layers is required"),
                        ('{"num_draft_layers": 2}', "only by it"),
                        ('{"method": "layer_skip", "num_draft_layers": 0}', "num_draft_layers"),
@@ -175,7 +188,7 @@ def test_greedy_with_speculation_matches_the_oracle(arch: str, case: str, method
     n = kwargs.pop("n", 1)
     extra = LONGER if case.startswith("preempt") else 0
     llm = LLM(str(model_dir), progress=False, max_lora_rank=16,
-              speculative_config=METHODS[method], **kwargs)
+              speculative_config=_method_config(method, arch, request), **kwargs)
     loras = [None if a is None else LoRARequest(a, str(adapters[a])) for a in w.adapters]
     params = [SamplingParams(temperature=0.0, max_tokens=m + extra, ignore_eos=True, n=n)
               for m in w.max_tokens]
@@ -238,8 +251,8 @@ def test_cli_refuses_a_bad_speculative_config(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path,
-                                                       method: str) -> None:
+def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path, method: str,
+                                                       request: pytest.FixtureRequest) -> None:
     """temperature 1, top_k 3: the joint distribution of the first three tokens of 3000
     seeded samples (the second and third come from verify steps) fits the oracle's exact one
     (27 cells, p > 0.001; fixed seeds, so the outcome never changes)."""
@@ -265,7 +278,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path,
             for t3, p3 in next_probs(prompt + [t1, t2]).items():
                 exact[(t1, t2, t3)] = p1 * p2 * p3
     llm = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_kv_blocks=1000,
-              speculative_config=METHODS[method])
+              speculative_config=_method_config(method, "llama", request))
     counts = dict.fromkeys(exact, 0)
     for first in range(0, num, 1000):  # under the engine's queue limit
         params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, ignore_eos=True,
