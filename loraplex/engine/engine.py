@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -36,6 +37,8 @@ from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapte
 from loraplex.model.args import ModelArgs
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput, SeqOutput
 from loraplex.model.sampler import SampledToken, SamplingRow
+
+logger = logging.getLogger(__name__)
 
 
 def model_description(config: EngineConfig, args: ModelArgs) -> ModelDescription:
@@ -201,6 +204,8 @@ class LLMEngine:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
                 deltas.append(self._delta(request, [], []))
         self._forget_finished(request_id)
+        if deltas and not self.scheduler.has_unfinished():
+            self._check_quiescent()
         return deltas
 
     def has_unfinished(self) -> bool:
@@ -237,7 +242,20 @@ class LLMEngine:
                              for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
+        if not self.scheduler.has_unfinished():
+            self._check_quiescent()
         return deltas
+
+    def _check_quiescent(self) -> None:
+        """With no request left, every KV block must be free or cached and the block
+        manager's counts consistent (O(blocks), so only when the engine goes idle). A
+        failure is a bug that would leak blocks or mix sequences' KV: logged, not raised,
+        so the engine keeps serving."""
+        try:
+            self.kv.check_invariants()
+            assert self.kv.all_free_or_cached(), "blocks still held with no request left"
+        except AssertionError as exc:
+            logger.error("KV cache self-check failed with the engine idle: %s", exc)
 
     def _spec_token_ids(self, out: SchedulerOutput,
                         proposals: dict[str, list[int]]) -> dict[str, list[int]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -116,11 +116,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return self.num_unfinished > 0
-
-    def all_requests(self) -> Iterable[Request]:
-        yield from self.running
-        yield from self.swapped
-        yield from self.waiting
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request wherever it is and releases all it holds."""

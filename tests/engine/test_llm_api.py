@@ -152,3 +152,20 @@ def test_prompts_arriving_together_start_longest_first(tiny_llama_dir: Path) -> 
         assert sorted(range(4), key=lambda i: queued[i]) == [1, 2, 3, 0]
     finally:
         one_at_a_time.close()
+
+
+def test_the_engine_checks_its_kv_cache_when_it_goes_idle(
+        llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with caplog.at_level("ERROR", logger="loraplex.engine.engine"):
+        llm.generate([PROMPT], params)
+        assert not caplog.records  # a clean run leaves every block free or cached
+        # A bug's footprint: blocks held under an id no request of the scheduler has.
+        assert llm.engine.kv.allocate_slots("leaked", PROMPT, 0, len(PROMPT), ()) is not None
+        try:
+            llm.generate([PROMPT], params)
+        finally:
+            llm.engine.kv.free("leaked")
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV cache self-check failed with the engine idle: blocks still held with no "
+        "request left"]
