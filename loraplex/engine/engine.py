@@ -216,12 +216,17 @@ class LLMEngine:
     def step(self) -> list[SequenceDelta]:
         proposals: dict[str, list[int]] = {}
         num_spec: dict[str, int] = {}
+        catch_up: dict[str, int] = {}
         if self.spec is not None:
+            running = self.scheduler.running
             if self.spec.config.method == "ngram":
-                proposals = self.spec.propose(self.scheduler.running)
+                proposals = self.spec.propose(running)
                 num_spec = {rid: len(ids) for rid, ids in proposals.items()}
             else:
-                num_spec = self.spec.plan(self.scheduler.running)
+                num_spec = self.spec.plan(running)
+            if self.spec.config.method == "draft_model":
+                num_spec, catch_up = self.spec.fit_draft_budget(
+                    running, num_spec, self.config.scheduler.max_num_batched_tokens)
         out = self.scheduler.schedule(num_spec)
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
@@ -230,7 +235,7 @@ class LLMEngine:
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
-        spec_ids = self._spec_token_ids(out, proposals)
+        spec_ids = self._spec_token_ids(out, proposals, catch_up)
         masks = self._start_masks([s.request for s in out.scheduled if s.samples])
         batch = BatchInputs([SeqInput(s.token_ids + spec_ids.get(s.request.request_id, []),
                                       s.request.num_computed_tokens,
@@ -257,12 +262,12 @@ class LLMEngine:
         except AssertionError as exc:
             logger.error("KV cache self-check failed with the engine idle: %s", exc)
 
-    def _spec_token_ids(self, out: SchedulerOutput,
-                        proposals: dict[str, list[int]]) -> dict[str, list[int]]:
+    def _spec_token_ids(self, out: SchedulerOutput, proposals: dict[str, list[int]],
+                        catch_up: dict[str, int]) -> dict[str, list[int]]:
         """The proposals of the sequences given slots for them: prompt lookup's (cut to
         the slots), the layer-skip draft's or the draft model's, run now that the slots exist."""
         if self.spec is not None and self.spec.config.method == "draft_model":
-            return self._draft_model_proposals(out)
+            return self._draft_model_proposals(out, catch_up)
         seqs = [s for s in out.scheduled if s.num_spec_tokens]
         if not seqs:
             return {}
@@ -277,14 +282,27 @@ class LLMEngine:
             [s.num_spec_tokens for s in seqs], self.spec.config.num_draft_layers)
         return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
-    def _draft_model_proposals(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def _draft_model_proposals(self, out: SchedulerOutput,
+                               catch_up: dict[str, int]) -> dict[str, list[int]]:
         """The draft model's proposals for the sequences given slots for them. Each one's
-        draft KV first catches up with the target's (see ``ModelRunner.propose``); the
-        draft does not run for the others, so it costs nothing where speculation is off."""
+        draft KV first catches up with the target's (see ``ModelRunner.propose``), in the
+        same forward as the ``catch_up`` tokens of those too far behind to propose this
+        step (``SpecController.fit_draft_budget``); the draft does not run for the others,
+        so it costs nothing where speculation is off."""
         seqs = [s for s in out.scheduled if s.num_spec_tokens]
-        if not seqs:
+        # Catching up only for the scheduled: the blocks of the others may be swapped out.
+        behind = [s for s in out.scheduled if not s.num_spec_tokens
+                  and catch_up.get(s.request.request_id, 0) > 0]
+        if not seqs and not behind:
             return {}
         inputs = []
+        for s in behind:
+            request = s.request
+            done = request.num_draft_computed_tokens
+            end = min(done + catch_up[request.request_id], request.num_computed_tokens)
+            inputs.append(SeqInput(request.all_token_ids[done:end], done,
+                                   self.kv.block_table(request.request_id)))
+            request.num_draft_computed_tokens = end
         for s in seqs:
             request = s.request
             # A new sequence computes the draft's KV of its prefix-cache hits again: their
@@ -295,8 +313,10 @@ class LLMEngine:
                                    self.kv.block_table(request.request_id)))
             # The draft feeds every proposal but the last.
             request.num_draft_computed_tokens = end + s.num_spec_tokens - 1
-        drafts = self.runner.propose(inputs, [s.num_spec_tokens for s in seqs])
-        return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
+        drafts = self.runner.propose(inputs, [0] * len(behind)
+                                     + [s.num_spec_tokens for s in seqs])
+        return {s.request.request_id: ids
+                for s, ids in zip(seqs, drafts[len(behind):], strict=True)}
 
     def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
         """Starts computing the grammar masks of this step's constrained sequences (on the
@@ -545,7 +565,11 @@ class LLMEngine:
         draft_tokens = sum(c.num_draft_tokens for c in counters)
         accepted = sum(c.num_accepted_tokens for c in counters)
         acceptance, mean_length = EngineStats.spec_rates(drafts, draft_tokens, accepted)
-        return dict(spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
+        drafter = self.runner.drafter
+        return dict(spec_draft_forwards=drafter.num_forwards if drafter else 0,
+                    spec_draft_forward_tokens=drafter.num_forward_tokens if drafter else 0,
+                    spec_draft_max_forward_tokens=drafter.max_forward_tokens if drafter else 0,
+                    spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
                     spec_num_accepted_tokens=accepted, spec_acceptance_rate=acceptance,
                     spec_mean_accepted_length=mean_length,
                     spec_by_adapter=tuple((name, c.num_drafts, c.num_draft_tokens,
