@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# As offline_throughput.py: idle OpenMP threads must not spin on the cores they share.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from loraplex_kernels.lora_prefill import add_lora_sliced
-from loraplex_kernels.lora_slots import LoRASlots
-from loraplex_kernels.meta import SGMVMeta
-from loraplex_kernels.sgmv_ref import add_lora_ref
+import torch  # noqa: E402
+
+from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
+from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
+from loraplex_kernels.meta import SGMVMeta  # noqa: E402
+from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers
 PROJECTIONS = {"qkv_proj": (576, [576, 192, 192]), "o_proj": (576, [576]),
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": args.threads, "repeats": args.repeats, "segments": SEGMENTS,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "base_tokens": BASE_TOKENS, "rows": rows, "per_chunk_totals": totals}
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"))
