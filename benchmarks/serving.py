@@ -88,6 +88,7 @@ from _scaleout import (  # noqa: E402
     settled_replica_stats,
     summed,
 )
+from _server_process import ServerProcess  # noqa: E402
 from _vllm_serve import (  # noqa: E402
     DEFAULT_VENV,
     VllmServer,
@@ -274,12 +275,10 @@ def register(registry: Sequence[str], model_dir: str, adapter_paths: Sequence[Pa
     return tenants, adapters
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, setup: ServerSetup, args: argparse.Namespace, env: dict[str, str],
                  model_dir: str, log_path: Path, extra: Sequence[str] = ()) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
+        super().__init__(free_port(), log_path)
         cmd = ["loraplex", "serve", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", "--dtype", args.dtype,
                "--device", "cpu", "--max-loras", str(args.max_loras),
@@ -296,25 +295,6 @@ class Server:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the server was not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        except OSError:
-            return ""
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGINT (a graceful uvicorn shutdown), then SIGKILL after ``timeout``."""

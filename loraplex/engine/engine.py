@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from loraplex.config import EngineConfig, SpeculativeConfig
+from loraplex.config import EngineConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
@@ -23,12 +23,11 @@ from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from loraplex.engine.speculative import SpecController, SpecCounters
+from loraplex.engine.spec_step import SpecStep
 from loraplex.engine.stats import EngineStats
 from loraplex.engine.validation import check_params, check_prompt
 from loraplex.errors import (
     AdapterError,
-    ConfigError,
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
@@ -77,25 +76,12 @@ class LLMEngine:
         # One thread computes a step's grammar masks while the forward pass runs.
         self._mask_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="loraplex-masks")
-        self.spec = (SpecController(config.speculative, self.max_model_len)
-                     if config.speculative is not None else None)
-        self._check_speculative(config.speculative)
-        # Verified proposals by adapter identity ("" for the base model).
-        self._spec_counters: dict[str, SpecCounters] = {}
+        self.spec = (SpecStep(spec, self.runner, self.kv, self.max_model_len,
+                              config.scheduler.max_num_batched_tokens)
+                     if spec is not None else None)
         self._groups: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
-
-    def _check_speculative(self, spec: SpeculativeConfig | None) -> None:
-        if spec is None:
-            return
-        if spec.num_speculative_tokens >= self.max_model_len:
-            raise ConfigError(f"num_speculative_tokens ({spec.num_speculative_tokens}) must be "
-                              f"below the context length ({self.max_model_len})")
-        num_layers = self.runner.args.num_layers
-        if spec.num_draft_layers is not None and spec.num_draft_layers >= num_layers:
-            raise ConfigError(f"num_draft_layers ({spec.num_draft_layers}) must be below the "
-                              f"model's {num_layers} layers")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.runner.args.eos_token_ids)
@@ -214,15 +200,8 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
-        proposals: dict[str, list[int]] = {}
-        num_spec: dict[str, int] = {}
-        if self.spec is not None:
-            if self.spec.config.method == "ngram":
-                proposals = self.spec.propose(self.scheduler.running)
-                num_spec = {rid: len(ids) for rid, ids in proposals.items()}
-            else:
-                num_spec = self.spec.plan(self.scheduler.running)
-        out = self.scheduler.schedule(num_spec)
+        plan = self.spec.plan(self.scheduler.running) if self.spec is not None else None
+        out = self.scheduler.schedule(plan.num_tokens if plan is not None else None)
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
             return deltas
@@ -230,7 +209,8 @@ class LLMEngine:
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
-        spec_ids = self._spec_token_ids(out, proposals)
+        spec_ids = (self.spec.proposals(out, plan)
+                    if self.spec is not None and plan is not None else {})
         masks = self._start_masks([s.request for s in out.scheduled if s.samples])
         batch = BatchInputs([SeqInput(s.token_ids + spec_ids.get(s.request.request_id, []),
                                       s.request.num_computed_tokens,
@@ -256,47 +236,6 @@ class LLMEngine:
             assert self.kv.all_free_or_cached(), "blocks still held with no request left"
         except AssertionError as exc:
             logger.error("KV cache self-check failed with the engine idle: %s", exc)
-
-    def _spec_token_ids(self, out: SchedulerOutput,
-                        proposals: dict[str, list[int]]) -> dict[str, list[int]]:
-        """The proposals of the sequences given slots for them: prompt lookup's (cut to
-        the slots), the layer-skip draft's or the draft model's, run now that the slots exist."""
-        if self.spec is not None and self.spec.config.method == "draft_model":
-            return self._draft_model_proposals(out)
-        seqs = [s for s in out.scheduled if s.num_spec_tokens]
-        if not seqs:
-            return {}
-        assert self.spec is not None
-        if self.spec.config.method == "ngram":
-            return {s.request.request_id: proposals[s.request.request_id][:s.num_spec_tokens]
-                    for s in seqs}
-        assert self.spec.config.num_draft_layers is not None
-        drafts = self.runner.draft(
-            [SeqInput(s.token_ids, s.request.num_computed_tokens,
-                      self.kv.block_table(s.request.request_id), s.lora_slot) for s in seqs],
-            [s.num_spec_tokens for s in seqs], self.spec.config.num_draft_layers)
-        return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
-
-    def _draft_model_proposals(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """The draft model's proposals for the sequences given slots for them. Each one's
-        draft KV first catches up with the target's (see ``ModelRunner.propose``); the
-        draft does not run for the others, so it costs nothing where speculation is off."""
-        seqs = [s for s in out.scheduled if s.num_spec_tokens]
-        if not seqs:
-            return {}
-        inputs = []
-        for s in seqs:
-            request = s.request
-            # A new sequence computes the draft's KV of its prefix-cache hits again: their
-            # blocks may have been filled while the draft did not run.
-            done = request.num_draft_computed_tokens
-            end = request.num_computed_tokens + s.num_new_tokens - s.num_spec_tokens
-            inputs.append(SeqInput(request.all_token_ids[done:end], done,
-                                   self.kv.block_table(request.request_id)))
-            # The draft feeds every proposal but the last.
-            request.num_draft_computed_tokens = end + s.num_spec_tokens - 1
-        drafts = self.runner.propose(inputs, [s.num_spec_tokens for s in seqs])
-        return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
     def _start_masks(self, sampling: list[Request]) -> dict[str, Callable[[], torch.Tensor]]:
         """Starts computing the grammar masks of this step's constrained sequences (on the
@@ -373,22 +312,12 @@ class LLMEngine:
 
     def _update_speculated(self, sched: ScheduledSeq, result: SeqOutput,
                            now: float) -> SequenceDelta:
-        """A verify step: the KV of the accepted proposals is kept, the slots of the
-        rejected ones are released, and the kept tokens are appended (up to a stop)."""
+        """A verify step: the accepted proposals and the target's own token are appended
+        (up to a stop), after ``SpecStep.verified`` has kept their KV."""
         request = sched.request
-        num_proposed, num_accepted = sched.num_spec_tokens, len(result.accepted)
         assert self.spec is not None
-        self.spec.record(request, num_proposed, num_accepted)
-        key = "" if request.adapter is None else _identity(request.adapter.key)
-        counters = self._spec_counters.setdefault(key, SpecCounters())
-        counters.num_drafts += 1
-        counters.num_draft_tokens += num_proposed
-        counters.num_accepted_tokens += num_accepted
-        request.num_computed_tokens += sched.num_new_tokens - num_proposed + num_accepted
-        # The draft's KV of rejected proposals is stale: computed again when next needed.
-        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens,
-                                                request.num_computed_tokens)
-        self.kv.trim(request.request_id, request.num_computed_tokens)
+        self.spec.verified(sched, len(result.accepted),
+                           "" if request.adapter is None else _identity(request.adapter.key))
         return self._append_tokens(request, [*result.accepted, *result.sampled], now)
 
     def _fork_children(self, parent: Request, tokens: list[SampledToken],
@@ -536,21 +465,8 @@ class LLMEngine:
             host_adapters=tuple(_identity(k) for k in ad.host),
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
-            **self._spec_stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
         )
-
-    def _spec_stats(self) -> dict[str, Any]:
-        counters = self._spec_counters.values()
-        drafts = sum(c.num_drafts for c in counters)
-        draft_tokens = sum(c.num_draft_tokens for c in counters)
-        accepted = sum(c.num_accepted_tokens for c in counters)
-        acceptance, mean_length = EngineStats.spec_rates(drafts, draft_tokens, accepted)
-        return dict(spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
-                    spec_num_accepted_tokens=accepted, spec_acceptance_rate=acceptance,
-                    spec_mean_accepted_length=mean_length,
-                    spec_by_adapter=tuple((name, c.num_drafts, c.num_draft_tokens,
-                                           c.num_accepted_tokens)
-                                          for name, c in sorted(self._spec_counters.items())))
 
 
 def _identity(key: AdapterKey) -> str:

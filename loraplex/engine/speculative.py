@@ -16,7 +16,7 @@ once the sequence has finished.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loraplex.config import SpeculativeConfig
@@ -83,6 +83,41 @@ class SpecController:
             return {}
         wanted = {r.request_id: self._num_tokens(r) for r in running}
         return {rid: num for rid, num in wanted.items() if num > 0}
+
+    def fit_draft_budget(self, running: Sequence[Request], num_spec: Mapping[str, int],
+                         budget: int) -> tuple[dict[str, int], dict[str, int]]:
+        """The draft model's share of ``plan``: which sequences propose this step, and how
+        far the others' draft KV catches up instead, all within ``budget`` draft tokens
+        (the step's token budget), so that no forward of the draft is longer than one of
+        the target's.
+
+        A sequence's backlog is every token whose draft KV is missing, its newest one
+        included: what the draft's first forward runs before it proposes. Sequences whose
+        backlog fits what is left propose (running order); then each other one, oldest
+        first, runs as much of its backlog as is left, short of the newest token, and
+        decodes without proposals, over as many steps as it takes. Returns the proposal
+        counts kept and the catch-up tokens by request id.
+        """
+        by_id = {r.request_id: r for r in running}
+        kept: dict[str, int] = {}
+        behind: list[Request] = []
+        for request_id, num in num_spec.items():
+            request = by_id[request_id]
+            backlog = request.num_computed_tokens + 1 - request.num_draft_computed_tokens
+            if backlog <= budget:
+                kept[request_id] = num
+                budget -= backlog
+            else:
+                behind.append(request)
+        catch_up: dict[str, int] = {}
+        for request in behind:
+            if budget <= 0:
+                break
+            # Only positions whose target KV exists: their blocks are the sequence's already.
+            num = min(budget, request.num_computed_tokens - request.num_draft_computed_tokens)
+            catch_up[request.request_id] = num
+            budget -= num
+        return kept, catch_up
 
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Prompt lookup's proposals by request id, for the sequences of ``plan``."""

@@ -65,6 +65,12 @@ class EngineStats:
     # The three counters per adapter, ``(id@digest12 or "" for the base model, drafts,
     # draft tokens, accepted tokens)``, sorted by name.
     spec_by_adapter: tuple[tuple[str, int, int, int], ...] = ()
+    # The draft model's forwards (method draft_model, zeros otherwise): how many, the tokens
+    # they ran (catch-up and fed proposals), and the longest one, in tokens (at most the
+    # step's token budget: a long prompt's catch-up is spread over steps).
+    spec_draft_forwards: int = 0
+    spec_draft_forward_tokens: int = 0
+    spec_draft_max_forward_tokens: int = 0
 
     @classmethod
     def spec_rates(cls, num_drafts: int, num_draft_tokens: int,
@@ -77,10 +83,12 @@ class EngineStats:
 # Fields recomputed from the summed counters of a deployment, never summed themselves.
 RATES = ("prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization", "spec_acceptance_rate",
          "spec_mean_accepted_length")
+# Fields whose deployment figure is the largest of the replicas'.
+MAXIMA = ("spec_draft_max_forward_tokens",)
 # Fields whose deployment figure is the sum of the replicas' (counters, sizes, counts).
 _SUMMED = tuple(f.name for f in fields(EngineStats)
                 if f.type in ("int", "float") and f.name != "replica"
-                and f.name not in RATES)
+                and f.name not in RATES and f.name not in MAXIMA)
 
 
 def _distinct(groups: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
@@ -90,8 +98,8 @@ def _distinct(groups: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
 def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """The figures of a deployment from those of its replicas.
 
-    Counters, block counts and capacities are summed and rates recomputed from the sums;
-    ``kv_utilization`` is the replicas' weighted by the blocks they hold. ``adapter_slots``
+    Counters, block counts and capacities are summed and rates recomputed from the sums, maxima
+    (``spec_draft_max_forward_tokens``) are the largest; ``kv_utilization`` is the replicas' weighted by the blocks they hold. ``adapter_slots``
     and ``host_adapters`` are concatenated in replica order (one entry per slot or cache
     entry, so their lengths still count capacity and residency); running and waiting
     adapters are the distinct union; ``spec_by_adapter`` sums per adapter. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
@@ -121,6 +129,8 @@ def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
         waiting_adapters=_distinct(s.waiting_adapters for s in stats),
         spec_acceptance_rate=acceptance,
         spec_mean_accepted_length=mean_length,
+        spec_draft_max_forward_tokens=max((s.spec_draft_max_forward_tokens for s in stats),
+                                          default=0),
         spec_by_adapter=tuple((name, *counts) for name, counts in  # type: ignore[misc]
                               sorted(by_adapter.items())),
         **sums,

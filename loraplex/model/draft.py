@@ -69,6 +69,16 @@ class DraftModel:
         self.dtype = next(iter(self.model.parameters())).dtype
         self.kv_caches: list[KVCache] = []
         self.host_caches: list[KVCache] = []
+        # Running totals of the draft's forwards, for the engine's stats: how many, their
+        # tokens, and the longest (what a step's catch-up budget bounds).
+        self.num_forwards = 0
+        self.num_forward_tokens = 0
+        self.max_forward_tokens = 0
+
+    def record_forward(self, num_tokens: int) -> None:
+        self.num_forwards += 1
+        self.num_forward_tokens += num_tokens
+        self.max_forward_tokens = max(self.max_forward_tokens, num_tokens)
 
     def block_bytes(self, block_size: int) -> int:
         """What one KV block costs in the draft's pool."""

@@ -318,8 +318,10 @@ class ModelRunner:
         """The draft model's greedy proposals, ``num_tokens[i]`` for ``seqs[i]`` (0: none).
 
         A sequence's ``token_ids`` are the tokens whose target KV exists, or is computed
-        this step, but whose draft KV does not yet (``num_computed`` is where they start):
-        the draft catches up in one forward, which also yields its first proposal. It then
+        this step, but whose draft KV does not yet (``num_computed`` is where they start;
+        the engine keeps their sum within the step's token budget): the draft catches up
+        in one forward, which also yields its first proposal (none for a sequence only
+        catching up, ``num_tokens[i] == 0``, whose tokens end short of its newest). It then
         feeds its own proposals, one forward each; their KV lands in the slots the scheduler
         gave the proposals, and is overwritten wherever the target rejects them.
         """
@@ -376,6 +378,7 @@ class ModelRunner:
         lora = None
         if draft:  # base-only
             assert self.drafter is not None
+            self.drafter.record_forward(len(input_ids))
             hidden = self.drafter.model(torch.tensor(input_ids, device=dev),
                                         torch.tensor(positions, device=dev),
                                         self.drafter.kv_caches, meta, None,

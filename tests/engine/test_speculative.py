@@ -121,6 +121,30 @@ def test_controller_turns_speculation_off_by_batch_size_and_acceptance() -> None
     assert controller.propose([r]) == {}
 
 
+def test_draft_catch_up_fits_the_step_budget() -> None:
+    """draft_model: a sequence proposes once its draft's backlog (its newest token
+    included) fits what is left of the budget; one further behind catches up instead, with
+    what is left, short of its newest token."""
+    def request(request_id: str, num_computed: int, num_draft: int) -> Request:
+        r = Request(request_id, list(range(3, 3 + num_computed)), SamplingParams(max_tokens=8))
+        r.output_token_ids = [7]
+        r.num_computed_tokens = num_computed
+        r.num_draft_computed_tokens = num_draft
+        return r
+
+    controller = SpecController(SpeculativeConfig(method="draft_model", model="/d"), 64)
+    long, caught_up, behind = request("long", 40, 0), request("a", 10, 9), request("b", 20, 5)
+    running = [long, caught_up, behind]
+    num_spec = controller.plan(running)
+    assert num_spec == {"long": 3, "a": 3, "b": 3}
+    # Backlogs 41, 2 and 16: "a" proposes (2 of 16), then "long" takes all that is left.
+    assert controller.fit_draft_budget(running, num_spec, 16) == ({"a": 3}, {"long": 14})
+    assert controller.fit_draft_budget(running, num_spec, 18) == ({"a": 3, "b": 3}, {})
+    assert controller.fit_draft_budget(running, num_spec, 60) == (num_spec, {})
+    long.num_draft_computed_tokens = 38  # two tokens short of its target KV, three backlog
+    assert controller.fit_draft_budget(running, num_spec, 4) == ({"long": 3}, {"a": 1})
+
+
 @dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]

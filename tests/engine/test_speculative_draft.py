@@ -95,6 +95,41 @@ def test_a_copy_of_the_target_as_draft_is_always_accepted(
     llm.close()
 
 
+def test_a_long_prompts_draft_catch_up_is_spread_over_steps(
+        tiny_llama_dir: Path, self_draft_dir: Path) -> None:
+    """A prompt four times the step's token budget: the draft catches up over several
+    steps, never running a forward longer than the budget, and proposes once caught up;
+    the proposals are all kept (a copy of the target as draft: its KV is right after the
+    split catch-up) and outputs are the oracle's and those with speculation off."""
+    budget = 16
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 300) for _ in range(4 * budget)],
+               [rng.randrange(3, 300) for _ in range(5)]]
+    ref = load_reference(tiny_llama_dir)
+    expected = [reference_greedy(ref, p, 24)[0] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs: dict[str, Any] = dict(progress=False, block_size=4, num_kv_blocks=200,
+                                  max_num_batched_tokens=budget)
+    plain = LLM(str(tiny_llama_dir), **kwargs)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == expected
+    plain.close()
+    llm = LLM(str(tiny_llama_dir), **kwargs,
+              speculative_config={"method": "draft_model", "model": str(self_draft_dir),
+                                  "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.stats()
+    # The draft ran over the whole long prompt, but never more than the budget at once.
+    assert stats.spec_draft_forward_tokens >= len(prompts[0])
+    assert 1 < stats.spec_draft_max_forward_tokens <= budget
+    drafter = llm.engine.runner.drafter
+    assert drafter is not None and drafter.max_forward_tokens == budget
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.all_free_or_cached()
+    llm.close()
+
+
 def test_the_kv_budget_pays_for_both_pools(tiny_llama_dir: Path,
                                           tiny_llama_draft_dir: Path) -> None:
     """Every block lives in both pools: a memory budget buys fewer blocks with a draft."""

@@ -158,15 +158,18 @@ def test_combine_stats_of_no_replica_is_nothing() -> None:
 
 
 def test_every_numeric_field_is_combined() -> None:
-    """A field added to EngineStats later is summed unless it is a rate."""
+    """A field added to EngineStats later is summed unless it is a rate or a maximum."""
     numeric = {f.name for f in dataclasses.fields(EngineStats) if f.type in ("int", "float")}
     rates = {"prefix_cache_hit_rate", "kv_pool_usage", "kv_utilization",
              "spec_acceptance_rate", "spec_mean_accepted_length"}
+    maxima = {"spec_draft_max_forward_tokens"}
     ones = EngineStats(**{f.name: (1 if f.type in ("int", "float") else ())
                           for f in dataclasses.fields(EngineStats)})
     total = combine_stats([ones, ones])
-    for name in numeric - rates - {"replica"}:
+    for name in numeric - rates - maxima - {"replica"}:
         assert getattr(total, name) == 2, name
+    threes = dataclasses.replace(ones, spec_draft_max_forward_tokens=3)
+    assert combine_stats([ones, threes, ones]).spec_draft_max_forward_tokens == 3
 
 
 def test_speculation_figures_combine_per_adapter() -> None:
