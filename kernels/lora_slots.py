@@ -47,6 +47,9 @@ class LoRASlots:
         self.device = device
         # per_slot: (A^T [in, R], scaled block-diagonal B^T [R, out]) or None when empty
         self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        # per_slot: each targeted slice's (first rank, last rank, first column, last
+        # column) in A^T's columns and B^T's blocks, for the per-slice prefill matmuls
+        self.slices: list[tuple[tuple[int, int, int, int], ...]] = [()] * num_slots
         # per_slot bfloat16: the native kernel's pair-interleaved copies (kept alive here)
         self.native: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
         # per_slot, for the native kernel: each slot's addresses and R (0 = empty)
@@ -83,6 +86,7 @@ class LoRASlots:
         total = sum(p[0].shape[0] for p in pairs if p is not None)
         if total == 0:
             self.weights[slot] = self.native[slot] = None
+            self.slices[slot] = ()
             self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
             return
         width = -(-total // _NATIVE_RANK_MULTIPLE) * _NATIVE_RANK_MULTIPLE
@@ -90,15 +94,19 @@ class LoRASlots:
         at = torch.zeros(self.in_features, width, **opts)  # type: ignore[arg-type]
         bt = torch.zeros(width, self.slice_offsets[-1], **opts)  # type: ignore[arg-type]
         r0 = 0
+        slices = []
         for k, pair in enumerate(pairs):
             if pair is None:
                 continue
             a, b = pair
             r1 = r0 + a.shape[0]
+            lo, hi = self.slice_offsets[k], self.slice_offsets[k + 1]
             at[:, r0:r1] = a.t()
-            bt[r0:r1, self.slice_offsets[k]:self.slice_offsets[k + 1]] = b.t() * scale
+            bt[r0:r1, lo:hi] = b.t() * scale
+            slices.append((r0, r1, lo, hi))
             r0 = r1
         self.weights[slot] = (at, bt)
+        self.slices[slot] = tuple(slices)
         native = (at, bt)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             native = (vnni_pair_layout(at), vnni_pair_layout(bt))

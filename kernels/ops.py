@@ -24,6 +24,7 @@ from loraplex_kernels.attention_ref import (
     prefill_attention_ref,
     store_kv_ref,
 )
+from loraplex_kernels.lora_prefill import add_lora_sliced
 from loraplex_kernels.lora_slots import LoRASlots
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta
 from loraplex_kernels.sgmv_ref import (
@@ -69,8 +70,10 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch
     per-slot layout has it folded in).
 
     The per-slot layout (CPU): with the ``"cpu"`` backend, short segments (decode) go to
-    the native kernel in one call and long ones (prefill) to per-slot matmuls; the
-    reference does all by per-slot matmuls. The stacked layout: shrink then expand.
+    the native kernel in one call and long ones (prefill) to per-slot matmuls, in float32
+    one expand per slice (``add_lora_sliced``; benchmarks/lora_prefill.py: no faster in
+    bfloat16, so bfloat16 keeps the block-diagonal expand); the reference does all by
+    per-slot matmuls. The stacked layout: shrink then expand.
     """
     if not meta.has_lora:
         return
@@ -81,7 +84,9 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch
         if chosen == "cpu" and meta.short_segments is not None and cpu_native.available() \
                 and cpu_native.can_lora(x, out, slots):
             cpu_native.add_lora(out, x, meta.short_segments, slots)
-            if meta.long_segment_ids:
+            if meta.long_segment_ids and x.dtype == torch.float32:
+                add_lora_sliced(out, x, slots, meta, meta.long_segment_ids)
+            elif meta.long_segment_ids:
                 add_lora_ref(out, x, slots.weights, meta, meta.long_segment_ids)
             return
         add_lora_ref(out, x, slots.weights, meta)
