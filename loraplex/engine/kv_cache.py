@@ -204,10 +204,6 @@ class KVCacheManager:
         """Whether the request holds device blocks (live) or host blocks (swapped)."""
         return request_id in self._requests or request_id in self._swapped
 
-    def is_swapped(self, request_id: str) -> bool:
-        """Whether the request's blocks currently sit in the host pool."""
-        return request_id in self._swapped
-
     def block_table(self, request_id: str) -> list[int]:
         """The request's device block ids, in token order (a copy)."""
         return list(self._live(request_id).block_ids)
@@ -488,11 +484,6 @@ class KVCacheManager:
         for block_id in matched_ids:
             self._unregister(block_id)
         return len(matched_ids)
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block (blocks in use keep their content)."""
-        for block_id in list(self._hash_to_block.values()):
-            self._unregister(block_id)
 
     # ---- stats ---------------------------------------------------------------------------
 
