@@ -69,6 +69,13 @@ def _cmd_demo_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_draft(args: argparse.Namespace) -> int:
+    from loraplex.model.truncate import save_first_layers
+
+    print(save_first_layers(model_arg(args.model), args.out, args.layers))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", formatter_class=HelpFormatter,
                                      description=(
@@ -125,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     adapter.add_argument("--seed", type=int, default=defaults.seed,
                          help="seed of the generated data and the initial weights")
     adapter.set_defaults(func=_cmd_demo_adapter)
+
+    draft = sub.add_parser(
+        "draft", formatter_class=HelpFormatter,
+        help="cut a draft model for speculative decoding out of a model's first layers",
+        description="Write the model's first LAYERS decoder layers, with its embeddings, "
+                    "final norm, LM head and tokenizer, as a standalone model folder; prints "
+                    "it. Serve it with --speculative-config '{\"method\": \"draft_model\", "
+                    "\"model\": OUT}' (for a model with no smaller sibling of its tokenizer).")
+    draft.add_argument("--model", default=None,
+                       help="model folder (default: LORAPLEX_MODEL, else the demo model)")
+    draft.add_argument("--layers", type=int, required=True, help="decoder layers to keep")
+    draft.add_argument("--out", required=True, help="folder to write")
+    draft.set_defaults(func=_cmd_draft)
 
     add_registry_commands(sub)
     add_serve_command(sub)

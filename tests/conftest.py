@@ -53,10 +53,20 @@ def qwen2_adapters(tiny_qwen2_dir: Path,
 
 @pytest.fixture(scope="session")
 def tiny_llama_draft_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A draft model for tiny_llama_dir: its first layer, norm, LM head and tokenizer."""
-    from loraplex.model.truncate import save_first_layers
+    """A draft model for tiny_llama_dir: its first layer, norm, LM head and tokenizer, cut
+    by `loraplex draft`."""
+    import contextlib
+    import io
 
-    return save_first_layers(tiny_llama_dir, tmp_path_factory.mktemp("llama_draft"), 1)
+    from loraplex.cli import main
+
+    out = tmp_path_factory.mktemp("llama_draft")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["draft", "--model", str(tiny_llama_dir), "--layers", "1",
+                     "--out", str(out)]) == 0
+    assert printed.getvalue() == f"{out}\n"
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -92,3 +92,12 @@ def test_generate_refuses_a_missing_model(tmp_path: Path) -> None:
     proc = _cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert proc.returncode == 2
     assert "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_draft_refuses_bad_input_in_one_line(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    for args, expected in (
+            (("--model", str(tiny_llama_dir), "--layers", "0"), "num_layers must be in [1, "),
+            (("--model", str(tmp_path / "absent"), "--layers", "1"), "no readable config.json")):
+        result = _cli("draft", *args, "--out", str(tmp_path / "out"))
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and result.stderr.count("\n") == 1, result.stderr

@@ -26,8 +26,12 @@ def save_first_layers(model_dir: str | Path, out_dir: str | Path, num_layers: in
     from safetensors.torch import save_file
 
     src, out = Path(model_dir), Path(out_dir)
-    config = json.loads((src / "config.json").read_text())
-    total = int(config["num_hidden_layers"])
+    try:
+        config = json.loads((src / "config.json").read_text())
+        total = int(config["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{src}: no readable config.json with num_hidden_layers "
+                          f"({type(exc).__name__})") from None
     if not 1 <= num_layers <= total:
         raise ConfigError(f"num_layers must be in [1, {total}], got {num_layers}")
     out.mkdir(parents=True, exist_ok=True)
