@@ -174,7 +174,9 @@ def can_decode(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) ->
 
 
 def _impl_code(lib: ctypes.CDLL, impl: str | None) -> int:
-    name = impl or bf16_impl()
+    if impl is None:  # bf16_impl() only names what the library and the CPU both have
+        return BF16_IMPLS[bf16_impl()]
+    name = impl
     if name not in BF16_IMPLS or not lib.loraplex_bf16_impls() & (1 << BF16_IMPLS[name]):
         raise ValueError(f"bfloat16 kernel implementation {name!r} is not available here "
                          f"(available: {', '.join(bf16_impls())})")
