@@ -36,7 +36,7 @@ from loraplex_kernels.meta import AttentionMeta
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_kernels.c", _CSRC / "cpu_kernels_bf16.c"]
+_SOURCES = [_CSRC / "cpu_kernels.c", _CSRC / "cpu_kernels_bf16.c", _CSRC / "cpu_layer_ops.c"]
 _HEADERS = [_CSRC / "common.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
