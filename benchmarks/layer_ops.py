@@ -5,9 +5,14 @@ prefill chunk), it times, in the same run and interleaved, each op through
 ``ops.*(backend="torch")`` (what every layer ran before) and ``backend="cpu"`` (the native
 kernels of ``csrc/cpu_layer_ops.c``): RMSNorm, residual add + RMSNorm, RoPE of q and k with
 the KV store, SiLU-and-mul. A layer runs two add + norms, one RoPE + store and one
-SiLU-and-mul; the per-step totals multiply that by the layer count. Writes JSON and a PNG.
+SiLU-and-mul; the per-step totals multiply that by the layer count.
 
-    python benchmarks/layer_ops.py [--repeats 200] [--threads 2] [--out PATH]
+``--model-steps N`` also times the demo model's whole forward (base model, LM head
+included) for a decode step and a prefill chunk, N interleaved times each, with the layers'
+ops on the native kernels and on the reference (swapped in this process only, attention
+and GEMMs unchanged): the end-to-end share of these ops. Writes JSON and a PNG.
+
+    python benchmarks/layer_ops.py [--repeats 200] [--model-steps 20] [--threads 2]
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+import loraplex.model.llama as llama  # noqa: E402
+from loraplex.model.demo import default_demo_dir, is_prepared  # noqa: E402
+from loraplex.model.loader import load_model  # noqa: E402
 from loraplex_kernels import cpu_layer_ops, ops  # noqa: E402
+from loraplex_kernels.meta import AttentionMeta  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 576, 9, 3, 64, 1536, 30
@@ -88,14 +97,68 @@ def measure(dtype_name: str, batch: str, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+# The model's layer ops as llama.py imports them, and the same ops on the reference.
+NATIVE_OPS = {name: getattr(llama, name) for name in PER_LAYER}
+REFERENCE_OPS: dict[str, Callable[..., Any]] = {
+    "rms_norm": lambda x, w, eps, backend=None: ops.rms_norm(x, w, eps, "torch"),
+    "fused_add_rms_norm": lambda x, r, w, eps, backend=None: ops.fused_add_rms_norm(
+        x, r, w, eps, "torch"),
+    "rope_store_kv": lambda *a, backend=None: ops.rope_store_kv(*a[:8], backend="torch"),
+    "silu_and_mul": lambda gate_up, backend=None: ops.silu_and_mul(gate_up, "torch"),
+}
+# (sequences, context length, new tokens per sequence)
+STEPS = {"decode": (32, 256, 1), "prefill": (1, 512, 512)}
+
+
+def measure_model(dtype_name: str, steps: int) -> list[dict[str, Any]]:
+    model, args = load_model(default_demo_dir(), dtype_name, torch.device("cpu"), 1, 8,
+                             max_positions=1024, progress=False)
+    model.pack_weights()
+    rows = []
+    for step, (num_seqs, context, new) in STEPS.items():
+        blocks = -(-context // BLOCK_SIZE)
+        shape = (num_seqs * blocks, BLOCK_SIZE, args.num_kv_heads, args.head_dim)
+        caches = [(torch.zeros(shape, dtype=model.embed_tokens.dtype),
+                   torch.zeros(shape, dtype=model.embed_tokens.dtype))
+                  for _ in range(args.num_layers)]  # [blocks, block_size, kv_heads, dim]
+        meta = AttentionMeta.build([list(range(b * blocks, (b + 1) * blocks))
+                                    for b in range(num_seqs)], [context] * num_seqs,
+                                   [new] * num_seqs, BLOCK_SIZE)
+        ids = torch.randint(0, args.vocab_size, (num_seqs * new,))  # [tokens]
+        positions = torch.arange(context - new, context).repeat(num_seqs)  # [tokens]
+
+        times: dict[str, list[float]] = {"reference": [], "native": []}
+        for i in range(steps + 1):  # interleaved; the first round warms up
+            for key, table in (("reference", REFERENCE_OPS), ("native", NATIVE_OPS)):
+                for name, fn in table.items():
+                    setattr(llama, name, fn)
+                t0 = time.perf_counter()
+                model.compute_logits(model(ids, positions, caches, meta, None))
+                if i:
+                    times[key].append(time.perf_counter() - t0)
+        for name, fn in NATIVE_OPS.items():
+            setattr(llama, name, fn)
+        row: dict[str, Any] = {"step": step, "dtype": dtype_name, "tokens": num_seqs * new,
+                               "context": context}
+        for key, ts in times.items():
+            row[f"{key}_median_ms"] = statistics.median(ts) * 1e3
+            row[f"{key}_min_ms"] = min(ts) * 1e3
+        row["speedup_median"] = row["reference_median_ms"] / row["native_median_ms"]
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--model-steps", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/layer_ops")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.threads < 1:
-        parser.error("--repeats and --threads must be at least 1")
+    if args.repeats < 1 or args.threads < 1 or args.model_steps < 0:
+        parser.error("--repeats and --threads must be at least 1, --model-steps at least 0")
+    if args.model_steps and not is_prepared(default_demo_dir()):
+        parser.error(f"no demo model in {default_demo_dir()}: run `loraplex demo` first")
     if not cpu_layer_ops.available():
         parser.error("the native CPU kernels are not available (no compiler, or "
                      "LORAPLEX_CPU_KERNELS=0)")
@@ -117,11 +180,19 @@ def main(argv: list[str] | None = None) -> None:
                                        "speedup": old / new}
             print(f"{dt} {batch} ({BATCHES[batch]} tokens), {LAYERS} layers: "
                   f"{old / 1e3:.2f} ms -> {new / 1e3:.2f} ms per step ({old / new:.2f}x)")
+    model_rows = [r for dt in DTYPES for r in measure_model(dt, args.model_steps)
+                  ] if args.model_steps else []
+    for r in model_rows:
+        print(f"demo model forward, {r['dtype']} {r['step']} ({r['tokens']} tokens, context "
+              f"{r['context']}): {r['reference_median_ms']:.1f} ms -> "
+              f"{r['native_median_ms']:.1f} ms ({r['speedup_median']:.3f}x, medians of "
+              f"{args.model_steps})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": args.threads, "repeats": args.repeats,
+              "model_steps": args.model_steps,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows,
-              "per_step_totals": totals}
+              "per_step_totals": totals, "model_rows": model_rows}
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")

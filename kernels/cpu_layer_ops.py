@@ -22,8 +22,8 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _int = ctypes.c_int
 _f32 = ctypes.c_float
-_DTYPES = (torch.float32, torch.bfloat16)
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_F32, _BF16 = torch.float32, torch.bfloat16
+_SUFFIX = {_F32: "f32", _BF16: "bf16"}
 
 
 @functools.cache
@@ -60,26 +60,28 @@ def _kernel(op: str, dtype: torch.dtype) -> Callable[..., Any]:
     return kernels[op, dtype]
 
 
-def _rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """A CPU matrix of ``dtype`` with unit column stride (any row stride)."""
-    return (x.device.type == "cpu" and x.dtype == dtype and x.dim() == 2
-            and x.stride(1) == 1)
+# The checks run once per call of each op in every layer, so they stay cheap: ``is_cpu``
+# and identity of dtypes, not ``device.type`` (a device object each time, ~1.5 us).
+def _rows(x: torch.Tensor) -> bool:
+    """A CPU float32/bfloat16 matrix with unit column stride (any row stride)."""
+    return x.is_cpu and (x.dtype is _F32 or x.dtype is _BF16) and x.dim() == 2 \
+        and x.stride(1) == 1
 
 
 def can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype in _DTYPES and _rows(x, x.dtype) and weight.dtype == x.dtype
-            and weight.is_contiguous() and weight.shape == (x.shape[1],))
+    return (_rows(x) and weight.dtype is x.dtype and weight.is_contiguous()
+            and weight.dim() == 1 and weight.size(0) == x.size(1))
 
 
 def can_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (can_norm(x, weight) and _rows(residual, x.dtype)
-            and residual.shape == x.shape)
+    return (can_norm(x, weight) and residual.dtype is x.dtype and _rows(residual)
+            and residual.shape == x.shape and x.data_ptr() != residual.data_ptr())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` of ``x`` [num_rows, hidden] into a new tensor."""
-    assert can_norm(x, weight)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [num_rows, hidden]
+    """``weight * x / rms(x)`` of ``x`` [num_rows, hidden] into a new tensor. Takes what
+    ``can_norm`` accepts: the dispatcher checks once, as for each op below."""
+    out = torch.empty(x.shape, dtype=x.dtype)  # [num_rows, hidden]
     _kernel("rms_norm", x.dtype)(
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
         x.shape[0], x.shape[1], eps, torch.get_num_threads())
@@ -88,25 +90,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> None:
-    """In place: ``residual += x``, then ``x = weight * residual / rms(residual)``."""
-    assert can_add_norm(x, residual, weight) and x.data_ptr() != residual.data_ptr()
+    """In place: ``residual += x``, then ``x = weight * residual / rms(residual)``; takes
+    what ``can_add_norm`` accepts."""
     _kernel("fused_add_rms_norm", x.dtype)(
         x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
         weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
 
 
-def can_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> bool:
-    """qkv [num_tokens, width] float32/bfloat16 with unit column stride, caches of its dtype
-    and contiguous, cos and sin [num_tokens, 1, head_dim] float32 with unit last stride and
-    one stride between tokens, int64 contiguous slots."""
-    return (qkv.dtype in _DTYPES and _rows(qkv, qkv.dtype)
-            and k_cache.dtype == v_cache.dtype == qkv.dtype
+def can_rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """qkv [num_tokens, (heads + 2 kv_heads) * head_dim] with unit column stride; caches
+    [blocks, block_size, kv_heads, head_dim] of its dtype, contiguous; cos and sin
+    [num_tokens, 1, head_dim] float32, rows one stride apart; int64 contiguous slots."""
+    n = qkv.size(0) if qkv.dim() == 2 else -1
+    return (_rows(qkv) and head_dim % 2 == 0
+            and qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
+            and k_cache.dtype is qkv.dtype and v_cache.dtype is qkv.dtype
+            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_cache.size(2) == num_kv_heads and k_cache.size(3) == head_dim
             and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and cos.dtype == sin.dtype == torch.float32
-            and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous())
+            and cos.dtype is _F32 and sin.dtype is _F32
+            and cos.shape == sin.shape == (n, 1, head_dim)
+            and cos.stride(2) == sin.stride(2) == 1 and cos.stride(0) == sin.stride(0)
+            and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (n,)
+            and slot_mapping.is_contiguous())
 
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -115,35 +123,27 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
     """In place on ``qkv`` [num_tokens, (heads + 2 kv_heads) * head_dim]: neox RoPE of its
     q and k heads by ``cos``/``sin`` [num_tokens, 1, head_dim]; each token's rotated k and
     its v written to ``k_cache``/``v_cache`` [num_blocks, block_size, kv_heads, head_dim]
-    at its flat slot (-1 = not stored). IndexError (nothing changed) for a slot outside
-    the cache."""
-    assert can_rope_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping)
-    n = qkv.shape[0]
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
-    assert k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (num_kv_heads,
-                                                                            head_dim)
-    assert cos.shape == sin.shape == (n, 1, head_dim) and slot_mapping.shape == (n,)
-    num_cache_slots = k_cache.shape[0] * k_cache.shape[1]
+    at its flat slot (-1 = not stored). Takes what ``can_rope_store_kv`` accepts;
+    IndexError (nothing changed) for a slot outside the cache."""
+    num_cache_slots = k_cache.size(0) * k_cache.size(1)
     status = _kernel("rope_store_kv", qkv.dtype)(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-        slot_mapping.data_ptr(), n, num_heads, num_kv_heads, head_dim,
+        slot_mapping.data_ptr(), qkv.size(0), num_heads, num_kv_heads, head_dim,
         k_cache.data_ptr(), v_cache.data_ptr(), num_cache_slots, torch.get_num_threads())
     if status != 0:
         raise IndexError(f"a KV cache slot is outside [-1, {num_cache_slots})")
 
 
 def can_silu_and_mul(gate_up: torch.Tensor) -> bool:
-    return (gate_up.dtype in _DTYPES and _rows(gate_up, gate_up.dtype)
-            and gate_up.shape[1] % 2 == 0)
+    return _rows(gate_up) and gate_up.size(1) % 2 == 0
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * inter], a new [num_tokens,
-    inter] tensor."""
-    assert can_silu_and_mul(gate_up)
-    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty(n, inter)  # [num_tokens, inter]
+    inter] tensor; takes what ``can_silu_and_mul`` accepts."""
+    n, inter = gate_up.size(0), gate_up.size(1) // 2
+    out = torch.empty(n, inter, dtype=gate_up.dtype)  # [num_tokens, inter]
     _kernel("silu_and_mul", gate_up.dtype)(
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), n, inter,
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, n, inter,
         torch.get_num_threads())
     return out

@@ -204,14 +204,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 
 
-def _native_layer_ops(device: torch.device, backend: Backend | None) -> bool:
-    return resolve_backend(device, backend) == "cpu" and cpu_layer_ops.available()
+def _native_layer_ops(x: torch.Tensor, backend: Backend | None) -> bool:
+    """``resolve_backend(x.device, backend) == "cpu"`` with native layer ops, without the
+    device object (~1.5 us, and these run several times per layer); the ``can_*`` checks
+    then see that the tensors are on the CPU."""
+    return (x.is_cpu if backend is None else backend == "cpu") and cpu_layer_ops.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              backend: Backend | None = None) -> torch.Tensor:
     """``weight * x / rms(x)`` of ``x`` [num_tokens, hidden] (normalised in float32)."""
-    if _native_layer_ops(x.device, backend) and cpu_layer_ops.can_norm(x, weight):
+    if _native_layer_ops(x, backend) and cpu_layer_ops.can_norm(x, weight):
         return cpu_layer_ops.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -221,7 +224,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, the sum in the tensors' dtype. ``x`` and
     ``residual`` are consumed: the native kernel writes the two results into them."""
-    if _native_layer_ops(x.device, backend) and cpu_layer_ops.can_add_norm(x, residual,
+    if _native_layer_ops(x, backend) and cpu_layer_ops.can_add_norm(x, residual,
                                                                            weight):
         cpu_layer_ops.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
@@ -236,8 +239,8 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
     rotated q [num_tokens, num_heads, head_dim]. ``qkv`` is consumed (the native kernel
     rotates it in place)."""
     cos, sin = rope
-    if _native_layer_ops(qkv.device, backend) and cpu_layer_ops.can_rope_store_kv(
-            qkv, cos, sin, k_cache, v_cache, slot_mapping):
+    if _native_layer_ops(qkv, backend) and cpu_layer_ops.can_rope_store_kv(
+            qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, slot_mapping):
         cpu_layer_ops.rope_store_kv(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
                                     k_cache, v_cache, slot_mapping)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)[0]
@@ -248,7 +251,7 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
 
 def silu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * inter] -> [num_tokens, inter]."""
-    if _native_layer_ops(gate_up.device, backend) and cpu_layer_ops.can_silu_and_mul(
+    if _native_layer_ops(gate_up, backend) and cpu_layer_ops.can_silu_and_mul(
             gate_up):
         return cpu_layer_ops.silu_and_mul(gate_up)
     return silu_and_mul_ref(gate_up)

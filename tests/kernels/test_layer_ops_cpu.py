@@ -253,3 +253,26 @@ def test_switch_off_gives_the_reference() -> None:
                           cwd=Path(__file__).resolve().parents[2], check=False, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False torch True"
+
+
+def test_tensors_the_kernels_do_not_take_go_to_the_reference() -> None:
+    """float16, a column-strided view, a weight of the wrong length: the reference runs
+    (and gives its result, or its own error), never the kernel on a wrong layout."""
+    weight = _weight(40, F32)
+    half = _strided(3, 40, torch.float16, seed=1)
+    assert torch.equal(ops.rms_norm(half, weight.half(), EPS, backend="cpu"),
+                       rms_norm_ref(half, weight.half(), EPS))
+    transposed = _strided(40, 3, F32, seed=2).t()  # [3, 40], column stride 47
+    assert not cpu_layer_ops.can_norm(transposed, weight)
+    assert torch.equal(ops.rms_norm(transposed, weight, EPS, backend="cpu"),
+                       rms_norm_ref(transposed, weight, EPS))
+    assert not cpu_layer_ops.can_norm(_strided(3, 41, F32, seed=3), weight)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        ops.rms_norm(_strided(3, 41, F32, seed=3), weight, EPS, backend="cpu")
+    qkv = _strided(2, 8 * 16, F32, seed=4)  # one column short of 4 + 2 * 2 heads of 16
+    k_cache = torch.zeros(4, 8, 2, 16)
+    cos, sin = _rope_tables(torch.arange(2), 16)
+    assert not cpu_layer_ops.can_rope_store_kv(qkv[:, :-1], 4, 2, 16, cos, sin, k_cache,
+                                               k_cache.clone(), torch.arange(2))
+    assert cpu_layer_ops.can_rope_store_kv(qkv, 4, 2, 16, cos, sin, k_cache,
+                                           k_cache.clone(), torch.arange(2))
