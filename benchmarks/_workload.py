@@ -93,7 +93,17 @@ def num_prompt_tokens(items: Sequence[WorkItem]) -> int:
     return sum(len(w.prompt_ids) for w in items)
 
 
-# --- adapters ---------------------------------------------------------------------------
+# --- the model and its adapters -----------------------------------------------------------
+
+
+def resolve_model(model: str | None, absolute: bool = False) -> str:
+    """The model folder given (made absolute when ``absolute``: a server subprocess runs
+    elsewhere), or the demo model, prepared if needed."""
+    if model:
+        return str(Path(model).absolute()) if absolute else model
+    from loraplex.model.demo import prepare_demo_model
+
+    return str(prepare_demo_model(progress=True))
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

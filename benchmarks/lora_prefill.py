@@ -14,7 +14,6 @@ faster), checks that both give the same result, and prints a table. Writes JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _output import pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
@@ -119,17 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     report = {"threads": args.threads, "repeats": args.repeats, "segments": SEGMENTS,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "base_tokens": BASE_TOKENS, "rows": rows, "per_chunk_totals": totals}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['projection']}\n{r['dtype']}" for r in rows]
     xs = range(len(rows))
@@ -141,8 +137,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("ms per prefill chunk, one layer (min)")
     ax.set_title("Prefill LoRA on CPU, demo model shapes", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":
