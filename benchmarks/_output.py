@@ -3,10 +3,16 @@ two suffixes), and the machine they were measured on."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 from pathlib import Path
 from typing import Any
+
+
+def add_out_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--out", default=default,
+                        help="output path without extension: writes .json and .png")
 
 
 def write_json(out: Path, doc: Any, indent: int = 2) -> Path:

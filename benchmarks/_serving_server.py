@@ -47,6 +47,7 @@ SETUPS = {
 
 
 def max_model_len(args: argparse.Namespace) -> int:
+    """The longest request of the run: with the vLLM peer, both servers' context length."""
     return args.system_prompt_tokens + args.max_prompt + args.max_output
 
 

@@ -62,7 +62,8 @@ def vllm_env(venv: str | Path, threads: int, kv_cache_gib: float,
 
 
 class VllmServer(ServerProcess):
-    """vLLM's OpenAI server on a free loopback port; the same surface as serving.py's Server."""
+    """vLLM's OpenAI server on a free loopback port; the same surface as
+    ``_serving_server.Server``."""
 
     name = "vllm serve"
     ready_path = "/health"

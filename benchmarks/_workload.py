@@ -8,6 +8,7 @@ there is no accidental prefix sharing between requests.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -94,6 +95,12 @@ def num_prompt_tokens(items: Sequence[WorkItem]) -> int:
 
 
 # --- the model and its adapters -----------------------------------------------------------
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model``, which ``resolve_model`` reads."""
+    parser.add_argument("--model",
+                        help="HF model folder (default: the demo model, prepared if needed)")
 
 
 def resolve_model(model: str | None, absolute: bool = False) -> str:

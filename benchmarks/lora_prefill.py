@@ -24,7 +24,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from _output import pyplot, save_figure, write_json  # noqa: E402
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/lora_prefill")
+    add_out_argument(parser, "benchmarks/results/lora_prefill")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1")

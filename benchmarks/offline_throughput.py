@@ -57,10 +57,13 @@ from _offline_results import (  # noqa: E402
     check_lengths,
     summarise,
 )
+from _output import add_out_argument  # noqa: E402
 from _vllm_offline import run_vllm  # noqa: E402
+from _vllm_serve import DEFAULT_VENV  # noqa: E402
 from _workload import (  # noqa: E402
     WorkItem,
     WorkloadSpec,
+    add_model_argument,
     ensure_adapters,
     make_workload,
     num_output_tokens,
@@ -82,7 +85,7 @@ def quiet_hf() -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF model folder (default: the demo model, prepared if needed)")
+    add_model_argument(p)
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--num-adapters", type=int, default=20)
     p.add_argument("--min-prompt", type=int, default=32)
@@ -98,7 +101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32",
                    help="comma-separated dtypes (float32, bfloat16) every system without its "
                         "own :DTYPE runs in, each one after the other")
-    p.add_argument("--vllm-venv", default="~/.cache/loraplex/peers/vllm-venv",
+    p.add_argument("--vllm-venv", default=DEFAULT_VENV,
                    help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it)")
     p.add_argument("--peer-requests", type=int, default=200,
                    help="first K requests: the workload all three systems run")
@@ -124,8 +127,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 48 requests, prompts <= 256, outputs <= 64, "
                         "8 peer requests, 24 sweep requests")
-    p.add_argument("--out", default="docs/benchmarks/offline_throughput",
-                   help="output path without extension: writes .json and .png")
+    add_out_argument(p, "docs/benchmarks/offline_throughput")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = min(args.num_requests, 48)

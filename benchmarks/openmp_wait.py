@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _output import pyplot, save_figure, write_json  # noqa: E402
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 
 POLICIES = {"spin": {"GOMP_SPINCOUNT": "300000"}, "brief": {"GOMP_SPINCOUNT": "1000"},
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="docs/benchmarks/openmp_wait")
+    add_out_argument(parser, "docs/benchmarks/openmp_wait")
     parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a past run")
     args = parser.parse_args(argv)
     if args.replot:

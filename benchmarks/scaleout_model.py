@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _output import pyplot, save_figure, write_json  # noqa: E402
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 from _workload import zipf_weights  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", default="1,2,4,8,16")
     p.add_argument("--working-sets", default="20,100,500")
     p.add_argument("--requests", type=int, default=20000, help="simulated requests per cell")
-    p.add_argument("--out", default="docs/benchmarks/scaleout_model")
+    add_out_argument(p, "docs/benchmarks/scaleout_model")
     args = p.parse_args(argv)
     doc = json.loads(Path(args.measured).read_text())
     m = measured_inputs(doc)

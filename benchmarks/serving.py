@@ -71,6 +71,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _log import log  # noqa: E402
+from _output import add_out_argument  # noqa: E402
 from _serving_bench import Bench  # noqa: E402
 from _serving_metrics import engine_stats  # noqa: E402
 from _serving_ray import run_ray  # noqa: E402
@@ -81,6 +82,7 @@ from _serving_workload import Call, build_calls  # noqa: E402
 from _vllm_serve import DEFAULT_VENV  # noqa: E402
 from _workload import (  # noqa: E402
     WorkloadSpec,
+    add_model_argument,
     ensure_adapters,
     make_workload,
     resolve_model,
@@ -91,7 +93,7 @@ from _workload import (  # noqa: E402
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF model folder (default: the demo model, prepared if needed)")
+    add_model_argument(p)
     p.add_argument("--configs", default=",".join(SETUPS),
                    help=f"comma-separated subset of {', '.join(SETUPS)}")
     p.add_argument("--rates", default="0.15,0.3,0.6", help="arrival rates, req/s")
@@ -147,8 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: rates 0.2,0.5, 25 s of arrivals, outputs <= 32, "
                         "configs chunked+prefix and neither")
-    p.add_argument("--out", default="docs/benchmarks/serving",
-                   help="output path without extension: writes .json and .png")
+    add_out_argument(p, "docs/benchmarks/serving")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters each engine keeps in host memory (default: the server's; "
                         "--max-loras in Ray mode, so the working-set runs have a known "

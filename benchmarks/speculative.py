@@ -49,7 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see offline_throughput.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _output import pyplot, save_figure, write_json  # noqa: E402
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 from _workload import WorkloadSpec, make_workload  # noqa: E402
 
 from loraplex import LLM, SamplingParams  # noqa: E402
@@ -265,8 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "layer_skip with --draft-layers)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's dtype, with and without speculation alike")
-    parser.add_argument("--out", default="docs/benchmarks/speculative",
-                        help="output path without extension: writes .json and .png")
+    add_out_argument(parser, "docs/benchmarks/speculative")
     args = parser.parse_args(argv)
     model = str(prepare_demo_model(progress=False))
     batches = [b for b in args.batches if b < 64] if args.quick else args.batches
