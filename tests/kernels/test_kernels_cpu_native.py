@@ -24,6 +24,7 @@ from kernel_cases import (
     SGMVCase,
     check_add_lora,
     check_attention,
+    check_partial_targets,
 )
 
 from loraplex_kernels import cpu_native, ops
@@ -122,3 +123,7 @@ def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hid
     slots = sorted(s for s, n in runs for _ in range(n))
     case = SGMVCase("random", tuple(slots), tuple(ranks), hidden, tuple(widths))
     check_add_lora(case, torch.float32, "cpu", "cpu")
+
+
+def test_add_lora_partial_targets() -> None:
+    check_partial_targets(torch.float32)
