@@ -342,6 +342,39 @@ static inline __m512bh pair_at(const bf16 *p) /* p[0], p[1] broadcast */
     return as_bh(_mm512_set1_epi32(v));
 }
 
+/* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
+ * inlined): each pair-row of A^T's tile is one contiguous read of up to 256 bytes, and the
+ * 4 x nv vectors of sums stay in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). */
+static inline __attribute__((always_inline)) void shrink_ranks_avx512(
+    const bf16 *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
+    const int nv, bf16 *restrict yb)
+{
+    const int64_t w = 2 * in2;
+    __m512 c[LORA_TOKENS][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+    for (int64_t i2 = 0; i2 < in2; ++i2) {
+        const bf16 *restrict a = at + (i2 * r + k0) * 2;
+        __m512bh av[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const __m512bh xp = pair_at(xb + t * w + 2 * i2);
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j)
+            _mm256_storeu_si256((__m256i *)(yb + t * r + k0 + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(c[t][j]));
+}
+
 /* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to 4 rows of in2 * 2;
  * yb: [4, r] bf16. */
 static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
@@ -350,20 +383,13 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
                                const int64_t *restrict slices, int64_t num_slices,
                                bf16 *restrict yb)
 {
-    const int64_t w = 2 * in2;
-    for (int64_t k0 = 0; k0 < r; k0 += 16) {
-        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-        for (int64_t i2 = 0; i2 < in2; ++i2) {
-            const __m512bh a = as_bh(_mm512_loadu_si512(at + (i2 * r + k0) * 2));
-            c0 = _mm512_dpbf16_ps(c0, pair_at(xb + 2 * i2), a);
-            c1 = _mm512_dpbf16_ps(c1, pair_at(xb + w + 2 * i2), a);
-            c2 = _mm512_dpbf16_ps(c2, pair_at(xb + 2 * w + 2 * i2), a);
-            c3 = _mm512_dpbf16_ps(c3, pair_at(xb + 3 * w + 2 * i2), a);
-        }
-        _mm256_storeu_si256((__m256i *)(yb + k0), (__m256i)_mm512_cvtneps_pbh(c0));
-        _mm256_storeu_si256((__m256i *)(yb + r + k0), (__m256i)_mm512_cvtneps_pbh(c1));
-        _mm256_storeu_si256((__m256i *)(yb + 2 * r + k0), (__m256i)_mm512_cvtneps_pbh(c2));
-        _mm256_storeu_si256((__m256i *)(yb + 3 * r + k0), (__m256i)_mm512_cvtneps_pbh(c3));
+    int64_t k0 = 0;
+    for (; k0 + 64 <= r; k0 += 64) shrink_ranks_avx512(xb, in2, at, r, k0, 4, yb);
+    switch ((r - k0) / 16) { /* r is a multiple of 16 */
+    case 3: shrink_ranks_avx512(xb, in2, at, r, k0, 3, yb); break;
+    case 2: shrink_ranks_avx512(xb, in2, at, r, k0, 2, yb); break;
+    case 1: shrink_ranks_avx512(xb, in2, at, r, k0, 1, yb); break;
+    default: break;
     }
     for (int64_t s = 0; s < num_slices; ++s) {
         /* the pairs holding the slice's ranks; a pair's other row is zero here */
