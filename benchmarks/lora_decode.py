@@ -11,7 +11,12 @@ matrix (what it did before: every slice's ranks against every slice's columns, f
 2/3 zeros, for gate/up 1/2) and per slice (each slice's ranks against its own columns
 only), checks that both give the same result, and prints a table. Writes JSON and a PNG.
 
-    python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--out PATH]
+``--crossover`` also times, for one slot's segment of 32 to 2,048 tokens (ranks 8 and 32,
+10 layers), the native kernel against the per-slot matmuls (``add_lora_sliced`` in
+float32, ``add_lora_ref`` in bfloat16) that longer segments take: where the GEMM overtakes
+the native kernel is what ``meta.short_segment_limit`` is set from.
+
+    python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--crossover] [--out PATH]
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from loraplex_kernels import cpu_native  # noqa: E402
+from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
 from loraplex_kernels.meta import SGMVMeta  # noqa: E402
+from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers
 PROJECTIONS = {"qkv_proj": (576, [576, 192, 192]), "o_proj": (576, [576]),
@@ -110,10 +117,58 @@ def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:
     return row
 
 
+CROSSOVER_LENS = [32, 64, 128, 256, 512, 1024, 2048]
+
+
+def crossover(dtype_name: str, slot: int, length: int, repeats: int) -> dict[str, Any]:
+    """One slot's segment of ``length`` tokens through 10 layers' projections: the native
+    kernel against the matmul path of long segments."""
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(1)
+    token_slots = [slot] * length
+    as_short = SGMVMeta.build(token_slots, RANKS, short_segment_len=length)
+    as_long = SGMVMeta.build(token_slots, RANKS, short_segment_len=0)
+    segments, ids = as_short.short_segments, as_long.long_segment_ids
+    assert segments is not None and ids
+    layers = []
+    for _ in range(10):
+        for in_features, widths in PROJECTIONS.values():
+            layers.append((_slots(in_features, widths, dtype, g),
+                           torch.randn(length, in_features, generator=g).to(dtype),
+                           torch.randn(length, sum(widths), generator=g).to(dtype)))
+
+    def native() -> None:
+        for slots, x, out in layers:
+            cpu_native.add_lora(out, x, segments, slots)
+
+    def matmul() -> None:
+        for slots, x, out in layers:
+            if dtype == torch.float32:
+                add_lora_sliced(out, x, slots, as_long, ids)
+            else:
+                add_lora_ref(out, x, slots.weights, as_long, ids)
+
+    times: dict[str, list[float]] = {"native": [], "matmul": []}
+    native()
+    matmul()
+    for _ in range(repeats):
+        for key, fn in (("native", native), ("matmul", matmul)):
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    row: dict[str, Any] = {"dtype": dtype_name, "rank": RANKS[slot], "tokens": length}
+    for key, ts in times.items():
+        row[f"{key}_min_ms"] = min(ts) * 1e3
+    row["native_speedup"] = row["matmul_min_ms"] / row["native_min_ms"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--crossover", action="store_true",
+                        help="also time native vs matmul for one slot's long segments")
     parser.add_argument("--out", default="benchmarks/results/lora_decode")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
@@ -132,11 +187,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['dtype']:9} {r['layout']:20} {r['block_diagonal_min_ms']:14.2f} "
               f"{r['per_slice_min_ms']:13.2f} {r['speedup_min']:8.2f} "
               f"{r['speedup_median']:9.2f} {r['max_abs_diff']:9.1e}")
+    cross = []
+    if args.crossover:
+        print(f"{'dtype':9} {'rank':>4} {'tokens':>6} {'native ms':>10} {'matmul ms':>10} "
+              f"{'native speedup':>15}")
+        for dt in DTYPES:
+            for slot in (0, 2):  # ranks 8 and 32
+                for length in CROSSOVER_LENS:
+                    c = crossover(dt, slot, length, max(3, args.repeats // 4))
+                    cross.append(c)
+                    print(f"{dt:9} {c['rank']:4} {length:6} {c['native_min_ms']:10.2f} "
+                          f"{c['matmul_min_ms']:10.2f} {c['native_speedup']:15.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": args.threads, "repeats": args.repeats, "ranks": RANKS,
               "layers": LAYERS, "bf16_impl": impl,
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows}
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows,
+              "crossover": cross}
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")

@@ -35,6 +35,11 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 # --------------------------------------------------------------------------- SGMV
 
 
+# The cases' segments are short, so they split long from short at 32 tokens (the engine
+# splits at short_segment_limit(dtype)) to reach both CPU LoRA paths.
+CASE_SEGMENT_LEN = 32
+
+
 @dataclass(frozen=True)
 class SGMVCase:
     name: str
@@ -107,7 +112,8 @@ def make_sgmv_inputs(case: SGMVCase, dtype: torch.dtype, device: str,
     for w in case.widths:
         offsets.append(offsets[-1] + w)
     return SGMVInputs(
-        meta=SGMVMeta.build(case.token_slots, case.slot_ranks, device=device),
+        meta=SGMVMeta.build(case.token_slots, case.slot_ranks, device=device,
+                            short_segment_len=CASE_SEGMENT_LEN),
         x=x.to(dtype).to(device),
         lora_a=[a.to(dtype).to(device) for a in lora_a],
         lora_b=[b.to(dtype).to(device) for b in lora_b],

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import (
     ATTENTION_CASES,
+    CASE_SEGMENT_LEN,
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
@@ -104,7 +105,8 @@ def _sorted(case: SGMVCase) -> SGMVCase:
 
 @pytest.mark.parametrize("case", [_sorted(c) for c in SGMV_CASES], ids=str)
 def test_add_lora_cpu_backend(case: SGMVCase) -> None:
-    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks,
+                          short_segment_len=CASE_SEGMENT_LEN)
     assert meta.short_segments is not None
     check_add_lora(case, torch.float32, "cpu", "cpu")
 
