@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +31,15 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _lora_paths import (  # noqa: E402
+    DTYPES,
+    LAYERS,
+    PROJECTIONS,
+    add_speedups,
+    plot_paths,
+    time_interleaved,
+)
+from _output import add_out_argument, write_json  # noqa: E402
 
 from loraplex_kernels import cpu_native  # noqa: E402
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
@@ -41,14 +47,9 @@ from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
 from loraplex_kernels.meta import SGMVMeta  # noqa: E402
 from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
 
-# SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers
-PROJECTIONS = {"qkv_proj": (576, [576, 192, 192]), "o_proj": (576, [576]),
-               "gate_up_proj": (576, [1536, 1536]), "down_proj": (1536, [576])}
-LAYERS = 30
 RANKS = [8, 16, 32] * 5 + [8]  # 16 slots
 LAYOUTS = {"16 slots x 4 tokens": [s for s in range(16) for _ in range(4)],
            "1 slot x 32 tokens": [2] * 32}  # slot 2: rank 32; longer runs take the matmul path
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _slots(in_features: int, widths: list[int], dtype: torch.dtype,
@@ -99,22 +100,10 @@ def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:
         for (slots, whole, x, _), out in zip(layers, outs, strict=True):
             cpu_native.add_lora(out, x, segments, (whole, slots)[which])
 
-    times: dict[str, list[float]] = {"block_diagonal": [], "per_slice": []}
-    step(0)
-    step(1)
-    for _ in range(repeats):  # interleaved, so load from elsewhere hits both alike
-        for which, key in enumerate(times):
-            t0 = time.perf_counter()
-            step(which)
-            times[key].append(time.perf_counter() - t0)
-    row: dict[str, Any] = {"dtype": dtype_name, "layout": layout, "tokens": n,
-                           "max_abs_diff": max_diff}
-    for key, ts in times.items():
-        row[f"{key}_min_ms"] = min(ts) * 1e3
-        row[f"{key}_median_ms"] = statistics.median(ts) * 1e3
-    row["speedup_min"] = row["block_diagonal_min_ms"] / row["per_slice_min_ms"]
-    row["speedup_median"] = row["block_diagonal_median_ms"] / row["per_slice_median_ms"]
-    return row
+    times = time_interleaved({"block_diagonal": lambda: step(0),
+                              "per_slice": lambda: step(1)}, repeats)
+    return add_speedups({"dtype": dtype_name, "layout": layout, "tokens": n,
+                         "max_abs_diff": max_diff}, times)
 
 
 CROSSOVER_LENS = [32, 64, 128, 256, 512, 1024, 2048]
@@ -148,14 +137,7 @@ def crossover(dtype_name: str, slot: int, length: int, repeats: int) -> dict[str
             else:
                 add_lora_ref(out, x, slots.weights, as_long, ids)
 
-    times: dict[str, list[float]] = {"native": [], "matmul": []}
-    native()
-    matmul()
-    for _ in range(repeats):
-        for key, fn in (("native", native), ("matmul", matmul)):
-            t0 = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t0)
+    times = time_interleaved({"native": native, "matmul": matmul}, repeats)
     row: dict[str, Any] = {"dtype": dtype_name, "rank": RANKS[slot], "tokens": length}
     for key, ts in times.items():
         row[f"{key}_min_ms"] = min(ts) * 1e3
@@ -169,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--crossover", action="store_true",
                         help="also time native vs matmul for one slot's long segments")
-    parser.add_argument("--out", default="benchmarks/results/lora_decode")
+    add_out_argument(parser, "benchmarks/results/lora_decode")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1")
@@ -204,30 +186,15 @@ def main(argv: list[str] | None = None) -> None:
               "layers": LAYERS, "bf16_impl": impl,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows,
               "crossover": cross}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['layout']}\n{r['dtype']}" for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["block_diagonal_min_ms"] for r in rows], 0.4,
-           color="#9e9e9e", label="block-diagonal B (before)")
-    ax.bar([x + 0.2 for x in xs], [r["per_slice_min_ms"] for r in rows], 0.4,
-           color="#e0702a", label="per slice")
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("ms per decode step, all layers (min)")
-    ax.set_title("Decode LoRA on CPU (native kernel), demo model shapes", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_paths(rows, path, "layout", ("block-diagonal B (before)", "per slice"),
+               "ms per decode step, all layers (min)",
+               "Decode LoRA on CPU (native kernel), demo model shapes")
 
 
 if __name__ == "__main__":
