@@ -54,7 +54,9 @@ def _case(in_features: int, widths: list[int], dtype: torch.dtype,
                        torch.randn(w, r, generator=g) / r ** 0.5) for w in widths], 2.0)
     token_slots = [s for s, (_, n) in enumerate(SEGMENTS) for _ in range(n)]
     token_slots += [-1] * BASE_TOKENS
-    meta = SGMVMeta.build(token_slots, ranks)
+    # every segment long: the two matmul paths are what is compared (the engine sends
+    # segments of up to 512 float32 tokens, and all bfloat16 ones, to the native kernel)
+    meta = SGMVMeta.build(token_slots, ranks, short_segment_len=0)
     x = torch.randn(len(token_slots), in_features, generator=g).to(dtype)  # [tokens, in]
     out = torch.randn(len(token_slots), sum(widths), generator=g).to(dtype)  # [tokens, out]
     return slots, meta, x, out
