@@ -18,7 +18,6 @@ and GEMMs unchanged): the end-to-end share of these ops. Writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -30,6 +29,8 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _lora_paths import time_interleaved  # noqa: E402
+from _output import add_out_argument, cpu_name, pyplot, save_figure, write_json  # noqa: E402
 
 import loraplex.model.llama as llama  # noqa: E402
 from loraplex.model.demo import default_demo_dir, is_prepared  # noqa: E402
@@ -79,14 +80,7 @@ def measure(dtype_name: str, batch: str, repeats: int) -> list[dict[str, Any]]:
              "native": _calls(DTYPES[dtype_name], tokens, "cpu")}
     rows = []
     for op in PER_LAYER:
-        times: dict[str, list[float]] = {k: [] for k in paths}
-        for calls in paths.values():
-            calls[op]()
-        for _ in range(repeats):  # interleaved, so load from elsewhere hits both alike
-            for key, calls in paths.items():
-                t0 = time.perf_counter()
-                calls[op]()
-                times[key].append(time.perf_counter() - t0)
+        times = time_interleaved({key: calls[op] for key, calls in paths.items()}, repeats)
         row: dict[str, Any] = {"op": op, "dtype": dtype_name, "batch": batch,
                                "tokens": tokens}
         for key, ts in times.items():
@@ -153,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--model-steps", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/layer_ops")
+    add_out_argument(parser, "benchmarks/results/layer_ops")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1 or args.model_steps < 0:
         parser.error("--repeats and --threads must be at least 1, --model-steps at least 0")
@@ -189,35 +183,30 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.model_steps})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"threads": args.threads, "repeats": args.repeats,
+    report = {"cpu": cpu_name(), "threads": args.threads, "repeats": args.repeats,
               "model_steps": args.model_steps,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows,
               "per_step_totals": totals, "model_rows": model_rows}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    written = write_json(out, report)
     plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    print(f"wrote {written} and {out.with_suffix('.png')}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(12, 4.5))
     labels = [f"{r['op']}\n{r['dtype']} {r['batch']}" for r in rows]
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["reference_median_us"] for r in rows], 0.4,
            color="#9e9e9e", label="PyTorch reference")
     ax.bar([x + 0.2 for x in xs], [r["native_median_us"] for r in rows], 0.4,
            color="#e0702a", label="native fused kernel")
-    ax.set_xticks(list(xs), labels, fontsize=5)
+    ax.set_xticks(list(xs), labels, fontsize=6, rotation=40, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("us per call (median)")
     ax.set_title("Per-layer ops on CPU, demo model shapes", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":
