@@ -5,8 +5,8 @@ Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"t
 - ``"triton"``: the Triton kernels (CUDA; tests run them under ``TRITON_INTERPRET=1``).
 - ``"cpu"``: the native CPU kernels where they apply (float32 and bfloat16 decode
   attention, short LoRA segments, and the per-layer RMSNorm, RoPE + KV store and
-  SiLU-and-mul; built from ``csrc/`` on first use), the PyTorch reference for the rest. The default on CPU when the
-  native library is available.
+  SiLU-and-mul; built from ``csrc/`` on first use), the PyTorch reference for the rest.
+  The default on CPU when the native library is available.
 - ``"torch"``: the PyTorch reference only (the tests' oracle).
 """
 
@@ -225,8 +225,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, the sum in the tensors' dtype. ``x`` and
     ``residual`` are consumed: the native kernel writes the two results into them."""
-    if _native_layer_ops(x, backend) and cpu_layer_ops.can_add_norm(x, residual,
-                                                                           weight):
+    if _native_layer_ops(x, backend) and cpu_layer_ops.can_add_norm(x, residual, weight):
         cpu_layer_ops.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
     return fused_add_rms_norm_ref(x, residual, weight, eps)
@@ -252,8 +251,7 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
 
 def silu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * inter] -> [num_tokens, inter]."""
-    if _native_layer_ops(gate_up, backend) and cpu_layer_ops.can_silu_and_mul(
-            gate_up):
+    if _native_layer_ops(gate_up, backend) and cpu_layer_ops.can_silu_and_mul(gate_up):
         return cpu_layer_ops.silu_and_mul(gate_up)
     return silu_and_mul_ref(gate_up)
 
