@@ -79,9 +79,10 @@ def _compiler() -> str | None:
 def build(compiler: str | None = None, directory: Path | None = None,
           csrc: Path | None = None) -> Path:
     """Compiles the library if this machine has no build of the current source yet.
-    ``csrc``: a folder holding the same files from another revision (benchmarks)."""
+    ``csrc``: a folder holding the same sources from another revision (benchmarks), with
+    the headers that revision has."""
     sources = [csrc / f.name for f in _SOURCES] if csrc else _SOURCES
-    headers = [csrc / f.name for f in _HEADERS] if csrc else _HEADERS
+    headers = [h for h in (csrc / f.name for f in _HEADERS) if h.exists()] if csrc else _HEADERS
     cc = compiler or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")

@@ -9,8 +9,11 @@
  *                  two bf16 x bf16 products, exact, added in fp32); compiled only when the
  *                  compiler targets a CPU with avx512_bf16 (-march=native on one).
  * Both round what the PyTorch reference rounds to bf16 (the LoRA shrink's output, the
- * attention probabilities before the value product, the outputs), so they differ from
- * each other only in the order of fp32 additions.
+ * attention weights before the value product, the outputs), so they differ from each
+ * other only in the order of fp32 additions. The attention runs an online softmax
+ * (decode_attention.h), so the weights rounded are exp(score - running max), normalised
+ * in fp32 at the end, where the reference rounds the normalised probabilities: the same
+ * relative rounding error, on a differently scaled value.
  *
  * The vdpbf16ps operand wants pairs of consecutive bf16 values along the summed axis, so
  * the LoRA weights come pair-interleaved ("VNNI" layout, written by lora_slots.py):
