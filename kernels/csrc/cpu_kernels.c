@@ -140,12 +140,15 @@ static inline __attribute__((always_inline)) void decode_range(
     }
     for (int64_t j = 0; j < heads * head_dim; ++j) acc[j] = 0.0f;
     float corr[SCORE_HEADS];
+    prefetch_first_blocks(k_cache, v_cache, table, begin, end, block_size, block_stride * 4);
     for (int64_t pos0 = begin; pos0 < end; pos0 += block_size) {
         const int64_t blk = pos0 / block_size;
         const int64_t off = (int64_t)table[blk] * block_stride;
         const int64_t n = end - pos0 < block_size ? end - pos0 : block_size;
-        const int64_t next_n = end - pos0 - n < block_size ? end - pos0 - n : block_size;
-        const int64_t next = next_n > 0 ? (int64_t)table[blk + 1] * block_stride : 0;
+        const int64_t ahead = pos0 + DECODE_PREFETCH_BLOCKS * block_size;
+        const int64_t next_n = end - ahead < block_size ? end - ahead : block_size;
+        const int64_t next = next_n > 0
+            ? (int64_t)table[blk + DECODE_PREFETCH_BLOCKS] * block_stride : 0;
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             const float *restrict kb = k_cache + off + kh * head_dim;
             const float *restrict vb = v_cache + off + kh * head_dim;

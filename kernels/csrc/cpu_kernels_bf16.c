@@ -67,12 +67,33 @@ int loraplex_bf16_impls(void)
 #define SCORE_HEADS 4
 
 /* Scaled scores of `n` positions for `nh` query heads of one KV head (qf: the heads'
- * queries widened to fp32, head_dim apart): w[h * ws + p]. */
+ * queries widened to fp32, head_dim apart): w[h * ws + p]; four positions' chains at a
+ * time, as cpu_kernels.c's scores_portable. */
 static inline __attribute__((always_inline)) void scores_portable(
     const float *restrict qf, int64_t nh, const bf16 *restrict k, int64_t pos_stride,
     int64_t n, const int64_t head_dim, float scale, float *restrict w, int64_t ws)
 {
-    for (int64_t p = 0; p < n; ++p)
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4)
+        for (int64_t h = 0; h < nh; ++h) {
+            const bf16 *restrict k0 = k + p * pos_stride, *restrict k1 = k0 + pos_stride,
+                       *restrict k2 = k1 + pos_stride, *restrict k3 = k2 + pos_stride;
+            const float *restrict qh = qf + h * head_dim;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t d = 0; d < head_dim; ++d) {
+                s0 += qh[d] * bf16_to_f32(k0[d]);
+                s1 += qh[d] * bf16_to_f32(k1[d]);
+                s2 += qh[d] * bf16_to_f32(k2[d]);
+                s3 += qh[d] * bf16_to_f32(k3[d]);
+            }
+            float *restrict wh = w + h * ws + p;
+            wh[0] = s0 * scale;
+            wh[1] = s1 * scale;
+            wh[2] = s2 * scale;
+            wh[3] = s3 * scale;
+        }
+    for (; p < n; ++p)
         for (int64_t h = 0; h < nh; ++h) {
             const bf16 *restrict kp = k + p * pos_stride;
             const float *restrict qh = qf + h * head_dim;
@@ -83,16 +104,34 @@ static inline __attribute__((always_inline)) void scores_portable(
         }
 }
 
-/* acc[h * head_dim + d] += bf16(w[h * ws + p]) * v[p * pos_stride + d]: the weight in bf16,
- * as the reference's value product takes its probabilities. */
+/* the weight in bf16, as the reference's value product takes its probabilities */
+static inline float weight_bf16(float w) { return bf16_to_f32(f32_to_bf16(w)); }
+
+/* acc[h * head_dim + d] += bf16(w[h * ws + p]) * v[p * pos_stride + d], four rows per acc
+ * update. */
 static inline __attribute__((always_inline)) void values_portable(
     float *restrict acc, const bf16 *restrict v, int64_t pos_stride, const float *restrict w,
     int64_t ws, int64_t nh, int64_t n, const int64_t head_dim)
 {
-    for (int64_t p = 0; p < n; ++p)
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4) {
+        const bf16 *restrict v0 = v + p * pos_stride, *restrict v1 = v0 + pos_stride,
+                   *restrict v2 = v1 + pos_stride, *restrict v3 = v2 + pos_stride;
+        for (int64_t h = 0; h < nh; ++h) {
+            const float *restrict wh = w + h * ws + p;
+            const float p0 = weight_bf16(wh[0]), p1 = weight_bf16(wh[1]),
+                        p2 = weight_bf16(wh[2]), p3 = weight_bf16(wh[3]);
+            float *restrict a = acc + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d)
+                a[d] += p0 * bf16_to_f32(v0[d]) + p1 * bf16_to_f32(v1[d])
+                        + p2 * bf16_to_f32(v2[d]) + p3 * bf16_to_f32(v3[d]);
+        }
+    }
+    for (; p < n; ++p)
         for (int64_t h = 0; h < nh; ++h) {
             const bf16 *restrict vp = v + p * pos_stride;
-            const float pr = bf16_to_f32(f32_to_bf16(w[h * ws + p]));
+            const float pr = weight_bf16(w[h * ws + p]);
             float *restrict a = acc + h * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += pr * bf16_to_f32(vp[d]);
@@ -203,12 +242,15 @@ static inline __attribute__((always_inline)) void decode_range(
             for (int64_t d = 0; d < head_dim; ++d)
                 qf[h * head_dim + d] = bf16_to_f32(q[h * q_head_stride + d]);
     float corr[SCORE_HEADS];
+    prefetch_first_blocks(k_cache, v_cache, table, begin, end, block_size, block_stride * 2);
     for (int64_t pos0 = begin; pos0 < end; pos0 += block_size) {
         const int64_t blk = pos0 / block_size;
         const int64_t off = (int64_t)table[blk] * block_stride;
         const int64_t n = end - pos0 < block_size ? end - pos0 : block_size;
-        const int64_t next_n = end - pos0 - n < block_size ? end - pos0 - n : block_size;
-        const int64_t next = next_n > 0 ? (int64_t)table[blk + 1] * block_stride : 0;
+        const int64_t ahead = pos0 + DECODE_PREFETCH_BLOCKS * block_size;
+        const int64_t next_n = end - ahead < block_size ? end - ahead : block_size;
+        const int64_t next = next_n > 0
+            ? (int64_t)table[blk + DECODE_PREFETCH_BLOCKS] * block_stride : 0;
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             const bf16 *restrict kb = k_cache + off + kh * head_dim;
             const bf16 *restrict vb = v_cache + off + kh * head_dim;

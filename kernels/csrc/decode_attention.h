@@ -122,14 +122,33 @@ static inline void merge_parts(float *restrict m, float *restrict l, float *rest
     }
 }
 
-/* the next block's rows of one KV head, into the caches while this block is computed
- * (block tables make blocks non-contiguous, beyond the hardware prefetcher's reach) */
+/* Software prefetch of the block DECODE_PREFETCH_BLOCKS ahead, into L2 (prefetcht1): block
+ * tables make blocks non-contiguous, beyond the hardware prefetcher's reach, and a
+ * prefetch into L1 stalls on L1's few miss buffers (it measured no faster than none). */
+#define DECODE_PREFETCH_BLOCKS 2
+
 static inline void prefetch_rows(const void *base, int64_t rows, int64_t row_stride_bytes,
                                  int64_t row_bytes)
 {
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < row_bytes; b += 64)
-            __builtin_prefetch((const char *)base + r * row_stride_bytes + b, 0, 3);
+            __builtin_prefetch((const char *)base + r * row_stride_bytes + b, 0, 2);
+}
+
+/* the first DECODE_PREFETCH_BLOCKS blocks of positions [begin, end), whole (all KV heads),
+ * before the loop that prefetches ahead of itself starts */
+static inline void prefetch_first_blocks(const void *k_cache, const void *v_cache,
+                                         const int32_t *table, int64_t begin, int64_t end,
+                                         int64_t block_size, int64_t block_bytes)
+{
+    for (int64_t j = 0; j < DECODE_PREFETCH_BLOCKS; ++j) {
+        const int64_t pos0 = begin + j * block_size;
+        if (pos0 >= end) break;
+        const int64_t n = end - pos0 < block_size ? end - pos0 : block_size;
+        const int64_t off = (int64_t)table[pos0 / block_size] * block_bytes;
+        prefetch_rows((const char *)k_cache + off, 1, 0, block_bytes / block_size * n);
+        prefetch_rows((const char *)v_cache + off, 1, 0, block_bytes / block_size * n);
+    }
 }
 
 #ifdef __AVX512F__
