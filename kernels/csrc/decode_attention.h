@@ -16,9 +16,9 @@
 #include <immintrin.h>
 #endif
 
-/* A split part covers at least this many blocks: below it the merge costs more than the
- * second thread saves. */
-#define DECODE_MIN_SPLIT_BLOCKS 2
+/* A split part covers at least this many blocks: below it the merge and the extra
+ * barrier cost about what the second thread saves. */
+#define DECODE_MIN_SPLIT_BLOCKS 4
 
 /* One block of `n` scaled scores for `nh` query heads (w: rows of stride ws) into
  * exp(score - m_new) in place; m, l updated; corr[h] = exp(m_old - m_new), the factor the
