@@ -25,13 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _server_process import free_port  # noqa: E402
+
 from loraplex.testing import process_descendants  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ray_env() -> dict[str, str]:
@@ -46,7 +42,7 @@ class RayCluster:
 
     def __init__(self, num_cpus: int, log_path: Path, env: dict[str, str],
                  object_store_bytes: int = 200 << 20) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Short: Ray's AF_UNIX socket paths under it must stay within 107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="lpxray-", dir="/tmp"))
@@ -59,7 +55,7 @@ class RayCluster:
              f"--port={self.port}", f"--num-cpus={num_cpus}",
              f"--object-store-memory={object_store_bytes}", "--include-dashboard=false",
              "--disable-usage-stats", f"--temp-dir={temp_dir}",
-             f"--ray-client-server-port={_free_port()}"],
+             f"--ray-client-server-port={free_port()}"],
             # No drain on SIGTERM: the gateway has stopped by then, nothing is in flight
             # (the default waits 30 s for a drain).
             env={**os.environ, **env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},

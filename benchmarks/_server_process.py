@@ -3,10 +3,18 @@ until a readiness URL answers 200, and shows the log's tail when it does not."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
 import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class ServerProcess:

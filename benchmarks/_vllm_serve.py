@@ -62,7 +62,8 @@ def vllm_env(venv: str | Path, threads: int, kv_cache_gib: float,
 
 
 class VllmServer(ServerProcess):
-    """vLLM's OpenAI server on a free loopback port; the same surface as serving.py's Server."""
+    """vLLM's OpenAI server on a free loopback port; the same surface as
+    ``_serving_server.Server``."""
 
     name = "vllm serve"
     ready_path = "/health"
@@ -130,9 +131,8 @@ class VllmServer(ServerProcess):
             return None
 
 
-
 def vllm_stats(url: str) -> dict[str, Any]:
-    """vLLM's Prometheus counters under the names serving.py's engine_delta reads."""
+    """vLLM's Prometheus counters under the names _serving_metrics.engine_delta reads."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -149,116 +149,3 @@ def vllm_stats(url: str) -> dict[str, Any]:
             key = wanted[name]
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
-
-
-# --- greedy agreement ---------------------------------------------------------------------
-
-
-def same_text(a: str, b: str) -> bool:
-    """Equal completions. A completion that ends inside a multi-byte character ends in
-    U+FFFD in loraplex's text and without it in vLLM's (its detokenizer holds incomplete
-    bytes back, even at the end), so trailing U+FFFD are not compared."""
-    return a.rstrip("\ufffd") == b.rstrip("\ufffd")
-
-
-def agreement(ref: Sequence[str | None], other: Sequence[str | None], encode: Any,
-              prefix: int = 16) -> dict[str, Any]:
-    """Share of requests (both completed) whose greedy outputs agree: the whole text, and the
-    first ``prefix`` tokens. The servers stream text, not token ids; the ids are recovered
-    by encoding each completion's text with the model's tokenizer (without special tokens),
-    so two texts agree on their first ``prefix`` tokens when their encodings do. Also the
-    indices of the requests that disagree (whole outputs)."""
-    pairs = [(i, a, b) for i, (a, b) in enumerate(zip(ref, other, strict=True))
-             if a is not None and b is not None]
-    differ = [i for i, a, b in pairs if not same_text(a, b)]
-    first = sum(1 for _, a, b in pairs
-                if encode(a.rstrip("\ufffd"))[:prefix] == encode(b.rstrip("\ufffd"))[:prefix])
-    n = max(1, len(pairs))
-    return {"compared": len(pairs), "first_tokens": prefix, "first_agree": first / n,
-            "whole_agree": (len(pairs) - len(differ)) / n, "differ": differ}
-
-
-def hf_greedy(model_dir: str, dtype: str, cases: Sequence[tuple[list[int], Path | None, int]]
-              ) -> list[str]:
-    """The oracle for requests the servers disagree on: HF transformers (+ PEFT for an
-    adapter) on the same weights, greedy, EOS not stopping the output (it is picked like
-    any other token, as with ``ignore_eos``); each case is (prompt ids, adapter folder or
-    None, output tokens). Returns the decoded texts."""
-    import warnings
-
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = []
-    for prompt, adapter, max_tokens in cases:
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir,
-                                                          dtype=getattr(torch, dtype))
-        if adapter is not None:
-            model = PeftModel.from_pretrained(model, str(adapter))
-        model.eval()
-        ids = torch.tensor([prompt])  # [1, prompt_len]
-        out: list[int] = []
-        past = None
-        # The cache API's deprecation warnings, once per step otherwise.
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            for _ in range(max_tokens):
-                res = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                nxt = int(res.logits[0, -1].argmax())
-                out.append(nxt)
-                ids = torch.tensor([[nxt]])  # [1, 1]
-        texts.append(tok.decode(out, skip_special_tokens=True))
-    return texts
-
-
-def comparison_table(results: Sequence[dict[str, Any]], names: Sequence[str],
-                     slos: Sequence[tuple[float, float]],
-                     agreements: Sequence[dict[str, Any]]) -> str:
-    """Per rate: loraplex against vLLM on TTFT and TPOT p99 (ratio vLLM / loraplex: above 1,
-    loraplex is lower), goodput under each SLO (ratio loraplex / vLLM) and greedy
-    agreement (and, where they disagree, which one HF transformers + PEFT agrees with)."""
-    lp, v = names
-    by = {(r["config"], r["rate"]): r["summary"] for r in results}
-    good = " | ".join(f"goodput SLO {i + 1} (req/s) | ratio" for i in range(len(slos)))
-    lines = [f"| rate (req/s) | TTFT p99 (ms) {lp} / {v} | ratio | TPOT p99 (ms) | ratio "
-             f"| {good} | same first {agreements[0]['first_tokens'] if agreements else 16} "
-             "tokens | same whole output | of those that differ, equal to HF: loraplex / vLLM |",
-             "|" + "---|" * (8 + 2 * len(slos))]
-    agree = {a["rate"]: a for a in agreements}
-    for rate in sorted({r["rate"] for r in results}):
-        a, b = by.get((lp, rate)), by.get((v, rate))
-        if a is None or b is None:
-            continue
-        cells = [f"{rate:g}"]
-        for key in ("ttft_p99", "tpot_p99"):
-            cells += [f"{_ms(a[key])} / {_ms(b[key])}", _ratio(b[key], a[key])]
-        for i in range(len(slos)):
-            ga, gb = a["goodput_req_s"][i], b["goodput_req_s"][i]
-            cells += [f"{ga:.3f} / {gb:.3f}", _ratio(ga, gb)]
-        ag = agree.get(rate)
-        if ag is None:
-            cells += ["-", "-", "-"]
-        else:
-            judged = ag.get("oracle", [])
-            cells += [f"{100 * ag['first_agree']:.0f}% of {ag['compared']}",
-                      f"{100 * ag['whole_agree']:.0f}%",
-                      "-" if not judged else
-                      f"{sum(j['loraplex_is_oracle'] for j in judged)} / "
-                      f"{sum(j['vllm_is_oracle'] for j in judged)} of {len(judged)}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f}"
-
-
-def _ratio(num: float | None, den: float | None) -> str:
-    if num is None or den is None:
-        return "-"
-    if den == 0:
-        return "-" if num == 0 else "inf"
-    return f"{num / den:.2f}x"

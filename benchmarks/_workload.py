@@ -8,6 +8,7 @@ there is no accidental prefix sharing between requests.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -93,7 +94,23 @@ def num_prompt_tokens(items: Sequence[WorkItem]) -> int:
     return sum(len(w.prompt_ids) for w in items)
 
 
-# --- adapters ---------------------------------------------------------------------------
+# --- the model and its adapters -----------------------------------------------------------
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model``, which ``resolve_model`` reads."""
+    parser.add_argument("--model",
+                        help="HF model folder (default: the demo model, prepared if needed)")
+
+
+def resolve_model(model: str | None, absolute: bool = False) -> str:
+    """The model folder given (made absolute when ``absolute``: a server subprocess runs
+    elsewhere), or the demo model, prepared if needed."""
+    if model:
+        return str(Path(model).absolute()) if absolute else model
+    from loraplex.model.demo import prepare_demo_model
+
+    return str(prepare_demo_model(progress=True))
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

@@ -14,10 +14,7 @@ faster), checks that both give the same result, and prints a table. Writes JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +22,25 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _lora_paths import (  # noqa: E402
+    DTYPES,
+    LAYERS,
+    PROJECTIONS,
+    add_speedups,
+    plot_paths,
+    time_interleaved,
+)
+from _output import add_out_argument, write_json  # noqa: E402
 
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
 from loraplex_kernels.meta import SGMVMeta  # noqa: E402
 from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
 
-# SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers
-PROJECTIONS = {"qkv_proj": (576, [576, 192, 192]), "o_proj": (576, [576]),
-               "gate_up_proj": (576, [1536, 1536]), "down_proj": (1536, [576])}
-LAYERS = 30
 # (rank, tokens) per adapter segment, then base-model tokens: a 2,048-token prefill chunk
 SEGMENTS = [(8, 300), (16, 180), (32, 250), (8, 120), (16, 400), (32, 90), (16, 310),
             (8, 200)]
 BASE_TOKENS = 198
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _case(in_features: int, widths: list[int], dtype: torch.dtype,
@@ -53,7 +54,9 @@ def _case(in_features: int, widths: list[int], dtype: torch.dtype,
                        torch.randn(w, r, generator=g) / r ** 0.5) for w in widths], 2.0)
     token_slots = [s for s, (_, n) in enumerate(SEGMENTS) for _ in range(n)]
     token_slots += [-1] * BASE_TOKENS
-    meta = SGMVMeta.build(token_slots, ranks)
+    # every segment long: the two matmul paths are what is compared (the engine sends
+    # segments of up to 512 float32 tokens, and all bfloat16 ones, to the native kernel)
+    meta = SGMVMeta.build(token_slots, ranks, short_segment_len=0)
     x = torch.randn(len(token_slots), in_features, generator=g).to(dtype)  # [tokens, in]
     out = torch.randn(len(token_slots), sum(widths), generator=g).to(dtype)  # [tokens, out]
     return slots, meta, x, out
@@ -72,28 +75,16 @@ def measure(name: str, dtype_name: str, repeats: int) -> dict[str, Any]:
     assert torch.equal(new[base:], out0[base:]), "a base-model row changed"
     paths = {"block_diagonal": lambda: add_lora_ref(ref, x, slots.weights, meta, ids),
              "per_slice": lambda: add_lora_sliced(new, x, slots, meta, ids)}
-    times: dict[str, list[float]] = {k: [] for k in paths}
-    for fn in paths.values():
-        fn()
-    for _ in range(repeats):  # interleaved, so load from elsewhere hits both alike
-        for key, fn in paths.items():
-            t0 = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t0)
-    row: dict[str, Any] = {"projection": name, "dtype": dtype_name, "max_abs_diff": max_diff}
-    for key, ts in times.items():
-        row[f"{key}_min_ms"] = min(ts) * 1e3
-        row[f"{key}_median_ms"] = statistics.median(ts) * 1e3
-    row["speedup_min"] = row["block_diagonal_min_ms"] / row["per_slice_min_ms"]
-    row["speedup_median"] = row["block_diagonal_median_ms"] / row["per_slice_median_ms"]
-    return row
+    times = time_interleaved(paths, repeats)
+    return add_speedups({"projection": name, "dtype": dtype_name, "max_abs_diff": max_diff},
+                        times)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/lora_prefill")
+    add_out_argument(parser, "benchmarks/results/lora_prefill")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1")
@@ -119,30 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     report = {"threads": args.threads, "repeats": args.repeats, "segments": SEGMENTS,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "base_tokens": BASE_TOKENS, "rows": rows, "per_chunk_totals": totals}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['projection']}\n{r['dtype']}" for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["block_diagonal_min_ms"] for r in rows], 0.4,
-           color="#9e9e9e", label="one expand per slot (block-diagonal B)")
-    ax.bar([x + 0.2 for x in xs], [r["per_slice_min_ms"] for r in rows], 0.4,
-           color="#e0702a", label="one expand per slice")
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("ms per prefill chunk, one layer (min)")
-    ax.set_title("Prefill LoRA on CPU, demo model shapes", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_paths(rows, path, "projection", ("one expand per slot (block-diagonal B)",
+                                          "one expand per slice"),
+               "ms per prefill chunk, one layer (min)", "Prefill LoRA on CPU, demo model shapes")
 
 
 if __name__ == "__main__":

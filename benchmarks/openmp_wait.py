@@ -27,6 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
+
 POLICIES = {"spin": {"GOMP_SPINCOUNT": "300000"}, "brief": {"GOMP_SPINCOUNT": "1000"},
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="docs/benchmarks/openmp_wait")
+    add_out_argument(parser, "docs/benchmarks/openmp_wait")
     parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a past run")
     args = parser.parse_args(argv)
     if args.replot:
@@ -121,17 +125,13 @@ def main(argv: list[str] | None = None) -> None:
               "ratios": ratios}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     plot(by, out.with_suffix(".png"), args.tokens)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
 def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = [(load, caller) for load in ("quiet", "busy") for caller in ("main", "worker")]
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.27
@@ -152,8 +152,7 @@ def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int) -> None
     ax.set_yscale("log")
     ax.set_title("LLM.generate, demo model, 2 torch threads", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 from _workload import zipf_weights  # noqa: E402
 
 
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", default="1,2,4,8,16")
     p.add_argument("--working-sets", default="20,100,500")
     p.add_argument("--requests", type=int, default=20000, help="simulated requests per cell")
-    p.add_argument("--out", default="docs/benchmarks/scaleout_model")
+    add_out_argument(p, "docs/benchmarks/scaleout_model")
     args = p.parse_args(argv)
     doc = json.loads(Path(args.measured).read_text())
     m = measured_inputs(doc)
@@ -135,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "paired_e2e_ratio_ray_x1": paired,
               "capacity_per_replica": capacity, "zipf": zipf, "adapter_load_s": load_s,
               "check": check, "table": rows}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    write_json(out, result, indent=1)
     plot(result, out.with_suffix(".png"), sets, replicas)
 
     ray_cost = (f"; paired e2e ratio ray x1 / in-process {paired:.3f}, so one in-process "
@@ -166,11 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def plot(result: dict[str, Any], path: Path, sets: Sequence[int],
          replicas: Sequence[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, w in enumerate(sets):
@@ -210,9 +207,7 @@ def plot(result: dict[str, Any], path: Path, sets: Sequence[int],
     ax1.set_title("throughput, modelled from the one-replica measurement", fontsize=9)
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ shared machine hits them alike; the ratio reported is the median of the rounds' 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -50,6 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see offline_throughput.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 from _workload import WorkloadSpec, make_workload  # noqa: E402
 
 from loraplex import LLM, SamplingParams  # noqa: E402
@@ -220,11 +220,7 @@ def _label(method: str, spec: dict[str, Any], draft_layers: int) -> str:
 
 
 def plot(results: Sequence[dict[str, Any]], draft_layers: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cells = list(dict.fromkeys((r["workload"], r["batch"]) for r in results))
     methods = list(dict.fromkeys(r["method"] for r in results))
     fig, ax = plt.subplots(figsize=(8 + 1.5 * max(0, len(methods) - 1), 4))
@@ -247,8 +243,7 @@ def plot(results: Sequence[dict[str, Any]], draft_layers: int, path: Path) -> No
         spec = results[0]["speculative_config"]
         ax.set_title(f"Speculation by {_label(methods[0], spec, draft_layers)} on the demo "
                      f"model (CPU, median of rounds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -270,8 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "layer_skip with --draft-layers)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's dtype, with and without speculation alike")
-    parser.add_argument("--out", default="docs/benchmarks/speculative",
-                        help="output path without extension: writes .json and .png")
+    add_out_argument(parser, "docs/benchmarks/speculative")
     args = parser.parse_args(argv)
     model = str(prepare_demo_model(progress=False))
     batches = [b for b in args.batches if b < 64] if args.quick else args.batches
@@ -291,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "draft_layers": draft_layers, "dtype": args.dtype,
                   "load_average": os.getloadavg(),
                   "cpu_count": os.cpu_count(), "results": results}
-        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json(out, report)
         plot(results, draft_layers, out.with_suffix(".png"))
 
     print(f"{'method':<12} {'workload':<8} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} "

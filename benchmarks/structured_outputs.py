@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _output import pyplot, save_figure  # noqa: E402
 
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.engine.sampling_params import GrammarSpec  # noqa: E402
@@ -106,11 +109,7 @@ def main() -> None:
 
 
 def _plot(result: dict[str, object], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rates = result["tokens_per_s_by_repeat"]
     assert isinstance(rates, dict)
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -124,8 +123,7 @@ def _plot(result: dict[str, object], out: Path) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Structured outputs on the demo model: median ratio {result['ratio']:.2f}")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":

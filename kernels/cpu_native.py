@@ -128,7 +128,7 @@ def load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
-                       _ptr, _ptr, ctypes.c_int, *extra]
+                       _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, *extra]
     lib.loraplex_bf16_impls.restype = ctypes.c_int
     lib.loraplex_bf16_impls.argtypes = []
     return lib
@@ -261,7 +261,8 @@ def add_lora(
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], out.shape[1],
             segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(),
             num_segments, slots.at_ptrs.data_ptr(), slots.bt_ptrs.data_ptr(),
-            slots.ranks.data_ptr(), torch.get_num_threads())
+            slots.ranks.data_ptr(), slots.slice_table.data_ptr(), slots.num_slices.data_ptr(),
+            slots.slice_table.shape[1], torch.get_num_threads())
     if x.dtype == torch.bfloat16:
         status = lib.lora_segments_bf16(*args, _impl_code(lib, impl))
     else:

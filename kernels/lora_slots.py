@@ -52,10 +52,14 @@ class LoRASlots:
         self.slices: list[tuple[tuple[int, int, int, int], ...]] = [()] * num_slots
         # per_slot bfloat16: the native kernel's pair-interleaved copies (kept alive here)
         self.native: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
-        # per_slot, for the native kernel: each slot's addresses and R (0 = empty)
+        # per_slot, for the native kernel: each slot's addresses and R (0 = empty), and
+        # its targeted slices as ``slices`` holds them (the kernel expands per slice)
         self.at_ptrs = torch.zeros(num_slots, dtype=torch.int64)
         self.bt_ptrs = torch.zeros(num_slots, dtype=torch.int64)
         self.ranks = torch.zeros(num_slots, dtype=torch.int64)
+        self.slice_table = torch.zeros(num_slots, len(slice_widths), 4,
+                                       dtype=torch.int64)  # [num_slots, num_slices, 4]
+        self.num_slices = torch.zeros(num_slots, dtype=torch.int64)
         self.lora_a: list[torch.Tensor] = []
         self.lora_b: list[torch.Tensor] = []
         if layout == "stacked":
@@ -88,6 +92,7 @@ class LoRASlots:
             self.weights[slot] = self.native[slot] = None
             self.slices[slot] = ()
             self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
+            self.num_slices[slot] = 0
             return
         width = -(-total // _NATIVE_RANK_MULTIPLE) * _NATIVE_RANK_MULTIPLE
         opts = dict(dtype=self.dtype, device=self.device)
@@ -114,6 +119,8 @@ class LoRASlots:
         self.at_ptrs[slot] = native[0].data_ptr()
         self.bt_ptrs[slot] = native[1].data_ptr()
         self.ranks[slot] = width
+        self.slice_table[slot, :len(slices)] = torch.tensor(slices, dtype=torch.int64)
+        self.num_slices[slot] = len(slices)
 
 
 def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,18 @@ from dataclasses import dataclass
 import torch
 
 # Segments (one slot's consecutive tokens) up to this long go to the native CPU LoRA
-# kernel; longer ones (prefill) to per-slot matmuls, which are faster there.
-SHORT_SEGMENT_LEN = 32
+# kernel, longer ones to per-slot matmuls. The native kernel re-reads a slot's weights
+# (from cache) for every 4 tokens. In float32 oneDNN's GEMM overtook it between 256 and
+# 512 tokens at rank 32 and not up to 2,048 at rank 8, so 512 splits the ranks served; in
+# bfloat16 the native kernel measured faster at every length up to a whole 2,048-token
+# chunk, so there it takes them all (benchmarks/lora_decode.py --crossover).
+SHORT_SEGMENT_LEN = 512
+_NO_LIMIT = 1 << 62
+
+
+def short_segment_limit(dtype: torch.dtype) -> int:
+    """The ``short_segment_len`` a step of this dtype is built with (see above)."""
+    return SHORT_SEGMENT_LEN if dtype == torch.float32 else _NO_LIMIT
 
 
 @dataclass(frozen=True)

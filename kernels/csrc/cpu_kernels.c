@@ -280,70 +280,114 @@ int paged_decode_attention_f32(
 }
 
 /* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
- * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps 16 ranks x
- * 4 tokens in registers; the expand keeps 64 outputs x 4 tokens, so each out row is read
- * and written once. xb: the tokens' x rows, zero-padded to 4 [4, in]; y: [4, r]. */
+ * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps up to 64
+ * ranks x 4 tokens in registers; the expand keeps 64 outputs x 4 tokens, so each out row is read
+ * and written once. The expand runs per slice (lora_slots.py: `slices`), over that slice's
+ * ranks and columns only: B^T is block-diagonal over a packed projection's slices, and the
+ * blocks off the diagonal (2/3 of q/k/v's, 1/2 of gate/up's) are zero, so skipping them
+ * changes no sum and saves their reads. xb: the tokens' x rows, zero-padded to 4 [4, in];
+ * y: [4, r]; slices: num_slices x (first rank, end rank, first column, end column). */
 #define LORA_TOKENS 4
+
+/* 16 floats as one vector (GCC vector extension: one zmm with AVX-512, two ymm with AVX2),
+ * so that a tile's sums are named values the compiler keeps in registers; as arrays indexed
+ * in loops they were kept on the stack (a load and a store around every FMA). */
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
+ * inlined): each row of A^T's tile is read once, as one contiguous run of up to 256 bytes,
+ * and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
+static inline __attribute__((always_inline)) void shrink_ranks(
+    const float *restrict xb, int64_t in_features, const float *restrict at, int64_t r,
+    int64_t k0, const int nv, float *restrict y)
+{
+    v16 c[LORA_TOKENS][4] = {{{0}}};
+    for (int64_t i = 0; i < in_features; ++i) {
+        const float *restrict a = at + i * r + k0;
+        v16 av[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) av[j] = load16(a + 16 * j);
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const float v = xb[t * in_features + i];
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; ++j) c[t][j] += v * av[j];
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + 16 * j, &c[t][j], sizeof(v16));
+}
+
+/* The expand of 4 tokens into 64 columns from o0, over ranks kb .. ke: out[t, o0 + o] +=
+ * y[t] . B^T[kb:ke, o0 + o], the 4 x 4 vectors of sums in registers. */
+static inline void expand_64(const float *restrict y, int64_t r, const float *restrict bt,
+                             int64_t n_out, int64_t kb, int64_t ke, int64_t o0,
+                             float *restrict out, int64_t out_stride, int64_t nt)
+{
+    v16 c[LORA_TOKENS][4] = {{{0}}};
+    for (int64_t k = kb; k < ke; ++k) {
+        const float *restrict b = bt + k * n_out + o0;
+        const v16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32), b3 = load16(b + 48);
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const float v = y[t * r + k];
+            c[t][0] += v * b0;
+            c[t][1] += v * b1;
+            c[t][2] += v * b2;
+            c[t][3] += v * b3;
+        }
+    }
+    for (int64_t t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            float *o = out + t * out_stride + o0 + 16 * j;
+            v16 sum = load16(o) + c[t][j];
+            memcpy(o, &sum, sizeof sum);
+        }
+}
+
 static void lora_tokens(const float *restrict xb, float *restrict out, int64_t out_stride,
                         int64_t nt, int64_t in_features, int64_t n_out,
                         const float *restrict at, const float *restrict bt, int64_t r,
-                        float *restrict y)
+                        const int64_t *restrict slices, int64_t num_slices, float *restrict y)
 {
-    const float *restrict x0 = xb, *restrict x1 = xb + in_features,
-                *restrict x2 = xb + 2 * in_features, *restrict x3 = xb + 3 * in_features;
-    for (int64_t k0 = 0; k0 < r; k0 += 16) {
-        float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
-        for (int64_t i = 0; i < in_features; ++i) {
-            const float *restrict a = at + i * r + k0;
-            const float v0 = x0[i], v1 = x1[i], v2 = x2[i], v3 = x3[i];
-#pragma omp simd
-            for (int64_t k = 0; k < 16; ++k) {
-                c0[k] += v0 * a[k];
-                c1[k] += v1 * a[k];
-                c2[k] += v2 * a[k];
-                c3[k] += v3 * a[k];
-            }
-        }
-        for (int64_t k = 0; k < 16; ++k) {
-            y[k0 + k] = c0[k];
-            y[r + k0 + k] = c1[k];
-            y[2 * r + k0 + k] = c2[k];
-            y[3 * r + k0 + k] = c3[k];
-        }
+    int64_t k0 = 0;
+    for (; k0 + 64 <= r; k0 += 64) shrink_ranks(xb, in_features, at, r, k0, 4, y);
+    switch ((r - k0) / 16) { /* r is a multiple of 16 */
+    case 3: shrink_ranks(xb, in_features, at, r, k0, 3, y); break;
+    case 2: shrink_ranks(xb, in_features, at, r, k0, 2, y); break;
+    case 1: shrink_ranks(xb, in_features, at, r, k0, 1, y); break;
+    default: break;
     }
-    int64_t o0 = 0;
-    for (; o0 + 64 <= n_out; o0 += 64) {
-        float c0[64] = {0}, c1[64] = {0}, c2[64] = {0}, c3[64] = {0};
-        for (int64_t k = 0; k < r; ++k) {
-            const float *restrict b = bt + k * n_out + o0;
-            const float v0 = y[k], v1 = y[r + k], v2 = y[2 * r + k], v3 = y[3 * r + k];
-#pragma omp simd
-            for (int64_t o = 0; o < 64; ++o) {
-                c0[o] += v0 * b[o];
-                c1[o] += v1 * b[o];
-                c2[o] += v2 * b[o];
-                c3[o] += v3 * b[o];
+    for (int64_t s = 0; s < num_slices; ++s) {
+        const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
+        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
+        int64_t o0 = lo;
+        for (; o0 + 64 <= hi; o0 += 64) expand_64(y, r, bt, n_out, kb, ke, o0, out, out_stride, nt);
+        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % 64 columns */
+            for (int64_t o = o0; o < hi; ++o) {
+                float acc = 0.0f;
+                for (int64_t k = kb; k < ke; ++k) acc += y[t * r + k] * bt[k * n_out + o];
+                out[t * out_stride + o] += acc;
             }
-        }
-        const float *restrict c[LORA_TOKENS] = {c0, c1, c2, c3};
-        for (int64_t t = 0; t < nt; ++t) {
-            float *restrict ot = out + t * out_stride + o0;
-#pragma omp simd
-            for (int64_t o = 0; o < 64; ++o) ot[o] += c[t][o];
-        }
     }
-    for (int64_t t = 0; t < nt; ++t) /* the last n_out % 64 outputs */
-        for (int64_t o = o0; o < n_out; ++o) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < r; ++k) acc += y[t * r + k] * bt[k * n_out + o];
-            out[t * out_stride + o] += acc;
-        }
 }
 
 /* LoRA shrink then expand for every token of every segment, accumulated into out:
  *   out[t, :n_out] += (x[t] @ At_s) @ Bt_s      for the tokens t of segment i (slot s)
  * At_s [in, r_s] holds every slice's A (transposed) and Bt_s [r_s, n_out] the block-diagonal
- * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16. Tokens of one segment are consecutive rows
+ * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16;
+ * slot s's slices are slice_table[s * max_slices * 4 ...], num_slices[s] of them (first
+ * rank, end rank, first column, end column each). Tokens of one segment are consecutive rows
  * seg_first[i] .. seg_first[i] + seg_len[i] - 1; rows outside every segment (base model)
  * are never touched. Weights come as per-slot addresses (at_ptrs, bt_ptrs, ranks).
  * Returns 0, or -1 when scratch memory could not be allocated. */
@@ -352,6 +396,7 @@ int lora_segments_f32(
     int64_t in_features, int64_t n_out,
     const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,
     int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs, const int64_t *ranks,
+    const int64_t *slice_table, const int64_t *num_slices, int64_t max_slices,
     int num_threads)
 {
     int64_t num_groups = 0, max_rank = 1;
@@ -380,7 +425,8 @@ int lora_segments_f32(
                     memset(xb + j * in_features, 0, sizeof(float) * (size_t)in_features);
             lora_tokens(xb, out + t * out_stride, out_stride, nt, in_features, n_out,
                         (const float *)(intptr_t)at_ptrs[slot],
-                        (const float *)(intptr_t)bt_ptrs[slot], ranks[slot], y);
+                        (const float *)(intptr_t)bt_ptrs[slot], ranks[slot],
+                        slice_table + slot * max_slices * 4, num_slices[slot], y);
         }
         free(y);
         free(xb);

@@ -22,7 +22,7 @@ from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
 from loraplex.model.sampler import SampledToken, SamplingRow, sample, verify
 from loraplex_kernels import cpu_native
-from loraplex_kernels.meta import AttentionMeta, SGMVMeta
+from loraplex_kernels.meta import AttentionMeta, SGMVMeta, short_segment_limit
 from loraplex_kernels.ops import Backend, cpu_gemm_choice
 
 if TYPE_CHECKING:
@@ -385,8 +385,9 @@ class ModelRunner:
                                         self.kernel_backend)  # [num_tokens, hidden]
             return hidden, starts
         if any(slot >= 0 for slot in token_slots):
-            lora = LoRAStep(SGMVMeta.build(token_slots, self.slot_ranks, dev), self.lora_scales,
-                            self.kernel_backend)
+            lora = LoRAStep(SGMVMeta.build(token_slots, self.slot_ranks, dev,
+                                           short_segment_limit(self.dtype)),
+                            self.lora_scales, self.kernel_backend)
         hidden = self.model(torch.tensor(input_ids, device=dev),
                             torch.tensor(positions, device=dev), self.kv_caches, meta, lora,
                             self.kernel_backend, num_layers)  # [num_tokens, hidden]

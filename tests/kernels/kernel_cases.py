@@ -35,6 +35,11 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 # --------------------------------------------------------------------------- SGMV
 
 
+# The cases' segments are short, so they split long from short at 32 tokens (the engine
+# splits at short_segment_limit(dtype)) to reach both CPU LoRA paths.
+CASE_SEGMENT_LEN = 32
+
+
 @dataclass(frozen=True)
 class SGMVCase:
     name: str
@@ -107,7 +112,8 @@ def make_sgmv_inputs(case: SGMVCase, dtype: torch.dtype, device: str,
     for w in case.widths:
         offsets.append(offsets[-1] + w)
     return SGMVInputs(
-        meta=SGMVMeta.build(case.token_slots, case.slot_ranks, device=device),
+        meta=SGMVMeta.build(case.token_slots, case.slot_ranks, device=device,
+                            short_segment_len=CASE_SEGMENT_LEN),
         x=x.to(dtype).to(device),
         lora_a=[a.to(dtype).to(device) for a in lora_a],
         lora_b=[b.to(dtype).to(device) for b in lora_b],
@@ -217,6 +223,47 @@ def check_add_lora(case: SGMVCase, dtype: torch.dtype, device: str,
     base = [t for t, s in enumerate(case.token_slots) if s < 0]
     assert torch.equal(out[base], out0[base]), "a base-model row changed"
     _close(out, expected, f"add_lora {case} vs float64")
+
+
+def check_partial_targets(dtype: torch.dtype) -> None:
+    """Adapters that target some slices of a packed projection only (q and v; k alone;
+    all three), at odd ranks, so a slice's ranks start at an odd row of B (a bfloat16
+    pair then spans two slices): the native kernel expands per slice, and the columns of
+    a slice an adapter does not target must come out unchanged."""
+    g = torch.Generator().manual_seed(5)
+    hidden, widths = 70, (64, 24, 24)
+    offsets = [0, 64, 88, 112]
+    targets = [(0, 2), (1,), (0, 1, 2)]
+    ranks = [3, 5, 7]
+    slots = LoRASlots(hidden, widths, 3, 8, dtype, torch.device("cpu"), "per_slot")
+    pairs_of = []
+    for s, (chosen, rank) in enumerate(zip(targets, ranks, strict=True)):
+        pairs = [((torch.randn(rank, hidden, generator=g) / hidden ** 0.5).to(dtype),
+                  (torch.randn(w, rank, generator=g) / rank ** 0.5).to(dtype))
+                 if k in chosen else None
+                 for k, w in enumerate(widths)]
+        pairs_of.append(pairs)
+        slots.set(s, pairs, 0.5)
+    token_slots = (0, 0, 0, 1, 1, 2, 2, 2, 2, 2)
+    meta = SGMVMeta.build(token_slots, ranks)
+    assert meta.short_segments is not None and not meta.long_segment_ids
+    x = torch.randn(len(token_slots), hidden, generator=g).to(dtype)
+    out0 = torch.randn(len(token_slots), offsets[-1], generator=g).to(dtype)
+    out = out0.clone()
+    ops.add_lora(out, x, slots, torch.ones(3), meta, backend="cpu")
+    ref = out0.clone()
+    ops.add_lora(ref, x, slots, torch.ones(3), meta, backend="torch")
+    expected = out0.double().clone()
+    for t, s in enumerate(token_slots):
+        for k, pair in enumerate(pairs_of[s]):
+            lo, hi = offsets[k], offsets[k + 1]
+            if pair is None:
+                assert torch.equal(out[t, lo:hi], out0[t, lo:hi]), "an untargeted slice changed"
+                continue
+            a, b = (w.double() for w in pair)
+            expected[t, lo:hi] += 0.5 * (b @ (a @ x[t].double()))
+    _close(out, expected, "partial targets vs float64")
+    _close(out, ref, "partial targets vs reference")
 
 
 # ---------------------------------------------------------------------- attention

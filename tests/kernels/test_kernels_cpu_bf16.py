@@ -22,6 +22,7 @@ from kernel_cases import (
     SGMVCase,
     check_add_lora,
     check_attention,
+    check_partial_targets,
     lora_slots,
     make_attention_inputs,
     make_sgmv_inputs,
@@ -168,3 +169,7 @@ def test_implementations_agree_on_lora() -> None:
     assert not torch.equal(outs[0], out0.double())
     for other in outs[1:]:
         torch.testing.assert_close(other, outs[0], atol=2e-2, rtol=8e-3)
+
+
+def test_add_lora_partial_targets(impl: str) -> None:
+    check_partial_targets(BF16)

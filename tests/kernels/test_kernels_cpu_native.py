@@ -19,12 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import (
     ATTENTION_CASES,
+    CASE_SEGMENT_LEN,
     DECODE_SPLIT_CASES,
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
     check_add_lora,
     check_attention,
+    check_partial_targets,
 )
 
 from loraplex_kernels import cpu_native, ops
@@ -116,7 +118,8 @@ def _sorted(case: SGMVCase) -> SGMVCase:
 
 @pytest.mark.parametrize("case", [_sorted(c) for c in SGMV_CASES], ids=str)
 def test_add_lora_cpu_backend(case: SGMVCase) -> None:
-    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks,
+                          short_segment_len=CASE_SEGMENT_LEN)
     assert meta.short_segments is not None
     check_add_lora(case, torch.float32, "cpu", "cpu")
 
@@ -135,3 +138,7 @@ def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hid
     slots = sorted(s for s, n in runs for _ in range(n))
     case = SGMVCase("random", tuple(slots), tuple(ranks), hidden, tuple(widths))
     check_add_lora(case, torch.float32, "cpu", "cpu")
+
+
+def test_add_lora_partial_targets() -> None:
+    check_partial_targets(torch.float32)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import SGMVCase, check_add_lora
+from kernel_cases import CASE_SEGMENT_LEN, SGMVCase, check_add_lora
 
 from loraplex_kernels import ops
 from loraplex_kernels.lora_prefill import add_lora_sliced
@@ -36,7 +36,8 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
 def test_cpu_backend_prefill_matches_float64(case: SGMVCase) -> None:
-    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks,
+                          short_segment_len=CASE_SEGMENT_LEN)
     assert meta.long_segment_ids, "the case must reach the matmul path"
     check_add_lora(case, F32, "cpu", "cpu")
 
@@ -67,7 +68,7 @@ def test_untargeted_slices_and_empty_slots_get_no_delta() -> None:
     slots, pairs = _partial_slots(36, widths, ranks, targeted, g)
     assert slots.weights[2] is None and slots.slices[2] == ()
     token_slots = _runs((-1, 3), (0, 41), (1, 37), (2, 50), (3, 60))
-    meta = SGMVMeta.build(token_slots, ranks)
+    meta = SGMVMeta.build(token_slots, ranks, short_segment_len=CASE_SEGMENT_LEN)
     x = torch.randn(len(token_slots), 36, generator=g)  # [tokens, in]
     out0 = torch.randn(len(token_slots), sum(widths), generator=g)  # [tokens, out]
     out = out0.clone()
@@ -96,7 +97,7 @@ def test_only_the_given_segments_are_applied() -> None:
     g = torch.Generator().manual_seed(4)
     slots, _ = _partial_slots(16, [8, 8], [8, 16], [[True, True], [True, True]], g)
     token_slots = _runs((0, 40), (1, 40))
-    meta = SGMVMeta.build(token_slots, [8, 16])
+    meta = SGMVMeta.build(token_slots, [8, 16], short_segment_len=CASE_SEGMENT_LEN)
     x = torch.randn(80, 16, generator=g)  # [tokens, in]
     out0 = torch.randn(80, 16, generator=g)  # [tokens, out]
     out = out0.clone()
@@ -118,7 +119,8 @@ def test_float32_prefill_dispatch_takes_the_sliced_path(monkeypatch: pytest.Monk
     monkeypatch.setattr(ops, "add_lora_sliced", spy)
     case = PREFILL_CASES[0]
     check_add_lora(case, F32, "cpu", "cpu")
-    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks,
+                          short_segment_len=CASE_SEGMENT_LEN)
     assert seen == [meta.long_segment_ids]
     seen.clear()
     check_add_lora(case, torch.bfloat16, "cpu", "cpu")

@@ -1,0 +1,52 @@
+"""Where a benchmark's results go: a JSON document and a PNG plot beside it (same path,
+two suffixes), and the machine they were measured on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def add_out_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--out", default=default,
+                        help="output path without extension: writes .json and .png")
+
+
+def write_json(out: Path, doc: Any, indent: int = 2) -> Path:
+    """``doc`` as ``out``.json (``out`` is the output path without extension)."""
+    path = out.with_suffix(".json")
+    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: the benchmarks write files, never a window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Lays ``fig`` out, writes it and closes it (a benchmark that plots after every cell
+    would otherwise keep every figure it made)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is often empty)."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return cpu

@@ -1,0 +1,201 @@
+"""Decode LoRA on CPU (the native kernel): one expand over the block-diagonal B vs one
+expand per slice.
+
+A decode step in the demo model's (SmolLM2-135M) projection shapes through all 30 layers,
+each layer's four projections with weights of their own (so the adapters' weights stream
+from memory as in a real step, rather than sitting in cache): 16 adapter slots of ranks
+8/16/32 targeting every module, and two token layouts: 64 decode tokens spread over the 16
+slots (4 each, as a 20-adapter batch runs) and 64 on one slot. Per dtype it times, in the
+same run and interleaved, the native kernel reading each slot's B as one block-diagonal
+matrix (what it did before: every slice's ranks against every slice's columns, for q/k/v
+2/3 zeros, for gate/up 1/2) and per slice (each slice's ranks against its own columns
+only), checks that both give the same result, and prints a table. Writes JSON and a PNG.
+
+``--crossover`` also times, for one slot's segment of 32 to 2,048 tokens (ranks 8 and 32,
+10 layers), the native kernel against the per-slot matmuls (``add_lora_sliced`` in
+float32, ``add_lora_ref`` in bfloat16) that longer segments take: where the GEMM overtakes
+the native kernel is what ``meta.short_segment_limit`` is set from.
+
+    python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--crossover] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+# As offline_throughput.py: idle OpenMP threads must not spin on the cores they share.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from _lora_paths import (  # noqa: E402
+    DTYPES,
+    LAYERS,
+    PROJECTIONS,
+    add_speedups,
+    plot_paths,
+    time_interleaved,
+)
+from _output import add_out_argument, write_json  # noqa: E402
+
+from loraplex_kernels import cpu_native  # noqa: E402
+from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
+from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
+from loraplex_kernels.meta import SGMVMeta  # noqa: E402
+from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
+
+RANKS = [8, 16, 32] * 5 + [8]  # 16 slots
+LAYOUTS = {"16 slots x 4 tokens": [s for s in range(16) for _ in range(4)],
+           "1 slot x 32 tokens": [2] * 32}  # slot 2: rank 32; longer runs take the matmul path
+
+
+def _slots(in_features: int, widths: list[int], dtype: torch.dtype,
+           g: torch.Generator) -> LoRASlots:
+    slots = LoRASlots(in_features, widths, len(RANKS), 32, dtype, torch.device("cpu"),
+                      "per_slot")
+    for s, r in enumerate(RANKS):
+        slots.set(s, [(torch.randn(r, in_features, generator=g) / in_features ** 0.5,
+                       torch.randn(w, r, generator=g) / r ** 0.5) for w in widths], 2.0)
+    return slots
+
+
+def block_diagonal(slots: LoRASlots) -> LoRASlots:
+    """The same weights, described to the kernel as one slice per slot covering all of B
+    (every rank against every column): the kernel's work before it expanded per slice."""
+    whole = copy.copy(slots)
+    whole.slice_table = torch.zeros_like(slots.slice_table)
+    whole.slice_table[:, 0, 1] = slots.ranks
+    whole.slice_table[:, 0, 3] = slots.slice_offsets[-1]
+    whole.num_slices = (slots.ranks > 0).to(torch.int64)
+    return whole
+
+
+def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(0)
+    token_slots = LAYOUTS[layout]
+    meta = SGMVMeta.build(token_slots, RANKS)
+    segments = meta.short_segments
+    assert segments is not None and not meta.long_segment_ids
+    n = len(token_slots)
+    layers = []
+    for _ in range(LAYERS):
+        for in_features, widths in PROJECTIONS.values():
+            slots = _slots(in_features, widths, dtype, g)
+            x = torch.randn(n, in_features, generator=g).to(dtype)  # [tokens, in]
+            out = torch.randn(n, sum(widths), generator=g).to(dtype)  # [tokens, out]
+            layers.append((slots, block_diagonal(slots), x, out))
+    max_diff = 0.0
+    for slots, whole, x, out0 in layers[:4]:
+        a, b = out0.clone(), out0.clone()
+        cpu_native.add_lora(a, x, segments, whole)
+        cpu_native.add_lora(b, x, segments, slots)
+        max_diff = max(max_diff, (a.double() - b.double()).abs().max().item())
+    outs = [out.clone() for *_, out in layers]
+
+    def step(which: int) -> None:
+        for (slots, whole, x, _), out in zip(layers, outs, strict=True):
+            cpu_native.add_lora(out, x, segments, (whole, slots)[which])
+
+    times = time_interleaved({"block_diagonal": lambda: step(0),
+                              "per_slice": lambda: step(1)}, repeats)
+    return add_speedups({"dtype": dtype_name, "layout": layout, "tokens": n,
+                         "max_abs_diff": max_diff}, times)
+
+
+CROSSOVER_LENS = [32, 64, 128, 256, 512, 1024, 2048]
+
+
+def crossover(dtype_name: str, slot: int, length: int, repeats: int) -> dict[str, Any]:
+    """One slot's segment of ``length`` tokens through 10 layers' projections: the native
+    kernel against the matmul path of long segments."""
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(1)
+    token_slots = [slot] * length
+    as_short = SGMVMeta.build(token_slots, RANKS, short_segment_len=length)
+    as_long = SGMVMeta.build(token_slots, RANKS, short_segment_len=0)
+    segments, ids = as_short.short_segments, as_long.long_segment_ids
+    assert segments is not None and ids
+    layers = []
+    for _ in range(10):
+        for in_features, widths in PROJECTIONS.values():
+            layers.append((_slots(in_features, widths, dtype, g),
+                           torch.randn(length, in_features, generator=g).to(dtype),
+                           torch.randn(length, sum(widths), generator=g).to(dtype)))
+
+    def native() -> None:
+        for slots, x, out in layers:
+            cpu_native.add_lora(out, x, segments, slots)
+
+    def matmul() -> None:
+        for slots, x, out in layers:
+            if dtype == torch.float32:
+                add_lora_sliced(out, x, slots, as_long, ids)
+            else:
+                add_lora_ref(out, x, slots.weights, as_long, ids)
+
+    times = time_interleaved({"native": native, "matmul": matmul}, repeats)
+    row: dict[str, Any] = {"dtype": dtype_name, "rank": RANKS[slot], "tokens": length}
+    for key, ts in times.items():
+        row[f"{key}_min_ms"] = min(ts) * 1e3
+    row["native_speedup"] = row["matmul_min_ms"] / row["native_min_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--crossover", action="store_true",
+                        help="also time native vs matmul for one slot's long segments")
+    add_out_argument(parser, "benchmarks/results/lora_decode")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be at least 1")
+    if not cpu_native.available():
+        raise SystemExit("the native CPU kernels are not available (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    rows = [measure(dt, layout, args.repeats) for dt in DTYPES for layout in LAYOUTS]
+    impl = cpu_native.bf16_impl()
+    print(f"one decode step's LoRA, {LAYERS} layers x {len(PROJECTIONS)} projections, "
+          f"ranks {sorted(set(RANKS))}, {args.threads} threads, {args.repeats} interleaved "
+          f"repeats; bfloat16 kernels: {impl}")
+    print(f"{'dtype':9} {'tokens':20} {'block-diag ms':>14} {'per-slice ms':>13} "
+          f"{'speedup':>8} {'(median)':>9} {'max diff':>9}")
+    for r in rows:
+        print(f"{r['dtype']:9} {r['layout']:20} {r['block_diagonal_min_ms']:14.2f} "
+              f"{r['per_slice_min_ms']:13.2f} {r['speedup_min']:8.2f} "
+              f"{r['speedup_median']:9.2f} {r['max_abs_diff']:9.1e}")
+    cross = []
+    if args.crossover:
+        print(f"{'dtype':9} {'rank':>4} {'tokens':>6} {'native ms':>10} {'matmul ms':>10} "
+              f"{'native speedup':>15}")
+        for dt in DTYPES:
+            for slot in (0, 2):  # ranks 8 and 32
+                for length in CROSSOVER_LENS:
+                    c = crossover(dt, slot, length, max(3, args.repeats // 4))
+                    cross.append(c)
+                    print(f"{dt:9} {c['rank']:4} {length:6} {c['native_min_ms']:10.2f} "
+                          f"{c['matmul_min_ms']:10.2f} {c['native_speedup']:15.2f}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"threads": args.threads, "repeats": args.repeats, "ranks": RANKS,
+              "layers": LAYERS, "bf16_impl": impl,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows,
+              "crossover": cross}
+    write_json(out, report)
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    plot_paths(rows, path, "layout", ("block-diagonal B (before)", "per slice"),
+               "ms per decode step, all layers (min)",
+               "Decode LoRA on CPU (native kernel), demo model shapes")
+
+
+if __name__ == "__main__":
+    main()
