@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_kernels.c", _CSRC / "cpu_kernels_bf16.c"]
-_HEADERS = [_CSRC / "common.h"]
+_HEADERS = [_CSRC / "common.h", _CSRC / "decode_attention.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
@@ -76,14 +76,19 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 
 
-def build(compiler: str | None = None, directory: Path | None = None) -> Path:
-    """Compiles the library if this machine has no build of the current source yet."""
+def build(compiler: str | None = None, directory: Path | None = None,
+          csrc: Path | None = None) -> Path:
+    """Compiles the library if this machine has no build of the current source yet.
+    ``csrc``: a folder holding the same sources from another revision (benchmarks), with
+    the headers that revision has."""
+    sources = [csrc / f.name for f in _SOURCES] if csrc else _SOURCES
+    headers = [h for h in (csrc / f.name for f in _HEADERS) if h.exists()] if csrc else _HEADERS
     cc = compiler or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    texts = [f.read_text(encoding="utf-8") for f in (*_SOURCES, *_HEADERS)]
+    texts = [f.read_text(encoding="utf-8") for f in (*sources, *headers)]
     key = hashlib.sha256("\0".join([*texts, cc, *version, *_FLAGS,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
@@ -94,10 +99,10 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"building the kernels in {_CSRC} failed: "
+            raise RuntimeError(f"building the kernels in {csrc or _CSRC} failed: "
                                f"{proc.stderr.strip()[:2000]}")
         os.replace(tmp, target)
     finally:
@@ -106,15 +111,10 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as exc:
-        log.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
-        return None
+def load(path: Path) -> ctypes.CDLL:
+    """The library built at ``path``, its functions declared (also how a benchmark loads a
+    build of another revision's source beside this one)."""
+    lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
@@ -132,6 +132,17 @@ def _library() -> ctypes.CDLL | None:
     lib.loraplex_bf16_impls.restype = ctypes.c_int
     lib.loraplex_bf16_impls.argtypes = []
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        return load(build())
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
+        return None
 
 
 def available() -> bool:
