@@ -47,12 +47,13 @@ def build_baseline(ref: str, directory: Path) -> ctypes.CDLL:
     """``ref``'s kernel sources compiled with this tree's flags."""
     csrc = directory / "csrc"
     csrc.mkdir(parents=True, exist_ok=True)
-    for f in (*cpu_native._SOURCES, *cpu_native._HEADERS):
-        rel = f.relative_to(ROOT).as_posix()
-        proc = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{rel}"],
-                              capture_output=True, text=True, check=False)
-        if proc.returncode == 0:  # a header that revision lacks is not needed there
-            (csrc / f.name).write_text(proc.stdout, encoding="utf-8")
+    folder = "kernels/csrc"
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref,
+                            f"{folder}/"], capture_output=True, text=True, check=True)
+    for rel in names.stdout.split():  # that revision's own files, whatever their names
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{rel}"],
+                              capture_output=True, text=True, check=True).stdout
+        (csrc / Path(rel).name).write_text(text, encoding="utf-8")
     return cpu_native.load(cpu_native.build(directory=directory, csrc=csrc))
 
 

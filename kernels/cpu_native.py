@@ -1,15 +1,16 @@
 """Native CPU kernels: built from ``csrc/`` on first use, called via ctypes.
 
 The CPU fast path for what the PyTorch reference does with many small ops: decode
-attention over the paged cache, and LoRA for many short (decode) segments. The reference stays the oracle and the fallback: when no
-C compiler is found, the build fails, or ``LORAPLEX_CPU_KERNELS=0`` is set, ``available()``
-is False and the dispatcher uses the reference.
+attention over the paged cache, and LoRA for many segments of one slot's tokens. The
+reference stays the oracle and the fallback: when no C compiler is found, the build
+fails, or ``LORAPLEX_CPU_KERNELS=0`` is set, ``available()`` is False and the dispatcher
+uses the reference.
 
-float32 kernels live in ``cpu_kernels.c``, bfloat16 ones (float32 accumulation) in
-``cpu_kernels_bf16.c``, each of those in two implementations (``bf16_impls``): AVX-512
-BF16 dot products, compiled in only where the CPU has ``avx512_bf16``, and a portable one
-that widens bf16 to float32. The best one available runs; ``LORAPLEX_CPU_BF16=portable``
-forces the portable one (tests run both).
+One source per kernel and dtype (``cpu_attention_f32.c``, ``cpu_lora_f32.c``, and the
+``_bf16`` pair with float32 accumulation), one library. The bfloat16 kernels come in two
+implementations (``bf16_impls``): AVX-512 BF16 dot products, compiled in only where the
+CPU has ``avx512_bf16``, and a portable one that widens bf16 to float32. The best one
+available runs; ``LORAPLEX_CPU_BF16=portable`` forces the portable one (tests run both).
 
 The library is compiled with ``-march=native``, so the cache key includes the compiler,
 the flags and the CPU's feature flags: a cache directory shared between machines never
@@ -36,14 +37,15 @@ from loraplex_kernels.meta import AttentionMeta
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_kernels.c", _CSRC / "cpu_kernels_bf16.c"]
-_HEADERS = [_CSRC / "common.h", _CSRC / "decode_attention.h"]
+_SOURCES = [_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
+            for dtype in ("f32", "bf16")]
+_HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
 _ENV_CACHE = "LORAPLEX_KERNEL_CACHE"
 _ENV_BF16 = "LORAPLEX_CPU_BF16"
-# implementation name -> the C kernels' `impl` (cpu_kernels_bf16.c), best first
+# implementation name -> the C kernels' `impl` (csrc/bf16.h), best first
 BF16_IMPLS = {"avx512_bf16": 1, "portable": 0}
 
 _i64 = ctypes.c_int64
@@ -79,10 +81,10 @@ def _compiler() -> str | None:
 def build(compiler: str | None = None, directory: Path | None = None,
           csrc: Path | None = None) -> Path:
     """Compiles the library if this machine has no build of the current source yet.
-    ``csrc``: a folder holding the same sources from another revision (benchmarks), with
-    the headers that revision has."""
-    sources = [csrc / f.name for f in _SOURCES] if csrc else _SOURCES
-    headers = [h for h in (csrc / f.name for f in _HEADERS) if h.exists()] if csrc else _HEADERS
+    ``csrc``: a folder holding every C source and header of another revision (benchmarks),
+    compiled instead of this tree's."""
+    sources = sorted(csrc.glob("*.c")) if csrc else _SOURCES
+    headers = sorted(csrc.glob("*.h")) if csrc else _HEADERS
     cc = compiler or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")

@@ -1,5 +1,5 @@
-"""Native bfloat16 CPU kernels (``csrc/cpu_kernels_bf16.c``), every implementation this
-machine runs (the AVX-512 BF16 one where the CPU has it, and the portable one, forced with
+"""Native bfloat16 CPU kernels (``csrc/cpu_*_bf16.c``), every implementation this machine
+runs (the AVX-512 BF16 one where the CPU has it, and the portable one, forced with
 ``LORAPLEX_CPU_BF16=portable``), against float64 and the PyTorch reference.
 
 As for float32, unowned cache rows hold NaN and outputs start as NaN, so a kernel that
