@@ -1,15 +1,16 @@
 """Native CPU kernels: built from ``csrc/`` on first use, called via ctypes.
 
 The CPU fast path for what the PyTorch reference does with many small ops: decode
-attention over the paged cache, and LoRA for many short (decode) segments. The reference stays the oracle and the fallback: when no
-C compiler is found, the build fails, or ``LORAPLEX_CPU_KERNELS=0`` is set, ``available()``
-is False and the dispatcher uses the reference.
+attention over the paged cache, and LoRA for many segments of one slot's tokens. The
+reference stays the oracle and the fallback: when no C compiler is found, the build
+fails, or ``LORAPLEX_CPU_KERNELS=0`` is set, ``available()`` is False and the dispatcher
+uses the reference.
 
-float32 kernels live in ``cpu_kernels.c``, bfloat16 ones (float32 accumulation) in
-``cpu_kernels_bf16.c``, each of those in two implementations (``bf16_impls``): AVX-512
-BF16 dot products, compiled in only where the CPU has ``avx512_bf16``, and a portable one
-that widens bf16 to float32. The best one available runs; ``LORAPLEX_CPU_BF16=portable``
-forces the portable one (tests run both).
+One source per kernel and dtype (``cpu_attention_f32.c``, ``cpu_lora_f32.c``, and the
+``_bf16`` pair with float32 accumulation), one library. The bfloat16 kernels come in two
+implementations (``bf16_impls``): AVX-512 BF16 dot products, compiled in only where the
+CPU has ``avx512_bf16``, and a portable one that widens bf16 to float32. The best one
+available runs; ``LORAPLEX_CPU_BF16=portable`` forces the portable one (tests run both).
 
 The library is compiled with ``-march=native``, so the cache key includes the compiler,
 the flags and the CPU's feature flags: a cache directory shared between machines never
@@ -36,14 +37,15 @@ from loraplex_kernels.meta import AttentionMeta
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_kernels.c", _CSRC / "cpu_kernels_bf16.c", _CSRC / "cpu_layer_ops.c"]
-_HEADERS = [_CSRC / "common.h"]
+_SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
+              for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c"]
+_HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
 _ENV_CACHE = "LORAPLEX_KERNEL_CACHE"
 _ENV_BF16 = "LORAPLEX_CPU_BF16"
-# implementation name -> the C kernels' `impl` (cpu_kernels_bf16.c), best first
+# implementation name -> the C kernels' `impl` (csrc/bf16.h), best first
 BF16_IMPLS = {"avx512_bf16": 1, "portable": 0}
 
 _i64 = ctypes.c_int64
@@ -76,14 +78,19 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 
 
-def build(compiler: str | None = None, directory: Path | None = None) -> Path:
-    """Compiles the library if this machine has no build of the current source yet."""
+def build(compiler: str | None = None, directory: Path | None = None,
+          csrc: Path | None = None) -> Path:
+    """Compiles the library if this machine has no build of the current source yet.
+    ``csrc``: a folder holding every C source and header of another revision (benchmarks),
+    compiled instead of this tree's."""
+    sources = sorted(csrc.glob("*.c")) if csrc else _SOURCES
+    headers = sorted(csrc.glob("*.h")) if csrc else _HEADERS
     cc = compiler or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    texts = [f.read_text(encoding="utf-8") for f in (*_SOURCES, *_HEADERS)]
+    texts = [f.read_text(encoding="utf-8") for f in (*sources, *headers)]
     key = hashlib.sha256("\0".join([*texts, cc, *version, *_FLAGS,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
@@ -94,10 +101,10 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"building the kernels in {_CSRC} failed: "
+            raise RuntimeError(f"building the kernels in {csrc or _CSRC} failed: "
                                f"{proc.stderr.strip()[:2000]}")
         os.replace(tmp, target)
     finally:
@@ -106,15 +113,10 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as exc:
-        log.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
-        return None
+def load(path: Path) -> ctypes.CDLL:
+    """The library built at ``path``, its functions declared (also how a benchmark loads a
+    build of another revision's source beside this one)."""
+    lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
@@ -132,6 +134,17 @@ def _library() -> ctypes.CDLL | None:
     lib.loraplex_bf16_impls.restype = ctypes.c_int
     lib.loraplex_bf16_impls.argtypes = []
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        return load(build())
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
+        return None
 
 
 def available() -> bool:

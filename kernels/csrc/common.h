@@ -26,27 +26,6 @@ static inline float exp_nonpositive(float x)
     return p * two_n;
 }
 
-/* softmax over each of `heads` rows of `len` scores, in place (max first, for range) */
-static inline void softmax_rows(float *restrict scores, int64_t heads, int64_t len)
-{
-    for (int64_t h = 0; h < heads; ++h) {
-        float *restrict sh = scores + h * len;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < len; ++j) m = sh[j] > m ? sh[j] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; ++j) {
-            const float e = exp_nonpositive(sh[j] - m);
-            sh[j] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) sh[j] *= inv;
-    }
-}
-
 /* LoRA work items: (first token, token count, slot) for every group of up to
  * `group` consecutive tokens of a segment; *num_groups set. NULL when out of memory. */
 static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *seg_len,

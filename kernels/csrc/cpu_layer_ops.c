@@ -12,29 +12,9 @@
  * for waking them (GRAIN elements; a decode step's rows are far below it).
  */
 #include "common.h"
-
-typedef uint16_t bf16;
+#include "bf16.h"
 
 enum { GRAIN = 32768 };
-
-/* The same conversions as cpu_kernels_bf16.c (kept static there). */
-static inline float bf16_to_f32(bf16 h)
-{
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to nearest even, as torch does; NaN stays a (quiet) NaN */
-static inline bf16 f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 

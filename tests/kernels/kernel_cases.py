@@ -299,6 +299,20 @@ ATTENTION_CASES: list[AttentionCase] = [
 ]
 
 
+# Decode batches with fewer sequences than threads, so the native kernels split each long
+# enough sequence (8 blocks or more) over threads and merge the parts' softmax states:
+# (threads, case). Lengths off block boundaries, group sizes 1 to 8 (the vector scores
+# take query heads 4 at a time), head sizes the AVX-512 paths take (16 / 32 multiples)
+# and ones they do not.
+DECODE_SPLIT_CASES: list[tuple[int, AttentionCase]] = [
+    (2, AttentionCase("demo-heads-1seq", (700,), (1,), 9, 3, 64, 16)),
+    (2, AttentionCase("gqa8-dim32", (140,), (1,), 8, 1, 32, 16)),
+    (3, AttentionCase("gqa4-dim128-2seqs", (129, 5), (1, 1), 8, 2, 128, 8)),
+    (4, AttentionCase("mha-dim24-4parts", (257,), (1,), 2, 2, 24, 4)),
+    (2, AttentionCase("gqa5-dim48", (130,), (1,), 10, 2, 48, 16)),
+    (2, AttentionCase("gqa3-dim17-block3", (101,), (1,), 3, 1, 17, 3)),
+]
+
 @dataclass
 class AttentionInputs:
     meta: AttentionMeta

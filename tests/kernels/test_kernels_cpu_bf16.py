@@ -1,5 +1,5 @@
-"""Native bfloat16 CPU kernels (``csrc/cpu_kernels_bf16.c``), every implementation this
-machine runs (the AVX-512 BF16 one where the CPU has it, and the portable one, forced with
+"""Native bfloat16 CPU kernels (``csrc/cpu_*_bf16.c``), every implementation this machine
+runs (the AVX-512 BF16 one where the CPU has it, and the portable one, forced with
 ``LORAPLEX_CPU_BF16=portable``), against float64 and the PyTorch reference.
 
 As for float32, unowned cache rows hold NaN and outputs start as NaN, so a kernel that
@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import (
     ATTENTION_CASES,
+    DECODE_SPLIT_CASES,
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
@@ -79,7 +80,7 @@ def test_attention(case: AttentionCase, impl: str) -> None:
     lens=st.lists(st.integers(1, 90), min_size=1, max_size=6),
     prefill=st.lists(st.integers(1, 12), min_size=0, max_size=2),
     kv_heads=st.sampled_from([1, 3]),
-    group=st.sampled_from([1, 3]),
+    group=st.sampled_from([1, 3, 4, 8]),
     head_dim=st.sampled_from([8, 17, 32, 64, 96]),
     block_size=st.sampled_from([1, 3, 16]),
 )
@@ -95,6 +96,18 @@ def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: in
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("LORAPLEX_CPU_BF16", "portable" if name == "portable" else "auto")
             check_attention(case, BF16, "cpu", "cpu")
+
+
+@pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)
+def test_decode_split_over_threads(threads: int, case: AttentionCase, impl: str) -> None:
+    """Fewer sequences than threads: a sequence's parts run on different threads and their
+    softmax states are merged."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_attention(case, BF16, "cpu", "cpu")
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_implementations_agree_on_attention() -> None:

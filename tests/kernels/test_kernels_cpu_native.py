@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kernel_cases import (
     ATTENTION_CASES,
     CASE_SEGMENT_LEN,
+    DECODE_SPLIT_CASES,
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
@@ -46,8 +47,8 @@ def test_attention_cpu_backend(case: AttentionCase, dtype: torch.dtype) -> None:
     lens=st.lists(st.integers(1, 90), min_size=1, max_size=7),
     prefill=st.lists(st.integers(1, 12), min_size=0, max_size=2),
     kv_heads=st.sampled_from([1, 2, 3]),
-    group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([8, 17, 64]),
+    group=st.sampled_from([1, 3, 4, 8]),
+    head_dim=st.sampled_from([8, 17, 64, 128]),
     block_size=st.sampled_from([1, 4, 16]),
 )
 def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: int,
@@ -58,6 +59,18 @@ def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: in
     case = AttentionCase("random", seq_lens, query_lens, kv_heads * group, kv_heads,
                          head_dim, block_size)
     check_attention(case, torch.float32, "cpu", "cpu")
+
+
+@pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)
+def test_decode_split_over_threads(threads: int, case: AttentionCase) -> None:
+    """Fewer sequences than threads: a sequence's parts run on different threads and their
+    softmax states are merged."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_attention(case, torch.float32, "cpu", "cpu")
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_dispatch_prefers_native_on_cpu() -> None:

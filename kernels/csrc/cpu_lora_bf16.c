@@ -1,0 +1,222 @@
+/* Native CPU kernels for bfloat16 tensors with float32 accumulation: the LoRA segments of
+ * cpu_lora_f32.c over bf16 activations and LoRA weights, bf16 outputs, in the two
+ * implementations of cpu_attention_bf16.c (portable; AVX-512 BF16 dot products). Both round
+ * what the PyTorch reference rounds to bf16 (the shrink's output, the outputs), so they
+ * differ from each other only in the order of fp32 additions.
+ *
+ * The vdpbf16ps operand wants pairs of consecutive bf16 values along the summed axis, so
+ * the LoRA weights come pair-interleaved ("VNNI" layout, written by lora_slots.py):
+ *   At: [ceil(in / 2), R, 2]   At[i2, k, j] = A^T[2 * i2 + j, k]   (zero past `in`)
+ *   Bt: [R / 2, out, 2]        Bt[k2, o, j] = scaled B^T[2 * k2 + j, o]
+ */
+#include "bf16.h"
+#include "common.h"
+
+/* ---- LoRA segments ---------------------------------------------------------------- */
+
+#define LORA_TOKENS 4
+
+/* Up to 4 consecutive tokens of one slot (cpu_lora_f32.c's lora_tokens), weights in the
+ * pair-interleaved layout. xb: the tokens' rows widened to fp32, zero-padded to 4 rows of
+ * in2 * 2; y: [4, r], the shrink's output, rounded to bf16 values. */
+static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
+                                 int64_t out_stride, int64_t nt, int64_t in2, int64_t n_out,
+                                 const bf16 *restrict at, const bf16 *restrict bt, int64_t r,
+                                 const int64_t *restrict slices, int64_t num_slices,
+                                 float *restrict y)
+{
+    const int64_t w = 2 * in2;
+    for (int64_t k0 = 0; k0 < r; k0 += 16) {
+        float c[LORA_TOKENS][16] = {{0}};
+        for (int64_t i2 = 0; i2 < in2; ++i2) {
+            const bf16 *restrict a = at + (i2 * r + k0) * 2;
+            for (int64_t t = 0; t < LORA_TOKENS; ++t) {
+                const float xa = xb[t * w + 2 * i2], xc = xb[t * w + 2 * i2 + 1];
+#pragma omp simd
+                for (int64_t k = 0; k < 16; ++k)
+                    c[t][k] += xa * bf16_to_f32(a[2 * k]) + xc * bf16_to_f32(a[2 * k + 1]);
+            }
+        }
+        for (int64_t t = 0; t < LORA_TOKENS; ++t)
+            for (int64_t k = 0; k < 16; ++k)
+                y[t * r + k0 + k] = bf16_to_f32(f32_to_bf16(c[t][k]));
+    }
+    for (int64_t s = 0; s < num_slices; ++s) {
+        /* the pairs holding the slice's ranks; a pair's other row is zero here */
+        const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
+        const int64_t hi = slices[4 * s + 3];
+        for (int64_t o0 = slices[4 * s + 2]; o0 < hi; o0 += 64) {
+            const int64_t width = hi - o0 < 64 ? hi - o0 : 64;
+            float c[LORA_TOKENS][64] = {{0}};
+            for (int64_t k2 = k2b; k2 < k2e; ++k2) {
+                const bf16 *restrict b = bt + (k2 * n_out + o0) * 2;
+                for (int64_t t = 0; t < LORA_TOKENS; ++t) {
+                    const float ya = y[t * r + 2 * k2], yc = y[t * r + 2 * k2 + 1];
+#pragma omp simd
+                    for (int64_t o = 0; o < width; ++o)
+                        c[t][o] += ya * bf16_to_f32(b[2 * o]) + yc * bf16_to_f32(b[2 * o + 1]);
+                }
+            }
+            for (int64_t t = 0; t < nt; ++t) {
+                bf16 *restrict ot = out + t * out_stride + o0;
+                for (int64_t o = 0; o < width; ++o)
+                    ot[o] = f32_to_bf16(bf16_to_f32(ot[o]) + c[t][o]);
+            }
+        }
+    }
+}
+
+#ifdef __AVX512BF16__
+/* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
+ * inlined): each pair-row of A^T's tile is one contiguous read of up to 256 bytes, and the
+ * 4 x nv vectors of sums stay in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). */
+static inline __attribute__((always_inline)) void shrink_ranks_avx512(
+    const bf16 *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
+    const int nv, bf16 *restrict yb)
+{
+    const int64_t w = 2 * in2;
+    __m512 c[LORA_TOKENS][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+    for (int64_t i2 = 0; i2 < in2; ++i2) {
+        const bf16 *restrict a = at + (i2 * r + k0) * 2;
+        __m512bh av[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const __m512bh xp = pair_at(xb + t * w + 2 * i2);
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j)
+            _mm256_storeu_si256((__m256i *)(yb + t * r + k0 + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(c[t][j]));
+}
+
+/* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to 4 rows of in2 * 2;
+ * yb: [4, r] bf16. */
+static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
+                               int64_t out_stride, int64_t nt, int64_t in2, int64_t n_out,
+                               const bf16 *restrict at, const bf16 *restrict bt, int64_t r,
+                               const int64_t *restrict slices, int64_t num_slices,
+                               bf16 *restrict yb)
+{
+    int64_t k0 = 0;
+    for (; k0 + 64 <= r; k0 += 64) shrink_ranks_avx512(xb, in2, at, r, k0, 4, yb);
+    switch ((r - k0) / 16) { /* r is a multiple of 16 */
+    case 3: shrink_ranks_avx512(xb, in2, at, r, k0, 3, yb); break;
+    case 2: shrink_ranks_avx512(xb, in2, at, r, k0, 2, yb); break;
+    case 1: shrink_ranks_avx512(xb, in2, at, r, k0, 1, yb); break;
+    default: break;
+    }
+    for (int64_t s = 0; s < num_slices; ++s) {
+        /* the pairs holding the slice's ranks; a pair's other row is zero here */
+        const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
+        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
+        int64_t o0 = lo;
+        for (; o0 + 64 <= hi; o0 += 64) {
+            __m512 c[LORA_TOKENS][4];
+            for (int64_t t = 0; t < LORA_TOKENS; ++t)
+                for (int64_t j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+            for (int64_t k2 = k2b; k2 < k2e; ++k2) {
+                const bf16 *restrict b = bt + (k2 * n_out + o0) * 2;
+                const __m512bh b0 = as_bh(_mm512_loadu_si512(b)),
+                               b1 = as_bh(_mm512_loadu_si512(b + 32)),
+                               b2 = as_bh(_mm512_loadu_si512(b + 64)),
+                               b3 = as_bh(_mm512_loadu_si512(b + 96));
+                for (int64_t t = 0; t < LORA_TOKENS; ++t) {
+                    const __m512bh yp = pair_at(yb + t * r + 2 * k2);
+                    c[t][0] = _mm512_dpbf16_ps(c[t][0], yp, b0);
+                    c[t][1] = _mm512_dpbf16_ps(c[t][1], yp, b1);
+                    c[t][2] = _mm512_dpbf16_ps(c[t][2], yp, b2);
+                    c[t][3] = _mm512_dpbf16_ps(c[t][3], yp, b3);
+                }
+            }
+            for (int64_t t = 0; t < nt; ++t)
+                for (int64_t j = 0; j < 4; ++j) {
+                    bf16 *ot = out + t * out_stride + o0 + 16 * j;
+                    const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
+                    _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
+                }
+        }
+        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % 64 columns */
+            for (int64_t o = o0; o < hi; ++o) {
+                float acc = 0.0f;
+                for (int64_t k = 2 * k2b; k < 2 * k2e; ++k)
+                    acc += bf16_to_f32(yb[t * r + k])
+                           * bf16_to_f32(bt[((k / 2) * n_out + o) * 2 + k % 2]);
+                bf16 *ot = out + t * out_stride + o;
+                *ot = f32_to_bf16(bf16_to_f32(*ot) + acc);
+            }
+    }
+}
+#endif
+
+/* Like lora_segments_f32, with bf16 x, out and weights (the pair-interleaved layout above,
+ * R a multiple of 16); `impl` one of loraplex_bf16_impls.
+ * Returns 0, -1 when scratch memory could not be allocated, -2 for an impl not compiled. */
+int lora_segments_bf16(
+    const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,
+    int64_t in_features, int64_t n_out,
+    const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,
+    int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs, const int64_t *ranks,
+    const int64_t *slice_table, const int64_t *num_slices, int64_t max_slices,
+    int num_threads, int impl)
+{
+    if (!(loraplex_bf16_impls() & (1 << impl))) return -2;
+    int64_t num_groups = 0, max_rank = 16;
+    for (int64_t i = 0; i < num_segs; ++i)
+        if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
+    int64_t *work = lora_work_items(seg_first, seg_len, seg_slot, num_segs, LORA_TOKENS,
+                                    &num_groups);
+    if (!work) return -1;
+    const int64_t in2 = (in_features + 1) / 2, w = 2 * in2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        /* y: fp32 [4, R] (portable) or bf16 (vector); xf: [4, w] fp32; xh: [4, w] bf16 */
+        float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * max_rank));
+        float *xf = calloc((size_t)(LORA_TOKENS * w), sizeof(float));
+        bf16 *xh = calloc((size_t)(LORA_TOKENS * w), sizeof(bf16));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < num_groups; ++g) {
+            if (!y || !xf || !xh) {
+                failed = 1;
+                continue;
+            }
+            const int64_t t = work[3 * g], nt = work[3 * g + 1], slot = work[3 * g + 2];
+            const bf16 *at = (const bf16 *)(intptr_t)at_ptrs[slot];
+            const bf16 *bt = (const bf16 *)(intptr_t)bt_ptrs[slot];
+            const int64_t *slices = slice_table + slot * max_slices * 4;
+            for (int64_t j = 0; j < LORA_TOKENS; ++j) { /* rows past nt stay zero */
+                if (j < nt)
+                    memcpy(xh + j * w, x + (t + j) * x_stride,
+                           sizeof(bf16) * (size_t)in_features);
+                else
+                    memset(xh + j * w, 0, sizeof(bf16) * (size_t)w);
+            }
+#ifdef __AVX512BF16__
+            if (impl == BF16_AVX512) {
+                lora_tokens_avx512(xh, out + t * out_stride, out_stride, nt, in2, n_out, at,
+                                   bt, ranks[slot], slices, num_slices[slot], (bf16 *)y);
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < LORA_TOKENS * w; ++i) xf[i] = bf16_to_f32(xh[i]);
+            lora_tokens_portable(xf, out + t * out_stride, out_stride, nt, in2, n_out, at, bt,
+                                 ranks[slot], slices, num_slices[slot], y);
+        }
+        free(y);
+        free(xf);
+        free(xh);
+    }
+    free(work);
+    return failed ? -1 : 0;
+}

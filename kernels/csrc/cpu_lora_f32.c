@@ -1,0 +1,161 @@
+/* Native CPU kernel (float32): LoRA shrink + expand for many segments of one slot's tokens
+ * (decode, and prefill runs up to meta.short_segment_limit) in one call. See
+ * cpu_attention_f32.c for how the native kernels are built and called.
+ */
+#include "common.h"
+
+/* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
+ * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps up to 64
+ * ranks x 4 tokens in registers; the expand keeps 64 outputs x 4 tokens, so each out row is read
+ * and written once. The expand runs per slice (lora_slots.py: `slices`), over that slice's
+ * ranks and columns only: B^T is block-diagonal over a packed projection's slices, and the
+ * blocks off the diagonal (2/3 of q/k/v's, 1/2 of gate/up's) are zero, so skipping them
+ * changes no sum and saves their reads. xb: the tokens' x rows, zero-padded to 4 [4, in];
+ * y: [4, r]; slices: num_slices x (first rank, end rank, first column, end column). */
+#define LORA_TOKENS 4
+
+/* 16 floats as one vector (GCC vector extension: one zmm with AVX-512, two ymm with AVX2),
+ * so that a tile's sums are named values the compiler keeps in registers; as arrays indexed
+ * in loops they were kept on the stack (a load and a store around every FMA). */
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
+ * inlined): each row of A^T's tile is read once, as one contiguous run of up to 256 bytes,
+ * and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
+static inline __attribute__((always_inline)) void shrink_ranks(
+    const float *restrict xb, int64_t in_features, const float *restrict at, int64_t r,
+    int64_t k0, const int nv, float *restrict y)
+{
+    v16 c[LORA_TOKENS][4] = {{{0}}};
+    for (int64_t i = 0; i < in_features; ++i) {
+        const float *restrict a = at + i * r + k0;
+        v16 av[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) av[j] = load16(a + 16 * j);
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const float v = xb[t * in_features + i];
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; ++j) c[t][j] += v * av[j];
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + 16 * j, &c[t][j], sizeof(v16));
+}
+
+/* The expand of 4 tokens into 64 columns from o0, over ranks kb .. ke: out[t, o0 + o] +=
+ * y[t] . B^T[kb:ke, o0 + o], the 4 x 4 vectors of sums in registers. */
+static inline void expand_64(const float *restrict y, int64_t r, const float *restrict bt,
+                             int64_t n_out, int64_t kb, int64_t ke, int64_t o0,
+                             float *restrict out, int64_t out_stride, int64_t nt)
+{
+    v16 c[LORA_TOKENS][4] = {{{0}}};
+    for (int64_t k = kb; k < ke; ++k) {
+        const float *restrict b = bt + k * n_out + o0;
+        const v16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32), b3 = load16(b + 48);
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const float v = y[t * r + k];
+            c[t][0] += v * b0;
+            c[t][1] += v * b1;
+            c[t][2] += v * b2;
+            c[t][3] += v * b3;
+        }
+    }
+    for (int64_t t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            float *o = out + t * out_stride + o0 + 16 * j;
+            v16 sum = load16(o) + c[t][j];
+            memcpy(o, &sum, sizeof sum);
+        }
+}
+
+static void lora_tokens(const float *restrict xb, float *restrict out, int64_t out_stride,
+                        int64_t nt, int64_t in_features, int64_t n_out,
+                        const float *restrict at, const float *restrict bt, int64_t r,
+                        const int64_t *restrict slices, int64_t num_slices, float *restrict y)
+{
+    int64_t k0 = 0;
+    for (; k0 + 64 <= r; k0 += 64) shrink_ranks(xb, in_features, at, r, k0, 4, y);
+    switch ((r - k0) / 16) { /* r is a multiple of 16 */
+    case 3: shrink_ranks(xb, in_features, at, r, k0, 3, y); break;
+    case 2: shrink_ranks(xb, in_features, at, r, k0, 2, y); break;
+    case 1: shrink_ranks(xb, in_features, at, r, k0, 1, y); break;
+    default: break;
+    }
+    for (int64_t s = 0; s < num_slices; ++s) {
+        const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
+        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
+        int64_t o0 = lo;
+        for (; o0 + 64 <= hi; o0 += 64) expand_64(y, r, bt, n_out, kb, ke, o0, out, out_stride, nt);
+        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % 64 columns */
+            for (int64_t o = o0; o < hi; ++o) {
+                float acc = 0.0f;
+                for (int64_t k = kb; k < ke; ++k) acc += y[t * r + k] * bt[k * n_out + o];
+                out[t * out_stride + o] += acc;
+            }
+    }
+}
+
+/* LoRA shrink then expand for every token of every segment, accumulated into out:
+ *   out[t, :n_out] += (x[t] @ At_s) @ Bt_s      for the tokens t of segment i (slot s)
+ * At_s [in, r_s] holds every slice's A (transposed) and Bt_s [r_s, n_out] the block-diagonal
+ * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16;
+ * slot s's slices are slice_table[s * max_slices * 4 ...], num_slices[s] of them (first
+ * rank, end rank, first column, end column each). Tokens of one segment are consecutive rows
+ * seg_first[i] .. seg_first[i] + seg_len[i] - 1; rows outside every segment (base model)
+ * are never touched. Weights come as per-slot addresses (at_ptrs, bt_ptrs, ranks).
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int lora_segments_f32(
+    const float *x, int64_t x_stride, float *out, int64_t out_stride,
+    int64_t in_features, int64_t n_out,
+    const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,
+    int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs, const int64_t *ranks,
+    const int64_t *slice_table, const int64_t *num_slices, int64_t max_slices,
+    int num_threads)
+{
+    int64_t num_groups = 0, max_rank = 1;
+    for (int64_t i = 0; i < num_segs; ++i)
+        if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
+    int64_t *work = lora_work_items(seg_first, seg_len, seg_slot, num_segs, LORA_TOKENS,
+                                    &num_groups);
+    if (!work) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * max_rank));
+        float *xb = calloc((size_t)(LORA_TOKENS * in_features), sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < num_groups; ++w) {
+            if (!y || !xb) {
+                failed = 1;
+                continue;
+            }
+            const int64_t t = work[3 * w], nt = work[3 * w + 1], slot = work[3 * w + 2];
+            for (int64_t j = 0; j < LORA_TOKENS; ++j)
+                if (j < nt)
+                    memcpy(xb + j * in_features, x + (t + j) * x_stride,
+                           sizeof(float) * (size_t)in_features);
+                else
+                    memset(xb + j * in_features, 0, sizeof(float) * (size_t)in_features);
+            lora_tokens(xb, out + t * out_stride, out_stride, nt, in_features, n_out,
+                        (const float *)(intptr_t)at_ptrs[slot],
+                        (const float *)(intptr_t)bt_ptrs[slot], ranks[slot],
+                        slice_table + slot * max_slices * 4, num_slices[slot], y);
+        }
+        free(y);
+        free(xb);
+    }
+    free(work);
+    return failed ? -1 : 0;
+}
