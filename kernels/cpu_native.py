@@ -37,8 +37,8 @@ from loraplex_kernels.meta import AttentionMeta
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
-            for dtype in ("f32", "bf16")]
+_SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
+              for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c"]
 _HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]

@@ -4,9 +4,9 @@ Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"t
 
 - ``"triton"``: the Triton kernels (CUDA; tests run them under ``TRITON_INTERPRET=1``).
 - ``"cpu"``: the native CPU kernels where they apply (float32 and bfloat16 decode
-  attention and short LoRA segments, built from ``csrc/`` on first use), the PyTorch
-  reference for the rest. The default on CPU when the
-  native library is available.
+  attention, short LoRA segments, and the per-layer RMSNorm, RoPE + KV store and
+  SiLU-and-mul; built from ``csrc/`` on first use), the PyTorch reference for the rest.
+  The default on CPU when the native library is available.
 - ``"torch"``: the PyTorch reference only (the tests' oracle).
 """
 
@@ -18,11 +18,19 @@ from typing import Literal
 
 import torch
 
-from loraplex_kernels import cpu_native
+from loraplex_kernels import cpu_layer_ops, cpu_native
 from loraplex_kernels.attention_ref import (
     paged_attention_ref,
     prefill_attention_ref,
     store_kv_ref,
+)
+from loraplex_kernels.layer_ops_ref import (
+    Rope,
+    fused_add_rms_norm_ref,
+    rms_norm_ref,
+    rotate_qkv_ref,
+    silu_and_mul_ref,
+    split_qkv,
 )
 from loraplex_kernels.lora_prefill import add_lora_sliced
 from loraplex_kernels.lora_slots import LoRASlots
@@ -197,6 +205,58 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
 
 
-__all__ = ["AttentionMeta", "Backend", "LoRASlots", "PackedWeight", "SGMVMeta", "add_lora",
-           "cpu_gemm_choice", "linear", "pack_linear_weight", "paged_attention", "resolve_backend", "sgmv_expand",
-           "sgmv_shrink", "store_kv"]
+def _native_layer_ops(x: torch.Tensor, backend: Backend | None) -> bool:
+    """``resolve_backend(x.device, backend) == "cpu"`` with native layer ops, without the
+    device object (~1.5 us, and these run several times per layer); the ``can_*`` checks
+    then see that the tensors are on the CPU."""
+    return (x.is_cpu if backend is None else backend == "cpu") and cpu_layer_ops.available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             backend: Backend | None = None) -> torch.Tensor:
+    """``weight * x / rms(x)`` of ``x`` [num_tokens, hidden] (normalised in float32)."""
+    if _native_layer_ops(x, backend) and cpu_layer_ops.can_norm(x, weight):
+        return cpu_layer_ops.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float, backend: Backend | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, the sum in the tensors' dtype. ``x`` and
+    ``residual`` are consumed: the native kernel writes the two results into them."""
+    if _native_layer_ops(x, backend) and cpu_layer_ops.can_add_norm(x, residual, weight):
+        cpu_layer_ops.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """Neox RoPE of the q and k heads of ``qkv`` [num_tokens, (heads + 2 kv_heads) * dim],
+    the rotated k and the v stored at ``slot_mapping`` (-1 = not stored); returns the
+    rotated q [num_tokens, num_heads, head_dim]. ``qkv`` is consumed (the native kernel
+    rotates it in place)."""
+    cos, sin = rope
+    if _native_layer_ops(qkv, backend) and cpu_layer_ops.can_rope_store_kv(
+            qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, slot_mapping):
+        cpu_layer_ops.rope_store_kv(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
+                                    k_cache, v_cache, slot_mapping)
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)[0]
+    q, k, v = rotate_qkv_ref(qkv, num_heads, num_kv_heads, head_dim, rope)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, backend)
+    return q
+
+
+def silu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * inter] -> [num_tokens, inter]."""
+    if _native_layer_ops(gate_up, backend) and cpu_layer_ops.can_silu_and_mul(gate_up):
+        return cpu_layer_ops.silu_and_mul(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+__all__ = ["AttentionMeta", "Backend", "LoRASlots", "PackedWeight", "Rope", "SGMVMeta",
+           "add_lora", "cpu_gemm_choice", "fused_add_rms_norm", "linear",
+           "pack_linear_weight", "paged_attention", "resolve_backend", "rms_norm",
+           "rope_store_kv", "sgmv_expand", "sgmv_shrink", "silu_and_mul", "store_kv"]

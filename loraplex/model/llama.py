@@ -16,10 +16,14 @@ from loraplex_kernels.meta import AttentionMeta
 from loraplex_kernels.ops import (
     Backend,
     PackedWeight,
+    Rope,
+    fused_add_rms_norm,
     linear,
     pack_linear_weight,
     paged_attention,
-    store_kv,
+    rms_norm,
+    rope_store_kv,
+    silu_and_mul,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
@@ -32,11 +36,13 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, backend)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, backend: Backend | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; consumes ``x`` and ``residual``."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, backend)
 
 
 class Rotary(nn.Module):
@@ -53,18 +59,6 @@ class Rotary(nn.Module):
         """cos and sin at each token's position, ``[num_tokens, 1, head_dim]`` each: looked up
         once per forward and shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-def _rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    cos, sin = rope
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    if x.dtype == torch.float32:
-        return x * cos + rotated * sin
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -84,13 +78,9 @@ class Attention(nn.Module):
         a = self.args
         n = x.shape[0]
         qkv = self.qkv_proj(x, lora)  # [num_tokens, q_size + 2 * kv_size]
-        # q and k sit side by side in qkv: rotate both in one pass.
-        qk = _rotate(qkv[:, :a.q_size + a.kv_size].view(n, a.num_heads + a.num_kv_heads,
-                                                          a.head_dim), rope)
-        q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]  # [num_tokens, heads | kv_heads, dim]
-        v = qkv[:, a.q_size + a.kv_size:].reshape(n, a.num_kv_heads, a.head_dim).contiguous()
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend)
+        q = rope_store_kv(qkv, a.num_heads, a.num_kv_heads, a.head_dim, rope, k_cache,
+                          v_cache, meta.slot_mapping, backend)  # [num_tokens, heads, dim]
         out = q.new_empty(q.shape)  # [num_tokens, num_heads, head_dim]
         paged_attention(q, k_cache, v_cache, meta, self.scale, out, backend)
         return self.o_proj(out.reshape(n, a.q_size), lora)
@@ -101,15 +91,14 @@ class MLP(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.intermediate_size = i
         self.gate_up_proj = LoRALinear(h, [i, i], args.mlp_bias, num_slots, max_rank, dtype,
                                        device)
         self.down_proj = LoRALinear(i, [h], args.mlp_bias, num_slots, max_rank, dtype, device)
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None,
+                backend: Backend | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)
+        return self.down_proj(silu_and_mul(gate_up, backend), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -122,10 +111,21 @@ class DecoderLayer(nn.Module):
                                                 device)
         self.mlp = MLP(args, num_slots, max_rank, dtype, device)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMeta,
-                lora: LoRAStep | None, backend: Backend | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora, backend)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                kv_cache: KVCache, meta: AttentionMeta, lora: LoRAStep | None,
+                backend: Backend | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from the sublayer output (as vLLM does) so
+        that each residual add fuses with the norm after it: takes the previous layer's
+        MLP output ``x`` and the stream before it (None: ``x`` is the stream, first layer),
+        returns this layer's MLP output and the stream before it."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x, backend)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual, backend)
+        x = self.self_attn(x, rope, kv_cache, meta, lora, backend)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, backend)
+        return self.mlp(x, lora, backend), residual
 
 
 class LlamaModel(nn.Module):
@@ -164,9 +164,12 @@ class LlamaModel(nn.Module):
         norm; ``num_layers``: only the first that many layers (a layer-skip draft)."""
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         rope = self.rotary(positions)
+        residual = None
         for layer, kv in list(zip(self.layers, kv_caches, strict=True))[:num_layers]:
-            x = layer(x, rope, kv, meta, lora, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv, meta, lora, backend)
+        if residual is None:
+            return self.norm(x, backend)
+        return self.norm.add_forward(x, residual, backend)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

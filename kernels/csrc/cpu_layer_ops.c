@@ -1,0 +1,292 @@
+/* Native CPU kernels for the small per-layer ops of the decoder, float32 and bfloat16:
+ * RMSNorm (alone and fused with the residual add), neox RoPE on q and k fused with the
+ * paged KV store, and SiLU-and-mul. Each does one pass per row where the PyTorch
+ * reference (layer_ops_ref.py) makes several ops and temporaries.
+ *
+ * Numerics follow the reference: float32 math, and in bfloat16 a round to nearest even
+ * wherever the reference rounds (its ops on bf16 tensors compute in float32 and round
+ * each result). RoPE is compiled without FMA contraction so it matches the reference's
+ * separate multiply and add bit for bit.
+ *
+ * Rows are split over `num_threads` OpenMP threads only when a call has enough work to pay
+ * for waking them (GRAIN elements; a decode step's rows are far below it).
+ */
+#include "common.h"
+#include "bf16.h"
+
+enum { GRAIN = 32768 };
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* ---- RMSNorm ------------------------------------------------------------------------ */
+
+/* 1 / sqrt(mean(x^2) + eps) from the row's sum of squares, as the reference's
+ * rsqrt(pow(2).mean() + eps) */
+static inline float inv_rms(float sum_sq, int64_t hidden, float eps)
+{
+    return 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+}
+
+/* out[r] = w * (x[r] * inv_rms(x[r])) */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                  int64_t out_stride, int64_t rows, int64_t hidden, float eps,
+                  int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict xr = x + r * x_stride;
+        float *restrict o = out + r * out_stride;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < hidden; ++d) s += xr[d] * xr[d];
+        const float inv = inv_rms(s, hidden, eps);
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) o[d] = w[d] * (xr[d] * inv);
+    }
+}
+
+/* The normalised row rounded to bf16 before the weight multiply, as the reference's
+ * `weight * xf.to(x.dtype)` */
+void rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, bf16 *out,
+                   int64_t out_stride, int64_t rows, int64_t hidden, float eps,
+                   int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const bf16 *restrict xr = x + r * x_stride;
+        bf16 *restrict o = out + r * out_stride;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < hidden; ++d) {
+            const float v = bf16_to_f32(xr[d]);
+            s += v * v;
+        }
+        const float inv = inv_rms(s, hidden, eps);
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d)
+            o[d] = f32_to_bf16(bf16_to_f32(w[d]) * round_bf16(bf16_to_f32(xr[d]) * inv));
+    }
+}
+
+/* residual[r] += x[r]; x[r] = w * (residual[r] * inv_rms(residual[r])), both in place */
+void fused_add_rms_norm_f32(float *x, int64_t x_stride, float *residual, int64_t res_stride,
+                            const float *w, int64_t rows, int64_t hidden, float eps,
+                            int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *restrict xr = x + r * x_stride;
+        float *restrict res = residual + r * res_stride;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < hidden; ++d) {
+            const float v = res[d] + xr[d];
+            res[d] = v;
+            s += v * v;
+        }
+        const float inv = inv_rms(s, hidden, eps);
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) xr[d] = w[d] * (res[d] * inv);
+    }
+}
+
+/* The residual add rounded to bf16 (the reference adds bf16 tensors), the norm of that
+ * rounded sum, rounded again before the weight multiply. */
+void fused_add_rms_norm_bf16(bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_stride,
+                             const bf16 *w, int64_t rows, int64_t hidden, float eps,
+                             int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        bf16 *restrict xr = x + r * x_stride;
+        bf16 *restrict res = residual + r * res_stride;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < hidden; ++d) {
+            const bf16 h = f32_to_bf16(bf16_to_f32(res[d]) + bf16_to_f32(xr[d]));
+            res[d] = h;
+            const float v = bf16_to_f32(h);
+            s += v * v;
+        }
+        const float inv = inv_rms(s, hidden, eps);
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d)
+            xr[d] = f32_to_bf16(bf16_to_f32(w[d]) * round_bf16(bf16_to_f32(res[d]) * inv));
+    }
+}
+
+/* ---- RoPE + KV store ---------------------------------------------------------------- */
+
+/* Every slot in [-1, num_cache_slots): checked before anything is written. */
+static int slots_in_range(const int64_t *slots, int64_t num_tokens, int64_t num_cache_slots)
+{
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (slots[t] < -1 || slots[t] >= num_cache_slots) return 0;
+    return 1;
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* One head of neox RoPE in place: out = x * cos + rotate_half(x) * sin, where
+ * rotate_half(x) = [-x2, x1], each product and the sum rounded as the reference does. */
+static inline void rope_head_f32(float *restrict p, const float *restrict c,
+                                 const float *restrict s, int64_t half)
+{
+#pragma omp simd
+    for (int64_t d = 0; d < half; ++d) {
+        const float x1 = p[d], x2 = p[d + half];
+        p[d] = x1 * c[d] + (-x2) * s[d];
+        p[d + half] = x2 * c[d + half] + x1 * s[d + half];
+    }
+}
+
+static inline void rope_head_bf16(bf16 *restrict p, const float *restrict c,
+                                  const float *restrict s, int64_t half)
+{
+#pragma omp simd
+    for (int64_t d = 0; d < half; ++d) {
+        const float x1 = bf16_to_f32(p[d]), x2 = bf16_to_f32(p[d + half]);
+        p[d] = f32_to_bf16(x1 * c[d] + (-x2) * s[d]);
+        p[d + half] = f32_to_bf16(x2 * c[d + half] + x1 * s[d + half]);
+    }
+}
+
+/* qkv:   [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows qkv_stride apart:
+ *        q heads, then k heads, then v heads; q and k are rotated in place
+ * cos, sin: [num_tokens, head_dim] float32 rows cs_stride apart (each token's position)
+ * slots: [num_tokens] flat cache slot (block * block_size + offset), -1 = do not store
+ * k_cache, v_cache: [num_cache_slots, num_kv_heads, head_dim], contiguous; each stored
+ *        token's rotated k and its v are written at its slot
+ * Strides count elements of the tensor's type (elem bytes each). Returns 0, or -1
+ * (nothing written) when a slot is outside [-1, num_cache_slots). */
+static inline __attribute__((always_inline)) int rope_store_kv(
+    char *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
+    const int64_t *slots, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, char *k_cache, char *v_cache, int64_t num_cache_slots,
+    int num_threads, const int is_bf16)
+{
+    if (!slots_in_range(slots, num_tokens, num_cache_slots)) return -1;
+    const size_t elem = is_bf16 ? sizeof(bf16) : sizeof(float);
+    const int64_t half = head_dim / 2, rotated = num_heads + num_kv_heads;
+    const size_t kv_bytes = elem * (size_t)(num_kv_heads * head_dim);
+#pragma omp parallel for num_threads(num_threads) \
+    if (num_tokens * (rotated + num_kv_heads) * head_dim >= GRAIN)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        char *row = qkv + elem * (size_t)(t * qkv_stride);
+        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        for (int64_t h = 0; h < rotated; ++h) {
+            char *head = row + elem * (size_t)(h * head_dim);
+            if (is_bf16)
+                rope_head_bf16((bf16 *)head, c, s, half);
+            else
+                rope_head_f32((float *)head, c, s, half);
+        }
+        if (slots[t] >= 0) {
+            const char *k = row + elem * (size_t)(num_heads * head_dim);
+            memcpy(k_cache + kv_bytes * (size_t)slots[t], k, kv_bytes);
+            memcpy(v_cache + kv_bytes * (size_t)slots[t], k + kv_bytes, kv_bytes);
+        }
+    }
+    return 0;
+}
+
+int rope_store_kv_f32(float *qkv, int64_t qkv_stride, const float *cos, const float *sin,
+                      int64_t cs_stride, const int64_t *slots, int64_t num_tokens,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      float *k_cache, float *v_cache, int64_t num_cache_slots, int num_threads)
+{
+    return rope_store_kv((char *)qkv, qkv_stride, cos, sin, cs_stride, slots, num_tokens,
+                         num_heads, num_kv_heads, head_dim, (char *)k_cache, (char *)v_cache,
+                         num_cache_slots, num_threads, 0);
+}
+
+int rope_store_kv_bf16(bf16 *qkv, int64_t qkv_stride, const float *cos, const float *sin,
+                       int64_t cs_stride, const int64_t *slots, int64_t num_tokens,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       bf16 *k_cache, bf16 *v_cache, int64_t num_cache_slots, int num_threads)
+{
+    return rope_store_kv((char *)qkv, qkv_stride, cos, sin, cs_stride, slots, num_tokens,
+                         num_heads, num_kv_heads, head_dim, (char *)k_cache, (char *)v_cache,
+                         num_cache_slots, num_threads, 1);
+}
+
+#pragma GCC pop_options
+
+/* ---- SiLU and mul ------------------------------------------------------------------- */
+
+/* Without trapping math: GCC vectorises neither floorf nor the clamps' compares otherwise
+ * (no FP exception is ever read here, and the results are the same). */
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
+/* exp over the range where silu needs it: exp_nonpositive's polynomial with 2^n up to
+ * 2^127 (x is clamped to [-87, 88]; beyond, silu is 0 or x to float precision anyway). */
+static inline float exp_clamped(float x)
+{
+    x = x > 88.0f ? 88.0f : x;
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* silu(g) = g / (1 + exp(-g)), the reference's formula */
+static inline float silu(float g) { return g / (1.0f + exp_clamped(-g)); }
+
+/* gate_up: [rows, 2 * inter] (gate, then up) rows gu_stride apart
+ * out:     [rows, inter] = silu(gate) * up */
+void silu_and_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int64_t out_stride,
+                      int64_t rows, int64_t inter, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict g = gate_up + r * gu_stride, *restrict u = g + inter;
+        float *restrict o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+/* x = silu(x), n floats */
+static void silu_inplace(float *restrict x, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] = silu(x[i]);
+}
+
+#pragma GCC pop_options
+
+/* silu's output rounded to bf16 before the multiply, as the reference's
+ * `F.silu(gate) * up` on bf16 tensors */
+void silu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride,
+                       int64_t rows, int64_t inter, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const bf16 *restrict g = gate_up + r * gu_stride, *restrict u = g + inter;
+        bf16 *restrict o = out + r * out_stride;
+        /* silu on a float32 chunk: with the bf16 conversions in the same loop (or under
+         * the options above) GCC vectorises none of it */
+        float sg[256];
+        for (int64_t i0 = 0; i0 < inter; i0 += 256) {
+            const int64_t n = inter - i0 < 256 ? inter - i0 : 256;
+#pragma omp simd
+            for (int64_t i = 0; i < n; ++i) sg[i] = bf16_to_f32(g[i0 + i]);
+            silu_inplace(sg, n);
+#pragma omp simd
+            for (int64_t i = 0; i < n; ++i)
+                o[i0 + i] = f32_to_bf16(round_bf16(sg[i]) * bf16_to_f32(u[i0 + i]));
+        }
+    }
+}
