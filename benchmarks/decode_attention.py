@@ -12,14 +12,16 @@ measured in the same run (``_floor``'s large copy, read + write bytes, and a rea
 and the ratio old / new time per shape (old and new timed alternately; best and median of
 the repeats).
 
-    python benchmarks/decode_attention.py [--baseline main] [--threads 2] [--out FILE]
+    python benchmarks/decode_attention.py [--baseline REV] [--threads 2] [--out PATH]
+
+(``--baseline 9c44b7f``: the last revision with the two-pass kernel.) Writes PATH.json and
+PATH.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import subprocess
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # As offline_throughput.py: idle OpenMP threads must not spin on the cores they share.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -35,6 +38,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _floor import _stream_rate  # noqa: E402
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex_kernels import cpu_native  # noqa: E402
 
@@ -141,7 +145,7 @@ def main() -> None:
     ap.add_argument("--pool-mib", type=int, default=512,
                     help="K + V pool size: far past the last-level cache reads from DRAM, "
                     "a few MiB measures the in-cache (compute) rate")
-    ap.add_argument("--out", default="decode_attention.json")
+    add_out_argument(ap, "benchmarks/results/decode_attention")
     args = ap.parse_args()
 
     new = cpu_native._library()
@@ -214,12 +218,39 @@ def main() -> None:
               f"{s['new_gbps_median_batch8plus'] / read:.0%}); old/new over all shapes "
               f"(geomean): best {s['ratio_best_geomean']:.2f}, "
               f"median {s['ratio_median_geomean']:.2f}")
-    Path(args.out).write_text(json.dumps({
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = write_json(out, {
         "baseline": args.baseline, "threads": args.threads, "heads": HEADS,
         "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
         "pool_mib": args.pool_mib, "stream_copy_gbps": streams["copy"],
-        "stream_read_gbps": streams["read"], "summary": summary, "rows": rows},
-        indent=1), encoding="utf-8")
+        "stream_read_gbps": streams["read"], "summary": summary, "rows": rows}, indent=1)
+    plot(rows, read, out.with_suffix(".png"))
+    print(f"wrote {written} and {out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict[str, Any]], read_gbps: float, path: Path) -> None:
+    """Achieved GB/s per shape, old and new side by side, the read-only streaming rate as a
+    line: how far each kernel is from the memory's roof."""
+    plt = pyplot()
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    fig, axes = plt.subplots(1, len(kernels), figsize=(4.5 * len(kernels), 4), sharey=True,
+                             squeeze=False)
+    for ax, kernel in zip(axes[0], kernels, strict=True):
+        sel = [r for r in rows if r["kernel"] == kernel]
+        xs = range(len(sel))
+        ax.bar([x - 0.2 for x in xs], [r["old_gbps"] for r in sel], 0.4, color="#9e9e9e",
+               label="before (two passes)")
+        ax.bar([x + 0.2 for x in xs], [r["new_gbps"] for r in sel], 0.4, color="#e0702a",
+               label="now (one pass)")
+        ax.axhline(read_gbps, color="black", lw=0.8, ls="--", label="read-only streaming")
+        ax.set_xticks(list(xs), [f"b{r['batch']}\nctx {r['context']}" for r in sel],
+                      fontsize=6)
+        ax.set_title(kernel, fontsize=9)
+    axes[0][0].set_ylabel("GB/s of K + V read (best)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Native paged decode attention on CPU, demo model heads", fontsize=10)
+    save_figure(fig, path, dpi=120)
 
 if __name__ == "__main__":
     main()
