@@ -118,8 +118,10 @@ _MKL_PACK_MAX_ROWS = 128
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear weight ready for the CPU GEMM ``kind`` ("onednn" or "mkl"): a packed copy,
-    or for a shared oneDNN weight the plain tensor itself (``pack_linear_weight``)."""
+    """A linear weight ready for the CPU GEMM ``kind``: "onednn" (a packed copy, or for a
+    shared oneDNN weight the plain tensor itself), "onednn-f32" (a bfloat16 weight's
+    float32 packed copy, for CPUs without bf16 GEMM instructions) or "mkl"
+    (``pack_linear_weight``)."""
 
     kind: str
     data: torch.Tensor
@@ -130,11 +132,22 @@ def _onednn_linear_available() -> bool:
         torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_bf16_gemm() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs natively here (AVX-512 BW/VL/DQ, AVX-NE-CONVERT
+    or AMX); without them it refuses to pack bf16 weights."""
+    return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+_GEMM_CHOICES = ("onednn", "onednn-f32", "mkl", "plain")
+
+
 def cpu_gemm_choice() -> str:
-    """``LORAPLEX_CPU_GEMM``: "onednn" (the default), "mkl" or "plain"; ValueError else."""
+    """``LORAPLEX_CPU_GEMM``: "onednn" (the default), "onednn-f32", "mkl" or "plain";
+    ValueError else."""
     choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
-    if choice not in ("onednn", "mkl", "plain"):
-        raise ValueError(f"LORAPLEX_CPU_GEMM must be onednn, mkl or plain, not {choice!r}")
+    if choice not in _GEMM_CHOICES:
+        raise ValueError(f"LORAPLEX_CPU_GEMM must be one of {', '.join(_GEMM_CHOICES)}, "
+                         f"not {choice!r}")
     return choice
 
 
@@ -145,19 +158,27 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     """A packed copy of a float32 or bfloat16 CPU linear weight ``[out, in]`` for
     ``linear``; None where packing does not apply (another device or dtype, a small weight,
     a torch build with neither oneDNN nor MKL; MKL packs float32 only). In bfloat16 oneDNN
-    runs its AVX-512 BF16 (or AMX) kernels with float32 accumulation, where the CPU has
-    them. ``LORAPLEX_CPU_GEMM=mkl`` or ``=plain`` picks MKL's
-    packing or none (for comparisons).
+    runs its AVX-512 BF16 (or AMX) kernels with float32 accumulation where the CPU has
+    them. Where it has not (AVX2 only), a bf16 weight is packed as float32 ("onednn-f32"):
+    bf16 products are exact in float32 and the sums are float32 either way, so the result
+    is the bf16 GEMM's, at the float32 GEMM's speed, several times the bf16 one's there.
+    ``LORAPLEX_CPU_GEMM=onednn-f32`` takes that path on any CPU, ``=mkl`` or ``=plain``
+    picks MKL's packing or none (for comparisons).
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
     embedding), so no copy is made: oneDNN's GEMM reads the plain layout itself, at about
     the packed copy's speed and well ahead of ``F.linear`` at decode (docs/engine.md,
-    "Memory"), where a copy would cost the whole embedding's memory again."""
+    "Memory"), where a copy would cost the whole embedding's memory again. A float32 copy
+    of a shared bf16 weight is made all the same: its GEMM cannot read bf16."""
     if (weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES
             or weight.numel() < _PACK_MIN_ELEMENTS):
         return None
     choice = cpu_gemm_choice()
-    if choice == "onednn" and _onednn_linear_available():
+    if choice.startswith("onednn") and _onednn_linear_available():
+        if weight.dtype == torch.bfloat16 and (choice == "onednn-f32"
+                                               or not onednn_bf16_gemm()):
+            return PackedWeight("onednn-f32", torch.ops.mkldnn._reorder_linear_weight(
+                weight.float().contiguous(), None))
         return PackedWeight("onednn", weight if shared else
                             torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
     if (choice != "plain" and not shared and weight.dtype == torch.float32
@@ -171,9 +192,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear``, through the packed weight (``pack_linear_weight``) where it applies.
     With a oneDNN-packed weight ``weight`` is not read, so its owner may release it."""
-    if packed is not None and packed.kind == "onednn":
+    if packed is not None and packed.kind.startswith("onednn"):
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed.data, bias, "none", [], "")
+        if packed.kind == "onednn-f32":  # a bf16 layer on a CPU without bf16 GEMMs
+            out = torch.ops.mkldnn._linear_pointwise(
+                flat.float(), packed.data, None if bias is None else bias.float(), "none",
+                [], "").to(x.dtype)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, packed.data, bias, "none", [], "")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
     if packed is not None and x.dim() == 2 and x.shape[0] <= _MKL_PACK_MAX_ROWS:
         return torch.ops.mkl._mkl_linear(x, packed.data, weight, bias, _MKL_PACK_MAX_ROWS)

@@ -71,5 +71,5 @@ class LoRALinear(nn.Module):
         if self.packed_weight is not None:
             return
         self.packed_weight = pack_linear_weight(self.weight)
-        if self.packed_weight is not None and self.packed_weight.kind == "onednn":
+        if self.packed_weight is not None and self.packed_weight.kind.startswith("onednn"):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

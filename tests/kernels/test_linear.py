@@ -80,7 +80,7 @@ def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "plain")
     assert ops.pack_linear_weight(torch.randn(512, 512)) is None
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "fastest")
-    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be onednn, mkl or plain"):
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of onednn, onednn-f32, mkl, plain"):
         ops.pack_linear_weight(torch.randn(512, 512))
 
 
@@ -94,10 +94,41 @@ def test_bfloat16_weights_are_packed_by_onednn(rows: int,
     bias = torch.randn(320, generator=g).bfloat16()
     x = torch.randn(rows, 272, generator=g).bfloat16()
     packed = ops.pack_linear_weight(weight)
-    assert packed is not None and packed.kind == "onednn"
+    # bf16 natively where oneDNN can; as float32 on CPUs without bf16 GEMMs (AVX2)
+    assert packed is not None
+    assert packed.kind == ("onednn" if ops.onednn_bf16_gemm() else "onednn-f32")
     got = ops.linear(x, weight, bias, packed)
     assert got.dtype == torch.bfloat16
     expected = x.double() @ weight.double().T + bias.double()
     torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2)
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "mkl")  # MKL packs float32 only
     assert ops.pack_linear_weight(weight) is None
+
+
+@pytest.mark.skipif(not KINDS["onednn"], reason="torch built without oneDNN")
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_bfloat16_weights_through_the_float32_gemm(rows: int, shared: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback for CPUs without bf16 GEMMs, on any CPU: a float32 packed copy of the
+    bf16 weight (also of a shared one, whose plain bf16 layout that GEMM cannot read), the
+    output rounded back to bf16: the float64 product of the same bf16 values, rounded once."""
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn-f32")
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(320, 272, generator=g).bfloat16()
+    bias = torch.randn(320, generator=g).bfloat16()
+    x = torch.randn(rows, 272, generator=g).bfloat16()
+    packed = ops.pack_linear_weight(weight, shared=shared)
+    assert packed is not None and packed.kind == "onednn-f32"
+    expected = x.double() @ weight.double().T + bias.double()
+    weight.zero_()  # a copy: the plain weight is not read, shared or not
+    got = ops.linear(x, torch.empty(0), bias, packed)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 320)
+    # float32 sums of exact products: off from float64 by far less than bf16's half ulp,
+    # so the result is float64's rounded to bf16 but for rare ties
+    torch.testing.assert_close(got.double(), expected.bfloat16().double(), rtol=8e-3,
+                               atol=1e-5)
+    close = (got.double() == expected.bfloat16().double()).double().mean().item()
+    assert close > 0.99
+    fp32 = ops.pack_linear_weight(weight.float())  # float32 weights stay on the plain path
+    assert fp32 is not None and fp32.kind == "onednn"

@@ -95,9 +95,14 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return name
 
 
+# oneDNN's bf16 GEMM where the CPU has it, and the float32 GEMM over bf16 weights that
+# CPUs without it (AVX2 only) take, forced here so every machine runs both.
+@pytest.mark.parametrize("gemm", ["onednn", "onednn-f32"])
 def test_bfloat16_logits_are_close_to_the_float32_oracle(
         model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-        oracle: list[tuple[list[int], torch.Tensor]], impl: str) -> None:
+        oracle: list[tuple[list[int], torch.Tensor]], impl: str, gemm: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", gemm)
     continuations = [c for c, _ in oracle]
     expected = torch.stack([lg for _, lg in oracle])  # [num_seqs, NUM_NEW, vocab]
     got = _forced_logits(model_dir, adapters, prompts, continuations, "bfloat16")
