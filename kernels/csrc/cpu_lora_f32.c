@@ -5,40 +5,53 @@
 #include "common.h"
 
 /* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
- * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps up to 64
- * ranks x 4 tokens in registers; the expand keeps 64 outputs x 4 tokens, so each out row is read
- * and written once. The expand runs per slice (lora_slots.py: `slices`), over that slice's
+ * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps a tile of
+ * ranks x 4 tokens in registers (TILE_COLUMNS below); the expand keeps as many outputs x 4
+ * tokens, so each out row is read and written once. The expand runs per slice (lora_slots.py: `slices`), over that slice's
  * ranks and columns only: B^T is block-diagonal over a packed projection's slices, and the
  * blocks off the diagonal (2/3 of q/k/v's, 1/2 of gate/up's) are zero, so skipping them
  * changes no sum and saves their reads. xb: the tokens' x rows, zero-padded to 4 [4, in];
  * y: [4, r]; slices: num_slices x (first rank, end rank, first column, end column). */
 #define LORA_TOKENS 4
 
-/* 16 floats as one vector (GCC vector extension: one zmm with AVX-512, two ymm with AVX2),
- * so that a tile's sums are named values the compiler keeps in registers; as arrays indexed
- * in loops they were kept on the stack (a load and a store around every FMA). */
-typedef float v16 __attribute__((vector_size(64)));
+/* One machine vector of floats (GCC vector extension: a zmm of 16 with AVX-512, a ymm of 8
+ * otherwise), so that a tile's sums are named values the compiler keeps in registers; as
+ * arrays indexed in loops they were kept on the stack (a load and a store around every
+ * FMA), and so were 16-float vectors on AVX2, which GCC splits through memory.
+ *
+ * A tile is 4 tokens x TILE_VECTORS vectors of sums: with AVX-512 64 ranks or columns, 16
+ * of 32 zmm; with AVX2 16, 8 of 16 ymm (enough independent FMA chains for Zen 3's latency
+ * and two FMA units). A shrink of more ranks reads x (from L1) once per tile. */
+#ifdef __AVX512F__
+#define VL 16
+#define TILE_VECTORS 4
+#else
+#define VL 8
+#define TILE_VECTORS 2
+#endif
+#define TILE_COLUMNS (VL * TILE_VECTORS)
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
-static inline v16 load16(const float *p)
+static inline vf loadv(const float *p)
 {
-    v16 v;
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
- * inlined): each row of A^T's tile is read once, as one contiguous run of up to 256 bytes,
+/* The shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a constant
+ * where it is inlined): each row of A^T's tile is read once, as one contiguous run of up to 256 bytes,
  * and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
 static inline __attribute__((always_inline)) void shrink_ranks(
     const float *restrict xb, int64_t in_features, const float *restrict at, int64_t r,
     int64_t k0, const int nv, float *restrict y)
 {
-    v16 c[LORA_TOKENS][4] = {{{0}}};
+    vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
     for (int64_t i = 0; i < in_features; ++i) {
         const float *restrict a = at + i * r + k0;
-        v16 av[4];
+        vf av[TILE_VECTORS];
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; ++j) av[j] = load16(a + 16 * j);
+        for (int j = 0; j < nv; ++j) av[j] = loadv(a + VL * j);
 #pragma GCC unroll 4
         for (int t = 0; t < LORA_TOKENS; ++t) {
             const float v = xb[t * in_features + i];
@@ -49,33 +62,34 @@ static inline __attribute__((always_inline)) void shrink_ranks(
 #pragma GCC unroll 4
     for (int t = 0; t < LORA_TOKENS; ++t)
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + 16 * j, &c[t][j], sizeof(v16));
+        for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + VL * j, &c[t][j], sizeof(vf));
 }
 
-/* The expand of 4 tokens into 64 columns from o0, over ranks kb .. ke: out[t, o0 + o] +=
- * y[t] . B^T[kb:ke, o0 + o], the 4 x 4 vectors of sums in registers. */
-static inline void expand_64(const float *restrict y, int64_t r, const float *restrict bt,
-                             int64_t n_out, int64_t kb, int64_t ke, int64_t o0,
-                             float *restrict out, int64_t out_stride, int64_t nt)
+/* The expand of 4 tokens into TILE_COLUMNS columns from o0, over ranks kb .. ke:
+ * out[t, o0 + o] += y[t] . B^T[kb:ke, o0 + o], the 4 x TILE_VECTORS vectors of sums in
+ * registers. */
+static inline void expand_tile(const float *restrict y, int64_t r, const float *restrict bt,
+                               int64_t n_out, int64_t kb, int64_t ke, int64_t o0,
+                               float *restrict out, int64_t out_stride, int64_t nt)
 {
-    v16 c[LORA_TOKENS][4] = {{{0}}};
+    vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
     for (int64_t k = kb; k < ke; ++k) {
         const float *restrict b = bt + k * n_out + o0;
-        const v16 b0 = load16(b), b1 = load16(b + 16), b2 = load16(b + 32), b3 = load16(b + 48);
+        vf bv[TILE_VECTORS];
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_VECTORS; ++j) bv[j] = loadv(b + VL * j);
 #pragma GCC unroll 4
         for (int t = 0; t < LORA_TOKENS; ++t) {
             const float v = y[t * r + k];
-            c[t][0] += v * b0;
-            c[t][1] += v * b1;
-            c[t][2] += v * b2;
-            c[t][3] += v * b3;
+#pragma GCC unroll 4
+            for (int j = 0; j < TILE_VECTORS; ++j) c[t][j] += v * bv[j];
         }
     }
     for (int64_t t = 0; t < nt; ++t)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            float *o = out + t * out_stride + o0 + 16 * j;
-            v16 sum = load16(o) + c[t][j];
+        for (int j = 0; j < TILE_VECTORS; ++j) {
+            float *o = out + t * out_stride + o0 + VL * j;
+            vf sum = loadv(o) + c[t][j];
             memcpy(o, &sum, sizeof sum);
         }
 }
@@ -86,19 +100,23 @@ static void lora_tokens(const float *restrict xb, float *restrict out, int64_t o
                         const int64_t *restrict slices, int64_t num_slices, float *restrict y)
 {
     int64_t k0 = 0;
-    for (; k0 + 64 <= r; k0 += 64) shrink_ranks(xb, in_features, at, r, k0, 4, y);
-    switch ((r - k0) / 16) { /* r is a multiple of 16 */
+    for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
+        shrink_ranks(xb, in_features, at, r, k0, TILE_VECTORS, y);
+#if TILE_COLUMNS > 16
+    switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
     case 3: shrink_ranks(xb, in_features, at, r, k0, 3, y); break;
     case 2: shrink_ranks(xb, in_features, at, r, k0, 2, y); break;
     case 1: shrink_ranks(xb, in_features, at, r, k0, 1, y); break;
     default: break;
     }
+#endif
     for (int64_t s = 0; s < num_slices; ++s) {
         const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
         const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
         int64_t o0 = lo;
-        for (; o0 + 64 <= hi; o0 += 64) expand_64(y, r, bt, n_out, kb, ke, o0, out, out_stride, nt);
-        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % 64 columns */
+        for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
+            expand_tile(y, r, bt, n_out, kb, ke, o0, out, out_stride, nt);
+        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */
             for (int64_t o = o0; o < hi; ++o) {
                 float acc = 0.0f;
                 for (int64_t k = kb; k < ke; ++k) acc += y[t * r + k] * bt[k * n_out + o];
