@@ -26,6 +26,43 @@ static inline float exp_nonpositive(float x)
     return p * two_n;
 }
 
+/* LoRA tiles (cpu_lora_f32.c, and cpu_lora_bf16.c's portable kernel). One machine vector
+ * of floats (GCC vector extension: a zmm of 16 with AVX-512, a ymm of 8 otherwise), so that a tile's sums are named values the compiler keeps in registers; as
+ * arrays indexed in loops they were kept on the stack (a load and a store around every
+ * FMA), and so were 16-float vectors on AVX2, which GCC splits through memory.
+ *
+ * A tile is 4 tokens x TILE_VECTORS vectors of sums: with AVX-512 64 ranks or columns, 16
+ * of 32 zmm; with AVX2 16, 8 of 16 ymm (enough independent FMA chains for Zen 3's latency
+ * and two FMA units). A shrink of more ranks reads x (from L1) once per tile. */
+#ifdef __AVX512F__
+#define VL 16
+#define TILE_VECTORS 4
+#else
+#define VL 8
+#define TILE_VECTORS 2
+#endif
+#define TILE_COLUMNS (VL * TILE_VECTORS)
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
+
+static inline vf loadv(const float *p)
+{
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* VL pairs of bf16 values (p: 2 * VL of them), widened to float32: *even gets the first of
+ * each pair, *odd the second (a bf16 is a float32's upper half). */
+static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
+{
+    vu u;
+    memcpy(&u, p, sizeof u);
+    const vu e = u << 16, o = u & 0xffff0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+}
+
 /* LoRA work items: (first token, token count, slot) for every group of up to
  * `group` consecutive tokens of a segment; *num_groups set. NULL when out of memory. */
 static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *seg_len,

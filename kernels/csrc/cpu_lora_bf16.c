@@ -16,6 +16,67 @@
 
 #define LORA_TOKENS 4
 
+/* The portable shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a
+ * constant where it is inlined), cpu_lora_f32.c's tile over the pair-interleaved layout:
+ * a pair-row of A^T's tile is widened in registers (load_pairs). y[t * r + k] =
+ * bf16-rounded xb[t] . A^T[:, k]. */
+static inline __attribute__((always_inline)) void shrink_pairs(
+    const float *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
+    const int nv, float *restrict y)
+{
+    const int64_t w = 2 * in2;
+    vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    for (int64_t i2 = 0; i2 < in2; ++i2) {
+        const bf16 *restrict a = at + (i2 * r + k0) * 2;
+        vf even[TILE_VECTORS], odd[TILE_VECTORS];
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) load_pairs(a + 2 * VL * j, &even[j], &odd[j]);
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const float xa = xb[t * w + 2 * i2], xc = xb[t * w + 2 * i2 + 1];
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; ++j) c[t][j] += xa * even[j] + xc * odd[j];
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < LORA_TOKENS; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) {
+            float *restrict yt = y + t * r + k0 + VL * j;
+            memcpy(yt, &c[t][j], sizeof(vf));
+#pragma omp simd
+            for (int k = 0; k < VL; ++k) yt[k] = bf16_to_f32(f32_to_bf16(yt[k]));
+        }
+}
+
+/* The portable expand of 4 tokens into TILE_COLUMNS columns from o0, over the pair-rows
+ * k2b .. k2e: out[t, o0 + o] = bf16(out + y[t] . B^T[ranks, o0 + o]). */
+static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *restrict bt,
+                                int64_t n_out, int64_t k2b, int64_t k2e, int64_t o0,
+                                bf16 *restrict out, int64_t out_stride, int64_t nt)
+{
+    vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    for (int64_t k2 = k2b; k2 < k2e; ++k2) {
+        const bf16 *restrict b = bt + (k2 * n_out + o0) * 2;
+        vf even[TILE_VECTORS], odd[TILE_VECTORS];
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_VECTORS; ++j) load_pairs(b + 2 * VL * j, &even[j], &odd[j]);
+#pragma GCC unroll 4
+        for (int t = 0; t < LORA_TOKENS; ++t) {
+            const float ya = y[t * r + 2 * k2], yc = y[t * r + 2 * k2 + 1];
+#pragma GCC unroll 4
+            for (int j = 0; j < TILE_VECTORS; ++j) c[t][j] += ya * even[j] + yc * odd[j];
+        }
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+        float sums[TILE_COLUMNS];
+        memcpy(sums, c[t], sizeof sums);
+        bf16 *restrict ot = out + t * out_stride + o0;
+#pragma omp simd
+        for (int64_t o = 0; o < TILE_COLUMNS; ++o) ot[o] = f32_to_bf16(bf16_to_f32(ot[o]) + sums[o]);
+    }
+}
+
 /* Up to 4 consecutive tokens of one slot (cpu_lora_f32.c's lora_tokens), weights in the
  * pair-interleaved layout. xb: the tokens' rows widened to fp32, zero-padded to 4 rows of
  * in2 * 2; y: [4, r], the shrink's output, rounded to bf16 values. */
@@ -25,44 +86,33 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
                                  const int64_t *restrict slices, int64_t num_slices,
                                  float *restrict y)
 {
-    const int64_t w = 2 * in2;
-    for (int64_t k0 = 0; k0 < r; k0 += 16) {
-        float c[LORA_TOKENS][16] = {{0}};
-        for (int64_t i2 = 0; i2 < in2; ++i2) {
-            const bf16 *restrict a = at + (i2 * r + k0) * 2;
-            for (int64_t t = 0; t < LORA_TOKENS; ++t) {
-                const float xa = xb[t * w + 2 * i2], xc = xb[t * w + 2 * i2 + 1];
-#pragma omp simd
-                for (int64_t k = 0; k < 16; ++k)
-                    c[t][k] += xa * bf16_to_f32(a[2 * k]) + xc * bf16_to_f32(a[2 * k + 1]);
-            }
-        }
-        for (int64_t t = 0; t < LORA_TOKENS; ++t)
-            for (int64_t k = 0; k < 16; ++k)
-                y[t * r + k0 + k] = bf16_to_f32(f32_to_bf16(c[t][k]));
+    int64_t k0 = 0;
+    for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
+        shrink_pairs(xb, in2, at, r, k0, TILE_VECTORS, y);
+#if TILE_COLUMNS > 16
+    switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
+    case 3: shrink_pairs(xb, in2, at, r, k0, 3, y); break;
+    case 2: shrink_pairs(xb, in2, at, r, k0, 2, y); break;
+    case 1: shrink_pairs(xb, in2, at, r, k0, 1, y); break;
+    default: break;
     }
+#endif
     for (int64_t s = 0; s < num_slices; ++s) {
         /* the pairs holding the slice's ranks; a pair's other row is zero here */
         const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
         const int64_t hi = slices[4 * s + 3];
-        for (int64_t o0 = slices[4 * s + 2]; o0 < hi; o0 += 64) {
-            const int64_t width = hi - o0 < 64 ? hi - o0 : 64;
-            float c[LORA_TOKENS][64] = {{0}};
-            for (int64_t k2 = k2b; k2 < k2e; ++k2) {
-                const bf16 *restrict b = bt + (k2 * n_out + o0) * 2;
-                for (int64_t t = 0; t < LORA_TOKENS; ++t) {
-                    const float ya = y[t * r + 2 * k2], yc = y[t * r + 2 * k2 + 1];
-#pragma omp simd
-                    for (int64_t o = 0; o < width; ++o)
-                        c[t][o] += ya * bf16_to_f32(b[2 * o]) + yc * bf16_to_f32(b[2 * o + 1]);
-                }
+        int64_t o0 = slices[4 * s + 2];
+        for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
+            expand_pairs(y, r, bt, n_out, k2b, k2e, o0, out, out_stride, nt);
+        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */
+            for (int64_t o = o0; o < hi; ++o) {
+                float acc = 0.0f;
+                for (int64_t k2 = k2b; k2 < k2e; ++k2)
+                    acc += y[t * r + 2 * k2] * bf16_to_f32(bt[(k2 * n_out + o) * 2])
+                           + y[t * r + 2 * k2 + 1] * bf16_to_f32(bt[(k2 * n_out + o) * 2 + 1]);
+                bf16 *ot = out + t * out_stride + o;
+                *ot = f32_to_bf16(bf16_to_f32(*ot) + acc);
             }
-            for (int64_t t = 0; t < nt; ++t) {
-                bf16 *restrict ot = out + t * out_stride + o0;
-                for (int64_t o = 0; o < width; ++o)
-                    ot[o] = f32_to_bf16(bf16_to_f32(ot[o]) + c[t][o]);
-            }
-        }
     }
 }
 

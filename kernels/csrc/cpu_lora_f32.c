@@ -14,31 +14,6 @@
  * y: [4, r]; slices: num_slices x (first rank, end rank, first column, end column). */
 #define LORA_TOKENS 4
 
-/* One machine vector of floats (GCC vector extension: a zmm of 16 with AVX-512, a ymm of 8
- * otherwise), so that a tile's sums are named values the compiler keeps in registers; as
- * arrays indexed in loops they were kept on the stack (a load and a store around every
- * FMA), and so were 16-float vectors on AVX2, which GCC splits through memory.
- *
- * A tile is 4 tokens x TILE_VECTORS vectors of sums: with AVX-512 64 ranks or columns, 16
- * of 32 zmm; with AVX2 16, 8 of 16 ymm (enough independent FMA chains for Zen 3's latency
- * and two FMA units). A shrink of more ranks reads x (from L1) once per tile. */
-#ifdef __AVX512F__
-#define VL 16
-#define TILE_VECTORS 4
-#else
-#define VL 8
-#define TILE_VECTORS 2
-#endif
-#define TILE_COLUMNS (VL * TILE_VECTORS)
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-
-static inline vf loadv(const float *p)
-{
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* The shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a constant
  * where it is inlined): each row of A^T's tile is read once, as one contiguous run of up to 256 bytes,
  * and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
