@@ -7,11 +7,14 @@
 #include <string.h>
 
 /* exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp on [-87, 0]); written out so
- * the softmax loop vectorises without -ffast-math. */
+ * the softmax loop vectorises without -ffast-math. n = x / ln 2 rounded to nearest by the
+ * 1.5 * 2^23 trick rather than floorf(. + 0.5), which gcc does not vectorise under the
+ * default -ftrapping-math; exp_nonpositive_v below computes the same, VL lanes at once. */
+#define EXP_ROUND 12582912.0f
 static inline float exp_nonpositive(float x)
 {
     x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float n = (x * 1.44269504088896341f + EXP_ROUND) - EXP_ROUND;
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -50,6 +53,25 @@ static inline vf loadv(const float *p)
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+
+/* exp_nonpositive of VL lanes (GCC vector extension: no auto-vectoriser involved). */
+static inline vf exp_nonpositive_v(vf x)
+{
+    const vi low = x < -87.0f; /* all ones where x < -87 */
+    x = (vf)((low & (vi)((vf){0} - 87.0f)) | (~low & (vi)x));
+    const vf n = (x * 1.44269504088896341f + EXP_ROUND) - EXP_ROUND;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
 }
 
 /* VL pairs of bf16 values (p: 2 * VL of them), widened to float32: *even gets the first of

@@ -92,6 +92,73 @@ static inline __attribute__((always_inline)) void scores_avx512(
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SCORES_AVX2 1
+#include <immintrin.h>
+
+/* Four vectors of 8 partial sums -> their 4 whole sums, in order. */
+static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* scores_portable with head_dim a multiple of 8, for AVX2 (16 ymm): 4 positions x up to
+ * 3 heads of FMA chains with the 8 dimension lanes kept apart (12 ymm), reduced 4
+ * positions at once; more heads take another pass over the K rows (from L1). The portable
+ * loop reduced every (head, position) dot product on its own and ran at a quarter of
+ * this. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const float *restrict q, int64_t q_head_stride, const int64_t nh,
+    const float *restrict k, int64_t pos_stride, int64_t n, const int64_t head_dim,
+    float scale, float *restrict w, int64_t ws)
+{
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (int64_t h0 = 0; h0 < nh; h0 += 3) {
+        const int64_t hn = nh - h0 < 3 ? nh - h0 : 3;
+        const float *restrict qh = q + h0 * q_head_stride;
+        for (int64_t p0 = 0; p0 < n; p0 += 4) {
+            const int64_t m = n - p0 < 4 ? n - p0 : 4;
+            /* rows past n repeat the last one (their sums are dropped): constant trip
+             * counts, so the 12 sums stay in registers */
+            const float *restrict kr[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) kr[j] = k + (p0 + (j < m ? j : m - 1)) * pos_stride;
+            __m256 t[3][4];
+#pragma GCC unroll 3
+            for (int h = 0; h < 3; ++h)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) t[h][j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 8) {
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) {
+                    const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+#pragma GCC unroll 3
+                    for (int h = 0; h < 3; ++h)
+                        if (h < hn)
+                            t[h][j] = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(qh + h * q_head_stride + d), kv, t[h][j]);
+                }
+            }
+#pragma GCC unroll 3
+            for (int h = 0; h < 3; ++h) {
+                if (h >= hn) break;
+                const __m128 sc = _mm_mul_ps(hsum4_avx2(t[h][0], t[h][1], t[h][2], t[h][3]),
+                                             vscale);
+                float *restrict wh = w + (h0 + h) * ws + p0;
+                if (m == 4) {
+                    _mm_storeu_ps(wh, sc);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sc);
+                    for (int64_t j = 0; j < m; ++j) wh[j] = tmp[j];
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* acc[h * head_dim + d] += sum_p w[h * ws + p] * v[p * pos_stride + d] for the nh heads
  * of one KV head: each V row read once for all of them, four rows per acc update. */
 static inline __attribute__((always_inline)) void values_f32(
@@ -123,7 +190,7 @@ static inline __attribute__((always_inline)) void values_f32(
 
 /* Positions [begin, end) of one sequence (begin on a block boundary), every head, into
  * the running state m, l [heads], acc [heads * head_dim] (started here).
- * Scratch: w [SCORE_HEADS * block_size]. `vector`: the AVX-512 scores. */
+ * Scratch: w [SCORE_HEADS * block_size]. `vector`: the AVX-512 (or AVX2) scores. */
 static inline __attribute__((always_inline)) void decode_range(
     const float *restrict q, int64_t q_head_stride,
     const float *restrict k_cache, const float *restrict v_cache, const int32_t *restrict table,
@@ -173,6 +240,14 @@ static inline __attribute__((always_inline)) void decode_range(
                     scores_avx512(qh, q_head_stride, nh, kb, pos_stride, n, head_dim, scale,
                                   w, block_size);
                 else
+#elif defined(SCORES_AVX2)
+                if (vector && nh == 3)
+                    scores_avx2(qh, q_head_stride, 3, kb, pos_stride, n, head_dim, scale, w,
+                                block_size);
+                else if (vector)
+                    scores_avx2(qh, q_head_stride, nh, kb, pos_stride, n, head_dim, scale, w,
+                                block_size);
+                else
 #endif
                     scores_portable(qh, q_head_stride, nh, kb, pos_stride, n, head_dim,
                                     scale, w, block_size);
@@ -215,6 +290,8 @@ int paged_decode_attention_f32(
     const int64_t group = num_heads / num_kv_heads;
 #ifdef __AVX512F__
     const int vector = head_dim % 16 == 0;
+#elif defined(SCORES_AVX2)
+    const int vector = head_dim % 8 == 0;
 #else
     const int vector = 0;
 #endif

@@ -32,9 +32,16 @@ static inline void online_softmax_block(float *restrict w, int64_t ws, int64_t n
         float bm = m[h];
 #pragma omp simd reduction(max : bm)
         for (int64_t p = 0; p < n; ++p) bm = wh[p] > bm ? wh[p] : bm;
+        vf vsum = {0};
+        int64_t p = 0;
+        for (; p + VL <= n; p += VL) {
+            const vf e = exp_nonpositive_v(loadv(wh + p) - bm);
+            memcpy(wh + p, &e, sizeof e);
+            vsum += e;
+        }
         float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < n; ++p) {
+        for (int k = 0; k < VL; ++k) sum += vsum[k];
+        for (; p < n; ++p) {
             const float e = exp_nonpositive(wh[p] - bm);
             wh[p] = e;
             sum += e;
