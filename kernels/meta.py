@@ -10,7 +10,9 @@ import torch
 # Segments (one slot's consecutive tokens) up to this long go to the native CPU LoRA
 # kernel, longer ones to per-slot matmuls. The native kernel re-reads a slot's weights
 # (from cache) for every 4 tokens. In float32 oneDNN's GEMM overtook it between 256 and
-# 512 tokens at rank 32 and not up to 2,048 at rank 8, so 512 splits the ranks served; in
+# 512 tokens at rank 32 and not up to 2,048 at rank 8, so 512 splits the ranks served (on
+# an AVX2-only EPYC rank 32 lost from 64 tokens and rank 8 won to 1,024; a limit of 64
+# there measured the same on the offline workload as 512, so one limit serves both); in
 # bfloat16 the native kernel measured faster at every length up to a whole 2,048-token
 # chunk, so there it takes them all (benchmarks/lora_decode.py --crossover).
 SHORT_SEGMENT_LEN = 512

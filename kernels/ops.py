@@ -12,6 +12,7 @@ Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -110,21 +111,34 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch
 # Packed base weights for the CPU GEMMs. oneDNN's packed weight runs every batch size
 # through its own AVX-512 / AMX kernels, which do not depend on the CPU's vendor (MKL's
 # sgemm takes its AVX2 path on AMD: measured 2.2-2.5x slower on an AVX-512 EPYC, prefill
-# and decode shapes alike). MKL's packed weight is the fallback for torch builds without
-# oneDNN; it pays for small batches (decode) only. Weights smaller than this gain nothing.
+# and decode shapes alike). On a CPU without AVX-512 (an AVX2 EPYC, Zen 3) both run AVX2
+# kernels: there oneDNN's packed weight was 1.3-1.6x faster than MKL's sgemm at decode
+# sizes (21-64 rows) but MKL's 10-17 % faster at prefill chunks (2,048 rows), and oneDNN
+# reading a tied LM head's plain layout 1.1-1.4x slower than a packed copy, so there
+# ("auto") the plain weight is kept for batches of _LARGE_ROWS rows or more and a tied
+# head gets a packed copy of its own: base weights held twice, for 5-7 % of the offline
+# workload's time. MKL's packed weight is the fallback for torch builds without oneDNN;
+# it pays for small batches (decode) only. Weights smaller than this gain nothing.
 _PACK_MIN_ELEMENTS = 1 << 16
 _MKL_PACK_MAX_ROWS = 128
+_LARGE_ROWS = 512
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear weight ready for the CPU GEMM ``kind``: "onednn" (a packed copy, or for a
-    shared oneDNN weight the plain tensor itself), "onednn-f32" (a bfloat16 weight's
-    float32 packed copy, for CPUs without bf16 GEMM instructions) or "mkl"
-    (``pack_linear_weight``)."""
+    """A linear weight ready for ``linear`` (``pack_linear_weight``).
+
+    ``kind`` "onednn": ``data`` is oneDNN's packed copy (or, for a shared weight on
+    AVX-512, the plain tensor itself); ``widen``: a bfloat16 layer whose weight was packed
+    as float32, for CPUs without bf16 GEMM instructions; ``large``: a plain float32 weight
+    that batches of ``_LARGE_ROWS`` rows or more multiply through ``F.linear`` (MKL)
+    instead. ``kind`` "mkl": MKL's packed copy, for batches of up to
+    ``_MKL_PACK_MAX_ROWS``."""
 
     kind: str
     data: torch.Tensor
+    widen: bool = False
+    large: torch.Tensor | None = None
 
 
 def _onednn_linear_available() -> bool:
@@ -138,16 +152,31 @@ def onednn_bf16_gemm() -> bool:
     return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-_GEMM_CHOICES = ("onednn", "onednn-f32", "mkl", "plain")
+@functools.cache
+def cpu_has_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+_GEMM_CHOICES = ("auto", "onednn", "onednn-mkl", "onednn-f32", "mkl", "plain")
 
 
 def cpu_gemm_choice() -> str:
-    """``LORAPLEX_CPU_GEMM``: "onednn" (the default), "onednn-f32", "mkl" or "plain";
-    ValueError else."""
-    choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
+    """``LORAPLEX_CPU_GEMM``, one of ``_GEMM_CHOICES`` (default "auto"); ValueError else.
+
+    - "auto": "onednn" on CPUs with AVX-512, "onednn-mkl" on the others.
+    - "onednn": oneDNN's packed weights only (the least memory: plain weights released,
+      a tied LM head read in place).
+    - "onednn-mkl": as "auto" without AVX-512 (see above), on any CPU.
+    - "onednn-f32": bfloat16 weights packed as float32 on any CPU, as where the CPU has no
+      bf16 GEMM.
+    - "mkl", "plain": MKL's packing or none (comparisons).
+    """
+    choice = os.environ.get("LORAPLEX_CPU_GEMM", "auto")
     if choice not in _GEMM_CHOICES:
         raise ValueError(f"LORAPLEX_CPU_GEMM must be one of {', '.join(_GEMM_CHOICES)}, "
                          f"not {choice!r}")
+    if choice == "auto":
+        return "onednn" if cpu_has_avx512() else "onednn-mkl"
     return choice
 
 
@@ -159,28 +188,30 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     ``linear``; None where packing does not apply (another device or dtype, a small weight,
     a torch build with neither oneDNN nor MKL; MKL packs float32 only). In bfloat16 oneDNN
     runs its AVX-512 BF16 (or AMX) kernels with float32 accumulation where the CPU has
-    them. Where it has not (AVX2 only), a bf16 weight is packed as float32 ("onednn-f32"):
+    them. Where it has not (AVX2 only), a bf16 weight is packed as float32 (``widen``):
     bf16 products are exact in float32 and the sums are float32 either way, so the result
     is the bf16 GEMM's, at the float32 GEMM's speed, several times the bf16 one's there.
-    ``LORAPLEX_CPU_GEMM=onednn-f32`` takes that path on any CPU, ``=mkl`` or ``=plain``
-    picks MKL's packing or none (for comparisons).
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
-    embedding), so no copy is made: oneDNN's GEMM reads the plain layout itself, at about
-    the packed copy's speed and well ahead of ``F.linear`` at decode (docs/engine.md,
-    "Memory"), where a copy would cost the whole embedding's memory again. A float32 copy
-    of a shared bf16 weight is made all the same: its GEMM cannot read bf16."""
+    embedding). On AVX-512 no copy is made: oneDNN's GEMM reads the plain layout itself, at
+    about the packed copy's speed and well ahead of ``F.linear`` at decode (docs/engine.md,
+    "Memory"), where a copy would cost the whole embedding's memory again. A packed copy is
+    made where the CPU lacks AVX-512 ("onednn-mkl", see above) and for a widened weight
+    (float32 GEMMs cannot read bf16)."""
     if (weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES
             or weight.numel() < _PACK_MIN_ELEMENTS):
         return None
     choice = cpu_gemm_choice()
     if choice.startswith("onednn") and _onednn_linear_available():
-        if weight.dtype == torch.bfloat16 and (choice == "onednn-f32"
-                                               or not onednn_bf16_gemm()):
-            return PackedWeight("onednn-f32", torch.ops.mkldnn._reorder_linear_weight(
-                weight.float().contiguous(), None))
-        return PackedWeight("onednn", weight if shared else
-                            torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
+        widen = weight.dtype == torch.bfloat16 and (choice == "onednn-f32"
+                                                    or not onednn_bf16_gemm())
+        if shared and not widen and choice != "onednn-mkl":
+            return PackedWeight("onednn", weight)
+        packed = torch.ops.mkldnn._reorder_linear_weight(
+            (weight.float() if widen else weight).contiguous(), None)
+        large = (weight if choice == "onednn-mkl" and weight.dtype == torch.float32
+                 and not shared else None)
+        return PackedWeight("onednn", packed, widen, large)
     if (choice != "plain" and not shared and weight.dtype == torch.float32
             and torch.backends.mkl.is_available()):
         return PackedWeight("mkl", torch.ops.mkl._mkl_reorder_linear_weight(
@@ -192,9 +223,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear``, through the packed weight (``pack_linear_weight``) where it applies.
     With a oneDNN-packed weight ``weight`` is not read, so its owner may release it."""
-    if packed is not None and packed.kind.startswith("onednn"):
+    if packed is not None and packed.kind == "onednn":
         flat = x.reshape(-1, x.shape[-1])
-        if packed.kind == "onednn-f32":  # a bf16 layer on a CPU without bf16 GEMMs
+        if packed.large is not None and flat.shape[0] >= _LARGE_ROWS:
+            out = torch.nn.functional.linear(flat, packed.large, bias)
+        elif packed.widen:  # a bf16 layer on a CPU without bf16 GEMMs
             out = torch.ops.mkldnn._linear_pointwise(
                 flat.float(), packed.data, None if bias is None else bias.float(), "none",
                 [], "").to(x.dtype)

@@ -65,11 +65,12 @@ class LoRALinear(nn.Module):
 
     def pack_weight(self) -> None:
         """Keeps a GEMM-packed copy of the (loaded, now fixed) base weight where that is
-        faster (float32 or bfloat16 on CPU; see ``pack_linear_weight``). A oneDNN-packed copy is all
-        the GEMM reads, so the plain weight is released (half the base weights' memory);
-        ``weight`` is then an empty tensor. Packing twice is a no-op."""
+        faster (float32 or bfloat16 on CPU; see ``pack_linear_weight``). A oneDNN-packed
+        copy is all the GEMM reads (with, on CPUs without AVX-512, the plain weight it keeps
+        for large batches), so ``weight`` is released (half the base weights' memory) and
+        is then an empty tensor. Packing twice is a no-op."""
         if self.packed_weight is not None:
             return
         self.packed_weight = pack_linear_weight(self.weight)
-        if self.packed_weight is not None and self.packed_weight.kind.startswith("onednn"):
+        if self.packed_weight is not None and self.packed_weight.kind == "onednn":
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

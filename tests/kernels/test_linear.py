@@ -16,7 +16,7 @@ KINDS = {
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("rows", [1, 7, 128, 129, 300])
+@pytest.mark.parametrize("rows", [1, 7, 128, 129, 300, 600])
 def test_packed_linear_matches_plain(kind: str, rows: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if not KINDS[kind]:
@@ -80,7 +80,7 @@ def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "plain")
     assert ops.pack_linear_weight(torch.randn(512, 512)) is None
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "fastest")
-    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of onednn, onednn-f32, mkl, plain"):
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of auto, onednn, "):
         ops.pack_linear_weight(torch.randn(512, 512))
 
 
@@ -95,8 +95,8 @@ def test_bfloat16_weights_are_packed_by_onednn(rows: int,
     x = torch.randn(rows, 272, generator=g).bfloat16()
     packed = ops.pack_linear_weight(weight)
     # bf16 natively where oneDNN can; as float32 on CPUs without bf16 GEMMs (AVX2)
-    assert packed is not None
-    assert packed.kind == ("onednn" if ops.onednn_bf16_gemm() else "onednn-f32")
+    assert packed is not None and packed.kind == "onednn"
+    assert packed.widen == (not ops.onednn_bf16_gemm())
     got = ops.linear(x, weight, bias, packed)
     assert got.dtype == torch.bfloat16
     expected = x.double() @ weight.double().T + bias.double()
@@ -119,7 +119,7 @@ def test_bfloat16_weights_through_the_float32_gemm(rows: int, shared: bool,
     bias = torch.randn(320, generator=g).bfloat16()
     x = torch.randn(rows, 272, generator=g).bfloat16()
     packed = ops.pack_linear_weight(weight, shared=shared)
-    assert packed is not None and packed.kind == "onednn-f32"
+    assert packed is not None and packed.kind == "onednn" and packed.widen
     expected = x.double() @ weight.double().T + bias.double()
     weight.zero_()  # a copy: the plain weight is not read, shared or not
     got = ops.linear(x, torch.empty(0), bias, packed)
@@ -130,5 +130,43 @@ def test_bfloat16_weights_through_the_float32_gemm(rows: int, shared: bool,
                                atol=1e-5)
     close = (got.double() == expected.bfloat16().double()).double().mean().item()
     assert close > 0.99
-    fp32 = ops.pack_linear_weight(weight.float())  # float32 weights stay on the plain path
-    assert fp32 is not None and fp32.kind == "onednn"
+    fp32 = ops.pack_linear_weight(weight.float())  # float32 weights are not widened
+    assert fp32 is not None and fp32.kind == "onednn" and not fp32.widen
+
+
+@pytest.mark.skipif(not KINDS["onednn"], reason="torch built without oneDNN")
+def test_large_batches_take_the_kept_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"onednn-mkl" (the default without AVX-512): batches of 512 rows or more multiply the
+    kept plain weight through F.linear, smaller ones oneDNN's packed copy; a tied head
+    gets a packed copy of its own. Doubling the plain weight after packing shows which
+    one each batch read."""
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn-mkl")
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(320, 272, generator=g)
+    bias = torch.randn(320, generator=g)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "onednn" and packed.large is weight
+    for rows in (1, 511, 512, 700):
+        x = torch.randn(rows, 272, generator=g)
+        expected = x.double() @ weight.double().T + bias.double()
+        torch.testing.assert_close(ops.linear(x, torch.empty(0), bias, packed).double(),
+                                   expected, rtol=1e-5, atol=1e-4)
+    weight.mul_(2.0)
+    for rows, factor in ((511, 1.0), (512, 2.0)):
+        x = torch.randn(rows, 272, generator=g)
+        expected = factor * (x.double() @ weight.double().T / 2.0) + bias.double()
+        torch.testing.assert_close(ops.linear(x, torch.empty(0), bias, packed).double(),
+                                   expected, rtol=1e-5, atol=1e-4)
+    tied = ops.pack_linear_weight(weight, shared=True)
+    assert tied is not None and tied.large is None
+    x = torch.randn(3, 272, generator=g)
+    expected = x.double() @ weight.double().T
+    weight.zero_()  # a copy: the tied weight itself is not read
+    torch.testing.assert_close(ops.linear(x, torch.empty(0), None, tied).double(), expected,
+                               rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn")  # the least memory: nothing kept
+    plain = ops.pack_linear_weight(torch.randn(320, 272, generator=g))
+    assert plain is not None and plain.large is None
+    w = torch.randn(320, 272, generator=g)
+    shared = ops.pack_linear_weight(w, shared=True)
+    assert shared is not None and shared.data is w  # read in place
