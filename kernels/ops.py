@@ -12,7 +12,6 @@ Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"t
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -114,11 +113,12 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch
 # and decode shapes alike). On a CPU without AVX-512 (an AVX2 EPYC, Zen 3) both run AVX2
 # kernels: there oneDNN's packed weight was 1.3-1.6x faster than MKL's sgemm at decode
 # sizes (21-64 rows) but MKL's 10-17 % faster at prefill chunks (2,048 rows), and oneDNN
-# reading a tied LM head's plain layout 1.1-1.4x slower than a packed copy, so there
-# ("auto") the plain weight is kept for batches of _LARGE_ROWS rows or more and a tied
-# head gets a packed copy of its own: base weights held twice, for 5-7 % of the offline
-# workload's time. MKL's packed weight is the fallback for torch builds without oneDNN;
-# it pays for small batches (decode) only. Weights smaller than this gain nothing.
+# reading a tied LM head's plain layout 1.1-1.4x slower than a packed copy. "onednn-mkl"
+# takes both: the plain weight is kept for batches of _LARGE_ROWS rows or more and a tied
+# head gets a packed copy of its own, for 5-7 % of the offline workload's time there at
+# the cost of holding the base weights twice (so not the default: the engine is held to
+# 1.5x its model's weights). MKL's packed weight is the fallback for torch builds without
+# oneDNN; it pays for small batches (decode) only. Weights smaller than this gain nothing.
 _PACK_MIN_ELEMENTS = 1 << 16
 _MKL_PACK_MAX_ROWS = 128
 _LARGE_ROWS = 512
@@ -128,8 +128,8 @@ _LARGE_ROWS = 512
 class PackedWeight:
     """A linear weight ready for ``linear`` (``pack_linear_weight``).
 
-    ``kind`` "onednn": ``data`` is oneDNN's packed copy (or, for a shared weight on
-    AVX-512, the plain tensor itself); ``widen``: a bfloat16 layer whose weight was packed
+    ``kind`` "onednn": ``data`` is oneDNN's packed copy (or, for a shared weight, by
+    default the plain tensor itself); ``widen``: a bfloat16 layer whose weight was packed
     as float32, for CPUs without bf16 GEMM instructions; ``large``: a plain float32 weight
     that batches of ``_LARGE_ROWS`` rows or more multiply through ``F.linear`` (MKL)
     instead. ``kind`` "mkl": MKL's packed copy, for batches of up to
@@ -152,31 +152,25 @@ def onednn_bf16_gemm() -> bool:
     return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-@functools.cache
-def cpu_has_avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-_GEMM_CHOICES = ("auto", "onednn", "onednn-mkl", "onednn-f32", "mkl", "plain")
+_GEMM_CHOICES = ("onednn", "onednn-mkl", "onednn-f32", "mkl", "plain")
 
 
 def cpu_gemm_choice() -> str:
-    """``LORAPLEX_CPU_GEMM``, one of ``_GEMM_CHOICES`` (default "auto"); ValueError else.
+    """``LORAPLEX_CPU_GEMM``, one of ``_GEMM_CHOICES``; ValueError else.
 
-    - "auto": "onednn" on CPUs with AVX-512, "onednn-mkl" on the others.
-    - "onednn": oneDNN's packed weights only (the least memory: plain weights released,
-      a tied LM head read in place).
-    - "onednn-mkl": as "auto" without AVX-512 (see above), on any CPU.
+    - "onednn" (the default): oneDNN's packed weights only (plain weights released, a tied
+      LM head read in place).
+    - "onednn-mkl": also the plain float32 weights, for batches of ``_LARGE_ROWS`` or more
+      through MKL, and a packed copy of a tied head: faster without AVX-512, twice the
+      base weights' memory (see above).
     - "onednn-f32": bfloat16 weights packed as float32 on any CPU, as where the CPU has no
       bf16 GEMM.
     - "mkl", "plain": MKL's packing or none (comparisons).
     """
-    choice = os.environ.get("LORAPLEX_CPU_GEMM", "auto")
+    choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
     if choice not in _GEMM_CHOICES:
         raise ValueError(f"LORAPLEX_CPU_GEMM must be one of {', '.join(_GEMM_CHOICES)}, "
                          f"not {choice!r}")
-    if choice == "auto":
-        return "onednn" if cpu_has_avx512() else "onednn-mkl"
     return choice
 
 
@@ -193,11 +187,11 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     is the bf16 GEMM's, at the float32 GEMM's speed, several times the bf16 one's there.
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
-    embedding). On AVX-512 no copy is made: oneDNN's GEMM reads the plain layout itself, at
+    embedding). No copy is made by default: oneDNN's GEMM reads the plain layout itself, at
     about the packed copy's speed and well ahead of ``F.linear`` at decode (docs/engine.md,
     "Memory"), where a copy would cost the whole embedding's memory again. A packed copy is
-    made where the CPU lacks AVX-512 ("onednn-mkl", see above) and for a widened weight
-    (float32 GEMMs cannot read bf16)."""
+    made with "onednn-mkl" (see above) and for a widened weight (float32 GEMMs cannot read
+    bf16)."""
     if (weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES
             or weight.numel() < _PACK_MIN_ELEMENTS):
         return None

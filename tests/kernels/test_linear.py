@@ -80,7 +80,7 @@ def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "plain")
     assert ops.pack_linear_weight(torch.randn(512, 512)) is None
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "fastest")
-    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of auto, onednn, "):
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of onednn, onednn-mkl, "):
         ops.pack_linear_weight(torch.randn(512, 512))
 
 
@@ -136,7 +136,7 @@ def test_bfloat16_weights_through_the_float32_gemm(rows: int, shared: bool,
 
 @pytest.mark.skipif(not KINDS["onednn"], reason="torch built without oneDNN")
 def test_large_batches_take_the_kept_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"onednn-mkl" (the default without AVX-512): batches of 512 rows or more multiply the
+    """"onednn-mkl" (for CPUs without AVX-512): batches of 512 rows or more multiply the
     kept plain weight through F.linear, smaller ones oneDNN's packed copy; a tied head
     gets a packed copy of its own. Doubling the plain weight after packing shows which
     one each batch read."""
