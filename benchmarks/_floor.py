@@ -3,7 +3,11 @@ or faster machine explains itself.
 
 - GEMM rate at the model's own shapes (every linear layer of a decoder layer and the LM
   head, at a prefill-sized and a decode-sized number of rows), at the run's thread count
-  and dtype: GFLOP/s of ``torch.nn.functional.linear``, the best of a few repeats.
+  and dtype: GFLOP/s of ``torch.nn.functional.linear``, the best of a few repeats. For
+  bfloat16 on a CPU without bf16 GEMM instructions (AVX2 only: torch's bf16 GEMM ran at a
+  sixth of its float32 one there), the float32 rate where that is higher: a bf16 GEMM
+  with float32 sums computes exactly that way (loraplex does, ``ops.pack_linear_weight``),
+  so the floor never credits a run for beating a slow bf16 GEMM.
 - Streaming bandwidth: GB/s of copying a buffer far larger than the caches (read + write).
 - The workload's compute floor: its base-model FLOPs (2 x the parameters without the LM
   head per processed token, prompt and output alike, plus 2 x the LM head's per sampled
@@ -18,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from loraplex_kernels.ops import onednn_bf16_gemm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,10 +105,16 @@ def measure(shapes: ModelShapes, dtype: str, threads: int, repeats: int = 5) -> 
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            t = _DTYPES[dtype]
-            _gemm_rate(shapes, 16, t, 1)  # warm-up: oneDNN primitives, page faults
-            return Floors(dtype, threads, _gemm_rate(shapes, 256, t, repeats),
-                          _gemm_rate(shapes, 16, t, repeats), _stream_rate(repeats))
+            kinds = [_DTYPES[dtype]]
+            if dtype == "bfloat16" and not onednn_bf16_gemm():
+                kinds.append(torch.float32)
+            rates = []
+            for t in kinds:
+                _gemm_rate(shapes, 16, t, 1)  # warm-up: oneDNN primitives, page faults
+                rates.append((_gemm_rate(shapes, 256, t, repeats),
+                              _gemm_rate(shapes, 16, t, repeats)))
+            return Floors(dtype, threads, max(r[0] for r in rates), max(r[1] for r in rates),
+                          _stream_rate(repeats))
     finally:
         torch.set_num_threads(before)
 

@@ -24,7 +24,6 @@ import argparse
 import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,28 +36,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _baseline import build_baseline  # noqa: E402
 from _floor import _stream_rate  # noqa: E402
 from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex_kernels import cpu_native  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def build_baseline(ref: str, directory: Path) -> ctypes.CDLL:
-    """``ref``'s kernel sources compiled with this tree's flags."""
-    csrc = directory / "csrc"
-    csrc.mkdir(parents=True, exist_ok=True)
-    folder = "kernels/csrc"
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref,
-                            f"{folder}/"], capture_output=True, text=True, check=True)
-    for rel in names.stdout.split():  # that revision's own files, whatever their names
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{rel}"],
-                              capture_output=True, text=True, check=True).stdout
-        (csrc / Path(rel).name).write_text(text, encoding="utf-8")
-    return cpu_native.load(cpu_native.build(directory=directory, csrc=csrc))
 
 
 def make_pool(dtype: torch.dtype, pool_mib: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,14 +16,21 @@ only), checks that both give the same result, and prints a table. Writes JSON an
 float32, ``add_lora_ref`` in bfloat16) that longer segments take: where the GEMM overtakes
 the native kernel is what ``meta.short_segment_limit`` is set from.
 
-    python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--crossover] [--out PATH]
+``--baseline REV`` also times, per layout, another revision's native kernel (compiled
+beside this tree's, ``_baseline.py``) against this tree's, both per slice, plus one slot's
+256-token segment (rank 32): old / new time and the largest difference of their outputs.
+
+    python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--crossover]
+        [--baseline REV] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _baseline import build_baseline  # noqa: E402
 from _lora_paths import (  # noqa: E402
     DTYPES,
     LAYERS,
@@ -106,6 +114,48 @@ def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:
                          "max_abs_diff": max_diff}, times)
 
 
+BASELINE_LAYOUTS = {**LAYOUTS, "1 slot x 256 tokens": [2] * 256}
+
+
+def versus_baseline(old: ctypes.CDLL, dtype_name: str, layout: str,
+                    repeats: int) -> dict[str, Any]:
+    """One decode step's LoRA (the 256-token segment: 6 layers) through ``old``'s kernel
+    and this tree's, per slice, interleaved."""
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(2)
+    token_slots = BASELINE_LAYOUTS[layout]
+    segments = SGMVMeta.build(token_slots, RANKS, short_segment_len=len(token_slots)
+                              ).short_segments
+    assert segments is not None
+    n = len(token_slots)
+    layers = [(_slots(in_features, widths, dtype, g),
+               torch.randn(n, in_features, generator=g).to(dtype),
+               torch.zeros(n, sum(widths), dtype=dtype))
+              for _ in range(LAYERS if n <= 64 else 6)
+              for in_features, widths in PROJECTIONS.values()]
+    results = []
+    for lib in (old, None):
+        for _, _, out in layers:
+            out.zero_()
+        for slots, x, out in layers:
+            cpu_native.add_lora(out, x, segments, slots, lib=lib)
+        results.append([out.clone() for *_, out in layers])
+    max_diff = max((a.double() - b.double()).abs().max().item()
+                   for a, b in zip(*results, strict=True))
+
+    def step(lib: ctypes.CDLL | None) -> None:
+        for slots, x, out in layers:
+            cpu_native.add_lora(out, x, segments, slots, lib=lib)
+
+    times = time_interleaved({"old": lambda: step(old), "new": lambda: step(None)}, repeats)
+    row: dict[str, Any] = {"dtype": dtype_name, "layout": layout, "tokens": n,
+                           "layers": len(layers) // len(PROJECTIONS), "max_abs_diff": max_diff}
+    for key, ts in times.items():
+        row[f"{key}_min_ms"] = min(ts) * 1e3
+    row["speedup"] = row["old_min_ms"] / row["new_min_ms"]
+    return row
+
+
 CROSSOVER_LENS = [32, 64, 128, 256, 512, 1024, 2048]
 
 
@@ -151,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--crossover", action="store_true",
                         help="also time native vs matmul for one slot's long segments")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time git revision REV's kernel against this tree's")
     add_out_argument(parser, "benchmarks/results/lora_decode")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
@@ -180,12 +232,26 @@ def main(argv: list[str] | None = None) -> None:
                     cross.append(c)
                     print(f"{dt:9} {c['rank']:4} {length:6} {c['native_min_ms']:10.2f} "
                           f"{c['matmul_min_ms']:10.2f} {c['native_speedup']:15.2f}", flush=True)
+    versus = []
+    if args.baseline:
+        print(f"against {args.baseline}'s kernel (per slice both):")
+        print(f"{'dtype':9} {'tokens':20} {'layers':>6} {'old ms':>8} {'new ms':>8} "
+              f"{'old/new':>8} {'max diff':>9}")
+        with tempfile.TemporaryDirectory() as tmp:
+            old = build_baseline(args.baseline, Path(tmp))
+            for dt in DTYPES:
+                for layout in BASELINE_LAYOUTS:
+                    v = versus_baseline(old, dt, layout, args.repeats)
+                    versus.append(v)
+                    print(f"{dt:9} {layout:20} {v['layers']:6} {v['old_min_ms']:8.2f} "
+                          f"{v['new_min_ms']:8.2f} {v['speedup']:8.2f} "
+                          f"{v['max_abs_diff']:9.1e}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": args.threads, "repeats": args.repeats, "ranks": RANKS,
               "layers": LAYERS, "bf16_impl": impl,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows,
-              "crossover": cross}
+              "crossover": cross, "baseline": args.baseline, "versus_baseline": versus}
     write_json(out, report)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")

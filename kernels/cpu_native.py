@@ -248,11 +248,13 @@ def add_lora(
     segments: torch.Tensor,  # [3, num_segments] int64: first token, length, slot
     slots: LoRASlots,
     impl: str | None = None,
+    lib: ctypes.CDLL | None = None,
 ) -> None:
     """``out[t] += x[t] @ A_s^T @ B_s^T`` (scale folded into B) for each segment's tokens;
     in bfloat16 with float32 sums, the shrink's output rounded to bfloat16 as in the
-    reference. ``impl``: as for ``paged_decode_attention``."""
-    lib = _library()
+    reference. ``impl``: as for ``paged_decode_attention``; ``lib``: another build
+    (``load``; benchmarks compare revisions), default this tree's."""
+    lib = lib or _library()
     assert lib is not None, "native CPU kernels are not available"
     assert can_lora(x, out, slots) and x.shape[0] == out.shape[0]
     assert x.shape[1] == slots.in_features and out.shape[1] == slots.slice_offsets[-1]

@@ -36,12 +36,17 @@ static inline float exp_nonpositive(float x)
  *
  * A tile is 4 tokens x TILE_VECTORS vectors of sums: with AVX-512 64 ranks or columns, 16
  * of 32 zmm; with AVX2 16, 8 of 16 ymm (enough independent FMA chains for Zen 3's latency
- * and two FMA units). A shrink of more ranks reads x (from L1) once per tile. */
-#ifdef __AVX512F__
+ * and two FMA units). A shrink of more ranks reads x (from L1) once per tile. Ranks are
+ * padded to a multiple of 16, so TILE_COLUMNS divides them or (AVX-512) is handled in
+ * 16-rank steps. */
+#if defined(__AVX512F__)
 #define VL 16
 #define TILE_VECTORS 4
-#else
+#elif defined(__AVX__)
 #define VL 8
+#define TILE_VECTORS 2
+#else /* SSE, NEON: 4-float vectors, 8 of their 16 (or 32) registers */
+#define VL 4
 #define TILE_VECTORS 2
 #endif
 #define TILE_COLUMNS (VL * TILE_VECTORS)
