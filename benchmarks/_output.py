@@ -41,7 +41,11 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
 
 
 def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is often empty)."""
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is often empty)
+    and the vector instruction set torch runs there, e.g. "AMD EPYC (AVX2)": the same
+    model name has come with and without AVX-512, which moves every result."""
+    import torch
+
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -49,4 +53,4 @@ def cpu_name() -> str:
                        cpu)
     except OSError:
         pass
-    return cpu
+    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()})"

@@ -91,10 +91,19 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         loras = _per_prompt(lora_request, n, "lora_request")
         salts = _per_prompt(cache_salt, n, "cache_salt")
-        refs = {id(lr): lr.to_ref() for lr in loras if lr is not None}
+        # Each adapter folder is hashed (its identity: the whole weights file is read) and
+        # loaded once per call, however many prompts name it; it was once per prompt.
+        refs: dict[int, AdapterRef] = {}
+        by_folder: dict[tuple[str, str], AdapterRef] = {}
         for lr in loras:
-            if lr is not None:  # fail fast, before anything is queued
-                self.engine.adapters.load_now(refs[id(lr)])
+            if lr is None or id(lr) in refs:
+                continue
+            key = (lr.name, lr.path)
+            if key not in by_folder:
+                by_folder[key] = lr.to_ref()
+                # fail fast, before anything is queued
+                self.engine.adapters.load_now(by_folder[key])
+            refs[id(lr)] = by_folder[key]
         arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
         if len(arrivals) != n:
             raise InvalidRequestError("arrival_steps must have one entry per prompt")
