@@ -29,10 +29,12 @@ static inline float exp_nonpositive(float x)
     return p * two_n;
 }
 
-/* LoRA tiles (cpu_lora_f32.c, and cpu_lora_bf16.c's portable kernel). One machine vector
- * of floats (GCC vector extension: a zmm of 16 with AVX-512, a ymm of 8 otherwise), so that a tile's sums are named values the compiler keeps in registers; as
- * arrays indexed in loops they were kept on the stack (a load and a store around every
- * FMA), and so were 16-float vectors on AVX2, which GCC splits through memory.
+/* LoRA tiles (cpu_lora_f32.c, and cpu_lora_bf16.c's portable kernel), and the softmax's
+ * vector exp. `vf` is one machine vector of floats (GCC vector extension: a zmm of 16 with
+ * AVX-512, a ymm of 8 with AVX, 4 otherwise), so that a tile's sums are named values the
+ * compiler keeps in registers; as arrays indexed in loops they were kept on the stack (a
+ * load and a store around every FMA), and so were 16-float vectors on AVX2, which GCC
+ * splits through memory.
  *
  * A tile is 4 tokens x TILE_VECTORS vectors of sums: with AVX-512 64 ranks or columns, 16
  * of 32 zmm; with AVX2 16, 8 of 16 ymm (enough independent FMA chains for Zen 3's latency

@@ -73,7 +73,8 @@ static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *
         memcpy(sums, c[t], sizeof sums);
         bf16 *restrict ot = out + t * out_stride + o0;
 #pragma omp simd
-        for (int64_t o = 0; o < TILE_COLUMNS; ++o) ot[o] = f32_to_bf16(bf16_to_f32(ot[o]) + sums[o]);
+        for (int64_t o = 0; o < TILE_COLUMNS; ++o)
+            ot[o] = f32_to_bf16(bf16_to_f32(ot[o]) + sums[o]);
     }
 }
 

@@ -6,17 +6,18 @@
 
 /* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
  * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps a tile of
- * ranks x 4 tokens in registers (TILE_COLUMNS below); the expand keeps as many outputs x 4
- * tokens, so each out row is read and written once. The expand runs per slice (lora_slots.py: `slices`), over that slice's
- * ranks and columns only: B^T is block-diagonal over a packed projection's slices, and the
- * blocks off the diagonal (2/3 of q/k/v's, 1/2 of gate/up's) are zero, so skipping them
- * changes no sum and saves their reads. xb: the tokens' x rows, zero-padded to 4 [4, in];
+ * ranks x 4 tokens in registers (TILE_COLUMNS, common.h); the expand keeps as many outputs
+ * x 4 tokens, so each out row is read and written once. The expand runs per slice
+ * (lora_slots.py: `slices`), over that slice's ranks and columns only: B^T is
+ * block-diagonal over a packed projection's slices, and the blocks off the diagonal (2/3
+ * of q/k/v's, 1/2 of gate/up's) are zero, so skipping them changes no sum and saves their
+ * reads. xb: the tokens' x rows, zero-padded to 4 [4, in];
  * y: [4, r]; slices: num_slices x (first rank, end rank, first column, end column). */
 #define LORA_TOKENS 4
 
 /* The shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a constant
- * where it is inlined): each row of A^T's tile is read once, as one contiguous run of up to 256 bytes,
- * and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
+ * where it is inlined): each row of A^T's tile is read once, as one contiguous run of up to
+ * 256 bytes, and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
 static inline __attribute__((always_inline)) void shrink_ranks(
     const float *restrict xb, int64_t in_features, const float *restrict at, int64_t r,
     int64_t k0, const int nv, float *restrict y)
