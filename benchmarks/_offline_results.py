@@ -70,6 +70,7 @@ def machine_info() -> dict[str, Any]:
 
     return {"cpu": cpu_name(), "os_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "peft": peft.__version__}

@@ -50,7 +50,9 @@ def vllm_env(venv: str | Path, threads: int, kv_cache_gib: float,
                      + sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))), None)
     preload = ":".join(str(p) for p in (TCMALLOC, iomp) if p is not None and p.exists())
     env = dict(os.environ if base is None else base)
-    for var in [k for k in env if k.startswith("LORAPLEX_")]:
+    # loraplex's settings, and its OpenMP wait default (libgomp's; vLLM runs Intel's
+    # runtime with its own defaults)
+    for var in [k for k in env if k.startswith("LORAPLEX_") or k == "GOMP_SPINCOUNT"]:
         env.pop(var)
     bind = f"0-{threads - 1}" if omp_bind == "auto" else omp_bind
     env.update({"LD_PRELOAD": preload, "VLLM_CPU_OMP_THREADS_BIND": bind,

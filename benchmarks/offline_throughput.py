@@ -37,11 +37,14 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Idle OpenMP threads sleep instead of spinning. On a CPU shared with other jobs, spinning
-# threads that get descheduled turn every parallel op into a wait of a scheduler time slice
-# (measured: a 64x576x1536 matmul at 2 threads went from 7 ms to 29 ms). Set before torch
-# is imported, so it applies to every system alike.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# How idle OpenMP threads wait: loraplex's shipped default (a brief spin, then sleep; see
+# loraplex/openmp.py) unless the caller set a wait, applied before torch is imported. It
+# reaches the in-process peers (a) and (b) alike; vLLM (v) runs in a process of its own
+# with its own OpenMP runtime and defaults.
+from loraplex.openmp import apply_defaults  # noqa: E402
+
+apply_defaults()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
@@ -149,6 +152,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.runs:
         p.error("--systems names no system")
     args.systems = sorted({s for s, _ in args.runs})
+    if "v" in args.systems and os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
+        # measured: one of this process's idle OpenMP threads spun on one of the two cores
+        # for the whole of vLLM's run in its subprocess
+        p.error("OMP_WAIT_POLICY=ACTIVE keeps this process's idle OpenMP threads spinning "
+                "through vLLM's run in its own process; unset it (loraplex's default wait "
+                "applies) or set GOMP_SPINCOUNT")
     args.adapter_sweep = [int(x) for x in args.adapter_sweep.split(",") if x.strip()]
     return args
 

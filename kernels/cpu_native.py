@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
-              for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c"]
+              for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c",
+            _CSRC / "cpu_prefill_attention.c"]
 _HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -122,6 +123,11 @@ def load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int]
     fn = lib.paged_decode_attention_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
+                   _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
+                   ctypes.c_int]
+    fn = lib.paged_prefill_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
@@ -232,6 +238,39 @@ def paged_decode_attention(
         status = lib.paged_decode_attention_f32(*args)
     if status != 0:
         raise MemoryError("native decode attention could not allocate its scratch memory")
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMeta,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> None:
+    """Causal attention of every prefill chunk (several query tokens) over its sequence's
+    cached keys, bottom-right aligned; decode rows are left alone."""
+    lib = _library()
+    assert lib is not None, "native CPU kernels are not available"
+    assert can_decode(query, k_cache, out) and v_cache.is_contiguous()
+    assert v_cache.shape == k_cache.shape and query.shape == out.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    seq_ids = meta.prefill_seq_ids
+    if seq_ids.numel() == 0:
+        return
+    tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+    assert tables.dtype == lens.dtype == starts.dtype == torch.int32
+    assert tables.is_contiguous() and seq_ids.dtype == torch.int64
+    status = lib.paged_prefill_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(),
+        v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        starts.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(), num_heads, num_kv_heads,
+        head_dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), out.stride(1),
+        int(query.dtype == torch.bfloat16), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("native prefill attention could not allocate its scratch memory")
 
 
 def can_lora(x: torch.Tensor, out: torch.Tensor, slots: LoRASlots) -> bool:

@@ -146,6 +146,8 @@ class AttentionMeta:
     # Sequences with one query token (decode) and their query rows, for decode kernels.
     decode_seq_ids: torch.Tensor  # [num_decode] int64
     decode_rows: torch.Tensor  # [num_decode] int64
+    # Sequences with several query tokens (prefill chunks), for prefill kernels.
+    prefill_seq_ids: torch.Tensor  # [num_prefill] int64
 
     @property
     def num_seqs(self) -> int:
@@ -181,6 +183,7 @@ class AttentionMeta:
         slots: list[int] = []
         decode_ids: list[int] = []
         decode_rows: list[int] = []
+        prefill_ids: list[int] = []
         for b, (table, seq_len, q_len) in enumerate(
                 zip(block_tables, seq_lens, query_lens, strict=True)):
             if q_len < 1 or q_len > seq_len:
@@ -190,6 +193,8 @@ class AttentionMeta:
             if q_len == 1:
                 decode_ids.append(b)
                 decode_rows.append(starts[-1])
+            else:
+                prefill_ids.append(b)
             starts.append(starts[-1] + q_len)
             for pos in range(seq_len - q_len, seq_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -204,4 +209,5 @@ class AttentionMeta:
             block_size=block_size,
             decode_seq_ids=torch.tensor(decode_ids, dtype=torch.int64, device=device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+            prefill_seq_ids=torch.tensor(prefill_ids, dtype=torch.int64, device=device),
         )

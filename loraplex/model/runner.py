@@ -15,6 +15,7 @@ import torch
 
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.errors import ConfigError
+from loraplex.malloc import keep_freed_memory
 from loraplex.model.args import ModelArgs
 from loraplex.model.draft import DraftModel
 from loraplex.model.llama import DecoderLayer
@@ -93,6 +94,8 @@ class ModelRunner:
             model_config.model, model_config.dtype, self.device, lora_config.max_loras,
             lora_config.max_lora_rank, model_config.max_model_len, progress)
         self.model.pack_weights()
+        if self.device.type == "cpu":
+            keep_freed_memory()  # every step allocates its activations anew
         self.max_model_len = model_config.max_model_len or self.args.max_position_embeddings
         self.tokenizer = load_tokenizer(model_config.model)
         # Loaded before the KV pools are sized: its weights take memory, and its blocks

@@ -61,6 +61,36 @@ def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: in
     check_attention(case, torch.float32, "cpu", "cpu")
 
 
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    chunks=st.lists(st.tuples(st.integers(2, 70), st.integers(0, 60)), min_size=1,
+                    max_size=4),
+    decode=st.lists(st.integers(1, 40), min_size=0, max_size=3),
+    kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([8, 17, 64]),
+    block_size=st.sampled_from([1, 5, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_prefill_random_batches(chunks: list[tuple[int, int]], decode: list[int],
+                                kv_heads: int, group: int, head_dim: int, block_size: int,
+                                dtype: torch.dtype, threads: int) -> None:
+    """Prefill chunks (query tiles of 16 and their remainders) after cached prefixes of
+    any length, beside decode rows: the native prefill kernel against float64 and the
+    reference, never reading a cache row it does not own (NaN garbage)."""
+    seq_lens = tuple(q + cached for q, cached in chunks) + tuple(decode)
+    query_lens = tuple(q for q, _ in chunks) + (1,) * len(decode)
+    case = AttentionCase("random-prefill", seq_lens, query_lens, kv_heads * group, kv_heads,
+                         head_dim, block_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_attention(case, dtype, "cpu", "cpu")
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)
 def test_decode_split_over_threads(threads: int, case: AttentionCase) -> None:
     """Fewer sequences than threads: a sequence's parts run on different threads and their

@@ -85,19 +85,24 @@ def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not KINDS["onednn"], reason="torch built without oneDNN")
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_bfloat16_weights_are_packed_by_onednn(rows: int,
+def test_bfloat16_weights_are_packed_by_onednn(rows: int, shared: bool,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 x bf16 with float32 sums: within bf16 rounding of the output of float64."""
+    """bf16 x bf16 with float32 sums: within bf16 rounding of the output of float64. A
+    shared (tied LM head) bf16 weight gets a packed copy too: the plain one is not read."""
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(320, 272, generator=g).bfloat16()
     bias = torch.randn(320, generator=g).bfloat16()
     x = torch.randn(rows, 272, generator=g).bfloat16()
-    packed = ops.pack_linear_weight(weight)
+    packed = ops.pack_linear_weight(weight, shared=shared)
     # bf16 natively where oneDNN can; as float32 on CPUs without bf16 GEMMs (AVX2)
-    assert packed is not None and packed.kind == "onednn"
+    assert packed is not None and packed.kind == "onednn" and packed.data is not weight
     assert packed.widen == (not ops.onednn_bf16_gemm())
-    got = ops.linear(x, weight, bias, packed)
+    plain = weight.clone()
+    weight.zero_()
+    got = ops.linear(x, torch.empty(0), bias, packed)
+    weight.copy_(plain)
     assert got.dtype == torch.bfloat16
     expected = x.double() @ weight.double().T + bias.double()
     torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2)
