@@ -7,13 +7,15 @@
  * per-call overhead, so prefill attention cost ~9 % of a run for a few GFLOP of work.
  *
  * Work item: one KV head of one sequence and a tile of PF_TILE consecutive query
- * positions, i.e. PF_TILE x group query rows that read the same keys. Keys come in chunks
- * of PF_KEYS positions: K transposed into a [head_dim][PF_KEYS] scratch (so scores are
- * vector FMAs with q[d] broadcast, PF_RB rows at a time, no horizontal sums), V as rows;
- * both converted to float32 once per chunk and shared by the tile's rows. Each row keeps
- * an online softmax (running max m, sum l, exp-weighted values acc; see
- * decode_attention.h). The mask is causal, aligned bottom-right: query i of a sequence
- * with q new tokens and seq_len positions sees keys 0 .. seq_len - q + i.
+ * positions, i.e. PF_TILE x group query rows that read the same keys, their q transposed
+ * (a dimension's values of all rows side by side) and scaled once per item. Keys come in
+ * chunks of PF_KEYS positions, K and V rows converted to float32 once per chunk. Scores
+ * are computed transposed, a vector of VL query rows against PF_KB keys at a time (k[d]
+ * broadcast, no horizontal sums), so the causal mask and the online softmax (running max
+ * m, sum l, exp-weighted values acc; see decode_attention.h) run across rows in vector
+ * lanes; the values are added per row, two rows per pass. The mask is causal, aligned
+ * bottom-right: query i of a sequence with q new tokens and seq_len positions sees keys
+ * 0 .. seq_len - q + i.
  */
 #include "bf16.h"
 #include "common.h"
@@ -21,11 +23,10 @@
 #include <math.h>
 
 #define PF_TILE 16
-#define PF_KEYS 32
-#define PF_NV (PF_KEYS / VL)
-/* Query rows scored together against a chunk: 8 chains of vector sums (16 with 4-float
- * vectors), as many as keep both FMA units busy through the FMA latency. */
-#define PF_RB (8 / PF_NV > 0 ? 8 / PF_NV : 1)
+#define PF_KEYS 16
+/* keys scored together against one vector of query rows: 8 chains of vector sums, as many
+ * as keep both FMA units busy through the FMA latency */
+#define PF_KB 8
 /* Values: two rows x PV_NV vectors of a row's dimensions per pass over the chunk's keys. */
 #define PV_NV 4
 
@@ -63,7 +64,7 @@ typedef struct {
     const int32_t *block_tables;
     int64_t table_stride;
     const int32_t *seq_lens, *query_start_loc;
-    int64_t num_kv_heads, group, head_dim, dim_padded, block_size;
+    int64_t num_kv_heads, group, head_dim, dim_padded, rows_padded, block_size;
     float scale;
     char *out;
     int64_t o_row_stride, o_head_stride;
@@ -71,45 +72,37 @@ typedef struct {
     size_t esize;
 } prefill_args;
 
-/* rows of a tile's scratch: its PF_TILE x group query rows, plus PF_RB - 1 zero rows that a
- * last, partial score block reads */
-static inline int64_t tile_rows(const prefill_args *a) { return PF_TILE * a->group + PF_RB; }
-
-/* Scratch of one thread, float32: q and acc [tile_rows][dim_padded], m, l and corr
- * [tile_rows], scores [tile_rows][PF_KEYS], kt [head_dim][PF_KEYS], v [PF_KEYS][dim_padded],
- * row [dim_padded]. */
+/* Scratch of one thread, float32: qt [head_dim][rows_padded] (q transposed, scaled),
+ * acc [rows_padded][dim_padded], m, l, corr and last [rows_padded], p [PF_KEYS][rows_padded],
+ * k [PF_KEYS][head_dim], v [PF_KEYS][dim_padded]. */
 static size_t scratch_floats(const prefill_args *a)
 {
-    const size_t rows = (size_t)tile_rows(a), dp = (size_t)a->dim_padded;
-    return 2 * rows * dp + 3 * rows + rows * PF_KEYS + (size_t)a->head_dim * PF_KEYS
-           + PF_KEYS * dp + dp;
+    const size_t rp = (size_t)a->rows_padded, dp = (size_t)a->dim_padded;
+    const size_t dn = (size_t)a->head_dim;
+    return dn * rp + rp * dp + 4 * rp + PF_KEYS * rp + PF_KEYS * dn + PF_KEYS * dp;
 }
 
-/* Scores of PF_RB query rows (q, stride dp, already scaled) against the chunk's keys
- * (kt [d_n][PF_KEYS]) into s [PF_RB][PF_KEYS]: PF_RB x PF_NV sums in registers, q[d]
+/* Scores of PF_KB keys (rows of k, head_dim apart) against VL query rows (qt's columns
+ * r0.., stride rp) into p[j * rp + r0 ..]: PF_KB vectors of sums in registers, k[j][d]
  * broadcast. */
-static inline __attribute__((always_inline)) void score_block(
-    const float *restrict q, int64_t dp, const float *restrict kt, int64_t d_n,
-    float *restrict s)
+static inline __attribute__((always_inline)) void score_keys(
+    const float *restrict qt, int64_t rp, int64_t r0, const float *restrict k, int64_t d_n,
+    float *restrict p)
 {
-    vf c[PF_RB][PF_NV] = {{{0}}};
+    vf c[PF_KB] = {{0}};
     for (int64_t d = 0; d < d_n; ++d) {
-        vf k[PF_NV];
-        for (int v = 0; v < PF_NV; ++v) k[v] = loadv(kt + d * PF_KEYS + v * VL);
-        for (int b = 0; b < PF_RB; ++b) {
-            const float qd = q[b * dp + d];
-            for (int v = 0; v < PF_NV; ++v) c[b][v] += qd * k[v];
-        }
+        const vf q = loadv(qt + d * rp + r0);
+        for (int j = 0; j < PF_KB; ++j) c[j] += k[j * d_n + d] * q;
     }
-    memcpy(s, c, sizeof c);
+    for (int j = 0; j < PF_KB; ++j) memcpy(p + j * rp + r0, &c[j], sizeof(vf));
 }
 
-/* acc rows a0 and a1 (a1 NULL: one row) = acc * corr + w . v over the chunk's n keys, for
- * nv vectors of dimensions from d0 (nv a constant where inlined). */
+/* acc rows a0 and a1 (a1 NULL: one row) = acc * corr + sum_j w[j * ws] v[j], over the
+ * chunk's n keys, for nv vectors of dimensions from d0 (nv a constant where inlined). */
 static inline __attribute__((always_inline)) void values_block(
     float *restrict a0, float c0, const float *restrict w0, float *restrict a1, float c1,
-    const float *restrict w1, const float *restrict vv, int64_t dp, int64_t n, int64_t d0,
-    const int nv)
+    const float *restrict w1, int64_t ws, const float *restrict vv, int64_t dp, int64_t n,
+    int64_t d0, const int nv)
 {
     vf o0[PV_NV], o1[PV_NV];
     for (int v = 0; v < nv; ++v) {
@@ -117,7 +110,7 @@ static inline __attribute__((always_inline)) void values_block(
         o1[v] = a1 ? loadv(a1 + d0 + v * VL) * c1 : o0[v];
     }
     for (int64_t j = 0; j < n; ++j) {
-        const float p0 = w0[j], p1 = a1 ? w1[j] : 0.0f;
+        const float p0 = w0[j * ws], p1 = a1 ? w1[j * ws] : 0.0f;
         for (int v = 0; v < nv; ++v) {
             const vf x = loadv(vv + j * dp + d0 + v * VL);
             o0[v] += p0 * x;
@@ -131,54 +124,30 @@ static inline __attribute__((always_inline)) void values_block(
 }
 
 static void values_rows(float *restrict a0, float c0, const float *restrict w0,
-                        float *restrict a1, float c1, const float *restrict w1,
+                        float *restrict a1, float c1, const float *restrict w1, int64_t ws,
                         const float *restrict vv, int64_t dp, int64_t n)
 {
     int64_t d0 = 0;
     for (; d0 + PV_NV * VL <= dp; d0 += PV_NV * VL)
-        values_block(a0, c0, w0, a1, c1, w1, vv, dp, n, d0, PV_NV);
+        values_block(a0, c0, w0, a1, c1, w1, ws, vv, dp, n, d0, PV_NV);
     for (; d0 < dp; d0 += VL)
-        values_block(a0, c0, w0, a1, c1, w1, vv, dp, n, d0, 1);
-}
-
-/* Online softmax of one row's chunk scores w (keys past nv masked): w becomes
- * exp(score - m_new) (0 where masked); m, l updated; returns exp(m_old - m_new), the factor
- * the row's acc is scaled by. */
-static inline float softmax_row(float *restrict w, int64_t nv, float *restrict m,
-                                float *restrict l)
-{
-    float bm = *m;
-    for (int64_t j = 0; j < nv; ++j) bm = w[j] > bm ? w[j] : bm;
-    vf vsum = {0};
-    for (int v = 0; v < PF_NV; ++v) {
-        vf e = exp_nonpositive_v(loadv(w + v * VL) - bm);
-        for (int k = 0; k < VL; ++k)
-            if (v * VL + k >= nv) e[k] = 0.0f;
-        memcpy(w + v * VL, &e, sizeof e);
-        vsum += e;
-    }
-    float sum = 0.0f;
-    for (int k = 0; k < VL; ++k) sum += vsum[k];
-    /* m = -inf (nothing seen yet): l and acc are zero, any factor keeps them so */
-    const float corr = *m == bm ? 1.0f : exp_nonpositive(*m - bm);
-    *l = *l * corr + sum;
-    *m = bm;
-    return corr;
+        values_block(a0, c0, w0, a1, c1, w1, ws, vv, dp, n, d0, 1);
 }
 
 static void prefill_tile(const prefill_args *a, const prefill_item it, float *scratch)
 {
     const int64_t group = a->group, d_n = a->head_dim, dp = a->dim_padded;
-    const int64_t rows = (it.q1 - it.q0) * group, all = tile_rows(a);
-    float *restrict qs = scratch;
-    float *restrict acc = qs + all * dp;
-    float *restrict m = acc + all * dp;
-    float *restrict l = m + all;
-    float *restrict corr = l + all;
-    float *restrict sc = corr + all;
-    float *restrict kt = sc + all * PF_KEYS;
-    float *restrict vv = kt + d_n * PF_KEYS;
-    float *restrict tmp = vv + PF_KEYS * dp;
+    const int64_t rows = (it.q1 - it.q0) * group;
+    const int64_t rp = (rows + VL - 1) / VL * VL;
+    float *restrict qt = scratch;
+    float *restrict acc = qt + d_n * a->rows_padded;
+    float *restrict m = acc + a->rows_padded * dp;
+    float *restrict l = m + a->rows_padded;
+    float *restrict corr = l + a->rows_padded;
+    float *restrict last = corr + a->rows_padded;
+    float *restrict pw = last + a->rows_padded;
+    float *restrict kk = pw + PF_KEYS * a->rows_padded;
+    float *restrict vv = kk + PF_KEYS * d_n;
 
     const int64_t seq_len = a->seq_lens[it.seq];
     const int64_t first_row = a->query_start_loc[it.seq];
@@ -186,20 +155,23 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
     const int64_t ctx = seq_len - q_len; /* positions cached before the chunk */
     const int32_t *table = a->block_tables + it.seq * a->table_stride;
 
-    /* q and acc, their padding and the spare rows past `rows` too */
-    memset(qs, 0, sizeof(float) * (size_t)(2 * all * dp));
+    memset(qt, 0, sizeof(float) * (size_t)(d_n * rp));
+    memset(acc, 0, sizeof(float) * (size_t)(rp * dp));
     memset(vv, 0, sizeof(float) * (size_t)(PF_KEYS * dp));
-    for (int64_t qi = 0; qi < it.q1 - it.q0; ++qi)
-        for (int64_t h = 0; h < group; ++h) {
-            const int64_t r = qi * group + h;
-            const char *src = a->query + ((first_row + it.q0 + qi) * a->q_row_stride
-                                          + (it.kv_head * group + h) * a->q_head_stride)
-                                             * (int64_t)a->esize;
-            load_row(qs + r * dp, src, d_n, a->is_bf16);
-            for (int64_t d = 0; d < d_n; ++d) qs[r * dp + d] *= a->scale;
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-        }
+    for (int64_t r = 0; r < rp; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        /* the last key row r sees; padding rows see every key (never written out) */
+        last[r] = r < rows ? (float)(ctx + it.q0 + r / group) : 1e30f;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = r / group, h = r % group;
+        const char *src = a->query + ((first_row + it.q0 + qi) * a->q_row_stride
+                                      + (it.kv_head * group + h) * a->q_head_stride)
+                                         * (int64_t)a->esize;
+        load_row(kk, src, d_n, a->is_bf16); /* kk: scratch row here */
+        for (int64_t d = 0; d < d_n; ++d) qt[d * rp + r] = kk[d] * a->scale;
+    }
 
     const int64_t key_end = ctx + it.q1; /* the tile's last row sees keys below this */
     const int64_t row_bytes = d_n * (int64_t)a->esize;
@@ -207,7 +179,7 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
         const int64_t n = key_end - c0 < PF_KEYS ? key_end - c0 : PF_KEYS;
         for (int64_t j = 0; j < PF_KEYS; ++j) {
             if (j >= n) { /* keys past the chunk's end: zero, never read from the cache */
-                for (int64_t d = 0; d < d_n; ++d) kt[d * PF_KEYS + j] = 0.0f;
+                memset(kk + j * d_n, 0, sizeof(float) * (size_t)d_n);
                 memset(vv + j * dp, 0, sizeof(float) * (size_t)dp);
                 continue;
             }
@@ -215,34 +187,56 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
             const int64_t at = (((int64_t)table[pos / a->block_size] * a->block_size
                                  + pos % a->block_size) * a->num_kv_heads + it.kv_head)
                                * row_bytes;
-            load_row(tmp, a->k_cache + at, d_n, a->is_bf16);
-            for (int64_t d = 0; d < d_n; ++d) kt[d * PF_KEYS + j] = tmp[d];
+            load_row(kk + j * d_n, a->k_cache + at, d_n, a->is_bf16);
             load_row(vv + j * dp, a->v_cache + at, d_n, a->is_bf16);
         }
-        /* rows before r_lo see no key of this chunk (causal) */
+        /* rows before r_lo see no key of this chunk (causal), nor padding past n */
         const int64_t qi_lo = c0 - ctx - it.q0 > 0 ? c0 - ctx - it.q0 : 0;
-        const int64_t r_lo = qi_lo * group;
-        for (int64_t r = r_lo; r < rows; r += PF_RB)
-            score_block(qs + r * dp, dp, kt, d_n, sc + r * PF_KEYS);
-        for (int64_t r = r_lo; r < rows; ++r) {
-            const int64_t visible = ctx + it.q0 + r / group + 1 - c0;
-            corr[r] = softmax_row(sc + r * PF_KEYS, visible < n ? visible : n, m + r, l + r);
+        const int64_t r_lo = qi_lo * group / VL * VL;
+        for (int64_t r0 = r_lo; r0 < rp; r0 += VL) {
+            for (int64_t j0 = 0; j0 < n; j0 += PF_KB)
+                score_keys(qt, rp, r0, kk + j0 * d_n, d_n, pw + j0 * rp);
+            /* online softmax, VL rows at once */
+            const vf lastv = loadv(last + r0);
+            vf mx = loadv(m + r0);
+            for (int64_t j = 0; j < n; ++j) {
+                vf s = loadv(pw + j * rp + r0);
+                const vi seen = (vf){0} + (float)(c0 + j) <= lastv;
+                s = (vf)((seen & (vi)s) | (~seen & (vi)((vf){0} - INFINITY)));
+                memcpy(pw + j * rp + r0, &s, sizeof s);
+                const vi gt = mx > s;
+                mx = (vf)((gt & (vi)mx) | (~gt & (vi)s));
+            }
+            const vf m_old = loadv(m + r0);
+            /* m_old = -inf (nothing seen yet): l and acc are zero, any factor keeps them */
+            const vf cv = exp_nonpositive_v(m_old - mx);
+            vf sum = {0};
+            for (int64_t j = 0; j < n; ++j) {
+                const vf s = loadv(pw + j * rp + r0);
+                const vi seen = s > (vf){0} - INFINITY;
+                const vf e = (vf)(seen & (vi)exp_nonpositive_v(s - mx));
+                memcpy(pw + j * rp + r0, &e, sizeof e);
+                sum += e;
+            }
+            const vf lv = loadv(l + r0) * cv + sum;
+            memcpy(l + r0, &lv, sizeof lv);
+            memcpy(m + r0, &mx, sizeof mx);
+            memcpy(corr + r0, &cv, sizeof cv);
         }
-        int64_t r = r_lo;
+        int64_t r = qi_lo * group;
         for (; r + 2 <= rows; r += 2)
-            values_rows(acc + r * dp, corr[r], sc + r * PF_KEYS, acc + (r + 1) * dp,
-                        corr[r + 1], sc + (r + 1) * PF_KEYS, vv, dp, n);
+            values_rows(acc + r * dp, corr[r], pw + r, acc + (r + 1) * dp, corr[r + 1],
+                        pw + r + 1, rp, vv, dp, n);
         if (r < rows)
-            values_rows(acc + r * dp, corr[r], sc + r * PF_KEYS, NULL, 0.0f, NULL, vv, dp, n);
+            values_rows(acc + r * dp, corr[r], pw + r, NULL, 0.0f, NULL, rp, vv, dp, n);
     }
-    for (int64_t qi = 0; qi < it.q1 - it.q0; ++qi)
-        for (int64_t h = 0; h < group; ++h) {
-            const int64_t r = qi * group + h;
-            char *dst = a->out + ((first_row + it.q0 + qi) * a->o_row_stride
-                                  + (it.kv_head * group + h) * a->o_head_stride)
-                                     * (int64_t)a->esize;
-            store_row(dst, acc + r * dp, 1.0f / l[r], d_n, a->is_bf16);
-        }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = r / group, h = r % group;
+        char *dst = a->out + ((first_row + it.q0 + qi) * a->o_row_stride
+                              + (it.kv_head * group + h) * a->o_head_stride)
+                                 * (int64_t)a->esize;
+        store_row(dst, acc + r * dp, 1.0f / l[r], d_n, a->is_bf16);
+    }
 }
 
 /* Attention of the query rows of sequences seq_ids (each with query_start_loc[s + 1] -
@@ -262,7 +256,8 @@ int paged_prefill_attention(
     const prefill_args a = {
         query, k_cache, v_cache, q_row_stride, q_head_stride, block_tables, table_stride,
         seq_lens, query_start_loc, num_kv_heads, num_heads / num_kv_heads, head_dim,
-        (head_dim + VL - 1) / VL * VL, block_size, scale, out, o_row_stride, o_head_stride,
+        (head_dim + VL - 1) / VL * VL,
+        (PF_TILE * (num_heads / num_kv_heads) + VL - 1) / VL * VL, block_size, scale, out, o_row_stride, o_head_stride,
         is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float)};
     int64_t num_items = 0;
     for (int64_t i = 0; i < num_seqs; ++i) {
