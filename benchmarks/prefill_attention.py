@@ -63,17 +63,15 @@ def measure(dtype: torch.dtype, calls: int, repeats: int) -> list[dict[str, Any]
     for name, lens, qlens in SHAPES:
         q, k, v, meta = _inputs(lens, qlens, dtype)
         outs = {"native": torch.empty_like(q), "reference": torch.empty_like(q)}
-        fns = {"native": lambda o: cpu_native.paged_prefill_attention(q, k, v, meta,
-                                                                       HEAD_DIM ** -0.5, o),
-               "reference": lambda o: prefill_attention_ref(q, k, v, meta, HEAD_DIM ** -0.5,
-                                                             o)}
+        fns = {"native": cpu_native.paged_prefill_attention,
+               "reference": prefill_attention_ref}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(repeats):
             for key, fn in fns.items():
-                fn(outs[key])
+                fn(q, k, v, meta, HEAD_DIM ** -0.5, outs[key])
                 start = time.perf_counter()
                 for _ in range(calls):
-                    fn(outs[key])
+                    fn(q, k, v, meta, HEAD_DIM ** -0.5, outs[key])
                 best[key] = min(best[key], (time.perf_counter() - start) / calls)
         flop = sum(4 * HEADS * HEAD_DIM * (ql * (n - ql) + ql * (ql + 1) / 2)
                    for n, ql in zip(lens, qlens, strict=True))
