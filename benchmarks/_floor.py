@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplex_kernels.ops import onednn_bf16_gemm
+from loraplex_kernels.ops import linear, onednn_bf16_gemm, pack_linear_weight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,17 +75,28 @@ class Floors:
 
 
 def _gemm_rate(shapes: ModelShapes, rows: int, dtype: torch.dtype, repeats: int) -> float:
+    """GFLOP/s of the model's linear layers, each through the faster of ``F.linear`` and
+    a oneDNN-packed weight (``ops.linear``): the machine's rate, not one library's (MKL's
+    float32 sgemm takes its AVX2 path on AMD CPUs, at half oneDNN's AVX-512 rate there)."""
     layers = shapes.layer_linears() + [(shapes.hidden, shapes.vocab)]
     weights = [torch.randn(out, inp, dtype=dtype) * 0.02 for inp, out in layers]
     inputs = [torch.randn(rows, inp, dtype=dtype) for inp, _ in layers]
     flops = sum(2 * rows * inp * out for inp, out in layers)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for x, w in zip(inputs, weights, strict=True):
-            F.linear(x, w)
-        best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
+    seconds = 0.0
+    for x, w in zip(inputs, weights, strict=True):
+        packed = pack_linear_weight(w)
+        ways = [lambda x=x, w=w: F.linear(x, w)]
+        if packed is not None and not packed.widen:
+            ways.append(lambda x=x, packed=packed: linear(x, torch.empty(0), None, packed))
+        best = float("inf")
+        for way in ways:
+            way()  # warm-up: oneDNN's primitive for this shape
+            for _ in range(repeats):
+                start = time.perf_counter()
+                way()
+                best = min(best, time.perf_counter() - start)
+        seconds += best
+    return flops / seconds / 1e9
 
 
 def _stream_rate(repeats: int, megabytes: int = 512) -> float:
