@@ -7,13 +7,16 @@ median) on the main thread or on a worker thread. Policies:
 - ``spin``: libgomp's own default (``GOMP_SPINCOUNT=300000``), what loraplex ran with before;
 - ``brief``: loraplex's default now (``GOMP_SPINCOUNT=1000``, set by ``import loraplex``), the
   spin libgomp itself uses when it sees more of its threads than cores;
-- ``passive``: no spin at all (``OMP_WAIT_POLICY=PASSIVE``).
+- ``passive``: no spin at all (``OMP_WAIT_POLICY=PASSIVE``);
+- ``medium``: ``GOMP_SPINCOUNT=30000``, long enough to bridge the Python between a step's
+  parallel regions (``--policies brief,medium`` compares it with the default).
 
 "busy" runs one pure-Python busy loop per core beside the child for the whole cell, the
 shape of a machine shared with other work (the case where the main thread took 40 s for
 what took 3 s elsewhere). Prints a table; writes JSON and a PNG.
 
-    python benchmarks/openmp_wait.py [--tokens 32] [--repeats 3] [--out PATH] [--replot JSON]
+    python benchmarks/openmp_wait.py [--tokens 32] [--repeats 3] [--policies spin,brief,passive]
+                                     [--out PATH] [--replot JSON]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 
 POLICIES = {"spin": {"GOMP_SPINCOUNT": "300000"}, "brief": {"GOMP_SPINCOUNT": "1000"},
-            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "medium": {"GOMP_SPINCOUNT": "30000"}}
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 CHILD = r"""
@@ -85,7 +88,8 @@ def replot(json_path: Path) -> None:
     """Draws the PNG again from a run's JSON."""
     report = json.loads(json_path.read_text())
     by = {(c["load"], c["caller"], c["policy"]): c["seconds"] for c in report["cells"]}
-    plot(by, json_path.with_suffix(".png"), report["tokens"])
+    policies = list(dict.fromkeys(c["policy"] for c in report["cells"]))
+    plot(by, json_path.with_suffix(".png"), report["tokens"], policies)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     add_out_argument(parser, "docs/benchmarks/openmp_wait")
     parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a past run")
+    parser.add_argument("--policies", default="spin,brief,passive",
+                        help=f"comma-separated, from {', '.join(POLICIES)}; brief is always run")
     args = parser.parse_args(argv)
+    policies = list(dict.fromkeys(["brief", *(p.strip() for p in args.policies.split(",")
+                                              if p.strip())]))
+    if not set(policies) <= set(POLICIES):
+        parser.error(f"--policies must be drawn from {', '.join(POLICIES)}")
     if args.replot:
         replot(Path(args.replot))
         return
@@ -103,21 +113,21 @@ def main(argv: list[str] | None = None) -> None:
     cells = []
     for load in ("quiet", "busy"):
         for caller in ("main", "worker"):
-            for policy in POLICIES:
+            for policy in policies:
                 cell = run_cell(policy, load, caller, args)
                 cells.append(cell)
                 print(f"{load:5} {caller:6} {policy:7} {cell['seconds']:8.2f} s", flush=True)
     by = {(c["load"], c["caller"], c["policy"]): c["seconds"] for c in cells}
-    print(f"\n{'machine':7} {'thread':6} {'spin s':>8} {'brief s':>8} {'passive s':>9} "
-          f"{'spin/brief':>10} {'passive/brief':>13}")
+    others = [p for p in policies if p != "brief"]
+    print(f"\n{'machine':7} {'thread':6} " + " ".join(f"{p + ' s':>10}" for p in policies)
+          + " " + " ".join(f"{p + '/brief':>14}" for p in others))
     ratios = {}
     for load in ("quiet", "busy"):
         for caller in ("main", "worker"):
-            spin, brief, passive = (by[(load, caller, p)] for p in ("spin", "brief", "passive"))
-            ratios[f"{load}/{caller}"] = {"spin/brief": spin / brief,
-                                          "passive/brief": passive / brief}
-            print(f"{load:7} {caller:6} {spin:8.2f} {brief:8.2f} {passive:9.2f} "
-                  f"{spin / brief:9.2f}x {passive / brief:12.2f}x")
+            secs = {p: by[(load, caller, p)] for p in policies}
+            ratios[f"{load}/{caller}"] = {f"{p}/brief": secs[p] / secs["brief"] for p in others}
+            print(f"{load:7} {caller:6} " + " ".join(f"{secs[p]:10.2f}" for p in policies)
+                  + " " + " ".join(f"{secs[p] / secs['brief']:13.2f}x" for p in others))
     report = {"command": "python benchmarks/openmp_wait.py " + " ".join(argv or sys.argv[1:]),
               "tokens": args.tokens, "repeats": args.repeats, "cpus": os.cpu_count(),
               "load_average_at_start": load_before,
@@ -126,20 +136,22 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, report)
-    plot(by, out.with_suffix(".png"), args.tokens)
+    plot(by, out.with_suffix(".png"), args.tokens, policies)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
-def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int) -> None:
+def plot(by: dict[tuple[str, str, str], float], path: Path, tokens: int,
+         policies: list[str]) -> None:
     plt = pyplot()
     groups = [(load, caller) for load in ("quiet", "busy") for caller in ("main", "worker")]
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.27
     labels = {"spin": "libgomp default (spin 300,000)", "brief": "loraplex default (spin 1,000)",
-              "passive": "passive (no spin)"}
-    colors = {"spin": "#9e9e9e", "brief": "#e0702a", "passive": "#5b8bd0"}
-    for i, policy in enumerate(POLICIES):
-        xs = [g + (i - 1) * width for g in range(len(groups))]
+              "passive": "passive (no spin)", "medium": "spin 30,000"}
+    colors = {"spin": "#9e9e9e", "brief": "#e0702a", "passive": "#5b8bd0",
+              "medium": "#4caf50"}
+    for i, policy in enumerate(policies):
+        xs = [g + (i - (len(policies) - 1) / 2) * width for g in range(len(groups))]
         values = [by[(load, caller, policy)] for load, caller in groups]
         bars = ax.bar(xs, values, width, color=colors[policy], label=labels[policy])
         for bar, v in zip(bars, values, strict=True):

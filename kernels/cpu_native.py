@@ -202,6 +202,20 @@ def _impl_code(lib: ctypes.CDLL, impl: str | None) -> int:
     return BF16_IMPLS[name]
 
 
+def _attention_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor) -> tuple[ctypes.CDLL, int, int, int]:
+    """The library and (num_heads, num_kv_heads, head_dim) of an attention call, its tensors
+    checked for the native kernels."""
+    lib = _library()
+    assert lib is not None, "native CPU kernels are not available"
+    assert can_decode(query, k_cache, out) and v_cache.is_contiguous()
+    assert v_cache.shape == k_cache.shape and query.shape == out.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    return lib, num_heads, num_kv_heads, head_dim
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -213,13 +227,7 @@ def paged_decode_attention(
 ) -> None:
     """Attention of every decode row (one query token) over its sequence's cached keys.
     ``impl``: the bfloat16 implementation (default ``bf16_impl()``); float32 has one."""
-    lib = _library()
-    assert lib is not None, "native CPU kernels are not available"
-    assert can_decode(query, k_cache, out) and v_cache.is_contiguous()
-    assert v_cache.shape == k_cache.shape and query.shape == out.shape
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    lib, num_heads, num_kv_heads, head_dim = _attention_shapes(query, k_cache, v_cache, out)
     seq_ids, rows = meta.decode_seq_ids, meta.decode_rows
     if seq_ids.numel() == 0:
         return
@@ -250,13 +258,7 @@ def paged_prefill_attention(
 ) -> None:
     """Causal attention of every prefill chunk (several query tokens) over its sequence's
     cached keys, bottom-right aligned; decode rows are left alone."""
-    lib = _library()
-    assert lib is not None, "native CPU kernels are not available"
-    assert can_decode(query, k_cache, out) and v_cache.is_contiguous()
-    assert v_cache.shape == k_cache.shape and query.shape == out.shape
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    lib, num_heads, num_kv_heads, head_dim = _attention_shapes(query, k_cache, v_cache, out)
     seq_ids = meta.prefill_seq_ids
     if seq_ids.numel() == 0:
         return

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,17 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (4e-2, 4e-2),
 }
+
+
+@contextmanager
+def torch_threads(num: int) -> Iterator[None]:
+    """torch's (and the native kernels') thread count set to ``num`` for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -26,6 +26,7 @@ from kernel_cases import (
     lora_slots,
     make_attention_inputs,
     make_sgmv_inputs,
+    torch_threads,
 )
 
 from loraplex_kernels import cpu_native, ops
@@ -102,12 +103,8 @@ def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: in
 def test_decode_split_over_threads(threads: int, case: AttentionCase, impl: str) -> None:
     """Fewer sequences than threads: a sequence's parts run on different threads and their
     softmax states are merged."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         check_attention(case, BF16, "cpu", "cpu")
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_implementations_agree_on_attention() -> None:

@@ -27,6 +27,7 @@ from kernel_cases import (
     check_add_lora,
     check_attention,
     check_partial_targets,
+    torch_threads,
 )
 
 from loraplex_kernels import cpu_native, ops
@@ -83,24 +84,16 @@ def test_prefill_random_batches(chunks: list[tuple[int, int]], decode: list[int]
     query_lens = tuple(q for q, _ in chunks) + (1,) * len(decode)
     case = AttentionCase("random-prefill", seq_lens, query_lens, kv_heads * group, kv_heads,
                          head_dim, block_size)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         check_attention(case, dtype, "cpu", "cpu")
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)
 def test_decode_split_over_threads(threads: int, case: AttentionCase) -> None:
     """Fewer sequences than threads: a sequence's parts run on different threads and their
     softmax states are merged."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         check_attention(case, torch.float32, "cpu", "cpu")
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_dispatch_prefers_native_on_cpu() -> None:
