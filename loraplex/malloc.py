@@ -6,9 +6,10 @@ a moving mmap threshold are mapped and unmapped per allocation, and freed memory
 of the heap is handed back to the kernel once it passes the trim threshold; either way the
 next step touches fresh pages, one page fault per 4 KiB. On the offline benchmark's 64
 requests a float32 run took 238,000 page faults (20,000 when freed memory is kept: an mmap
-threshold of 32 MiB, glibc's largest, and a trim threshold of 1 GiB), and bfloat16 runs
-were 12-15 % faster with it (docs/benchmarks.md). The memory kept is what the next step allocates
-again: the largest step's activations, as a caching allocator would hold them.
+threshold of 32 MiB, glibc's largest, and a trim threshold of 1 GiB); standalone bfloat16
+runs were 8-15 % faster with it, within the noise of the benchmark's own runs
+(docs/benchmarks.md). The memory kept is what the next step allocates again: the largest
+step's activations, as a caching allocator would hold them.
 
 The engine applies this once its model is loaded (``ModelRunner``), for CPU devices, unless
 the user chose these settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or

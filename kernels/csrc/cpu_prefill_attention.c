@@ -3,8 +3,9 @@
  *
  * The PyTorch reference gathers each chunk's K/V out of the blocks and runs SDPA once per
  * chunk and layer; at the offline workload's sizes (chunks of 32-512 tokens, 9 heads of
- * 64) SDPA's CPU kernel reached about 12 GFLOP/s in bfloat16 and float32 alike, most of it
- * per-call overhead, so prefill attention cost ~9 % of a run for a few GFLOP of work.
+ * 64) SDPA's CPU kernel ran at 5-60 GFLOP/s in float32 and bfloat16 alike
+ * (benchmarks/prefill_attention.py), and prefill attention took about 8 % of a bfloat16
+ * run, the largest cost after the GEMMs and LoRA.
  *
  * Work item: one KV head of one sequence and a tile of PF_TILE consecutive query
  * positions, i.e. PF_TILE x group query rows that read the same keys, their q transposed
@@ -257,8 +258,8 @@ int paged_prefill_attention(
         query, k_cache, v_cache, q_row_stride, q_head_stride, block_tables, table_stride,
         seq_lens, query_start_loc, num_kv_heads, num_heads / num_kv_heads, head_dim,
         (head_dim + VL - 1) / VL * VL,
-        (PF_TILE * (num_heads / num_kv_heads) + VL - 1) / VL * VL, block_size, scale, out, o_row_stride, o_head_stride,
-        is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float)};
+        (PF_TILE * (num_heads / num_kv_heads) + VL - 1) / VL * VL, block_size, scale, out,
+        o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float)};
     int64_t num_items = 0;
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t s = seq_ids[i];
