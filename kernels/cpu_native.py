@@ -258,10 +258,10 @@ def paged_prefill_attention(
 ) -> None:
     """Causal attention of every prefill chunk (several query tokens) over its sequence's
     cached keys, bottom-right aligned; decode rows are left alone."""
-    lib, num_heads, num_kv_heads, head_dim = _attention_shapes(query, k_cache, v_cache, out)
     seq_ids = meta.prefill_seq_ids
-    if seq_ids.numel() == 0:
+    if seq_ids.numel() == 0:  # a decode-only step: every layer of it calls this
         return
+    lib, num_heads, num_kv_heads, head_dim = _attention_shapes(query, k_cache, v_cache, out)
     tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32
     assert tables.is_contiguous() and seq_ids.dtype == torch.int64
