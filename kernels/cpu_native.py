@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
               for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c",
-            _CSRC / "cpu_prefill_attention.c"]
+            _CSRC / "cpu_prefill_attention.c", _CSRC / "cpu_skinny_gemm.c"]
 _HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -139,6 +139,12 @@ def load(path: Path) -> ctypes.CDLL:
                        _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, *extra]
     lib.loraplex_bf16_impls.restype = ctypes.c_int
     lib.loraplex_bf16_impls.argtypes = []
+    for name in ("skinny_linear_f32", "skinny_linear_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
+    lib.loraplex_skinny_impls.restype = ctypes.c_int
+    lib.loraplex_skinny_impls.argtypes = []
     return lib
 
 
@@ -314,3 +320,47 @@ def add_lora(
         status = lib.lora_segments_f32(*args)
     if status != 0:
         raise MemoryError("native LoRA could not allocate its scratch memory")
+
+
+# csrc/cpu_skinny_gemm.c: bit per dtype compiled in (AVX-512; AVX512_BF16 for bf16)
+_SKINNY_BITS = {torch.float32: 1, torch.bfloat16: 2}
+
+
+def can_skinny(dtype: torch.dtype) -> bool:
+    """Whether the native skinny GEMM (``skinny_linear``) runs this dtype here: float32
+    with AVX-512, bfloat16 with AVX512_BF16 as well (and ``LORAPLEX_CPU_BF16`` not forcing
+    the portable kernels, which stand for a CPU without it)."""
+    return dtype in _skinny_dtypes() and (dtype == torch.float32
+                                          or bf16_impl() == "avx512_bf16")
+
+
+@functools.cache
+def _skinny_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the library's skinny GEMM is compiled for and the CPU runs."""
+    lib = _library()
+    if lib is None or "avx512f" not in _cpu_signature().split():
+        return ()
+    return tuple(d for d, bit in _SKINNY_BITS.items() if lib.loraplex_skinny_impls() & bit)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a few rows of ``x`` [rows, in] (a decode step's),
+    streaming the plain ``weight`` [out, in] once (csrc/cpu_skinny_gemm.c); float32 sums,
+    rounded once to the dtype. Where ``can_skinny(x.dtype)``."""
+    lib = _library()
+    assert lib is not None, "native CPU kernels are not available"
+    assert x.dtype in _SKINNY_BITS and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    assert weight.dtype == x.dtype and weight.is_contiguous() and x.is_cpu and weight.is_cpu
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (weight.shape[0],)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    fn = lib.skinny_linear_f32 if x.dtype == torch.float32 else lib.skinny_linear_bf16
+    status = fn(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the native skinny GEMM is not compiled for {x.dtype} here")
+    return out

@@ -3,9 +3,10 @@
 Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"triton"``:
 
 - ``"triton"``: the Triton kernels (CUDA; tests run them under ``TRITON_INTERPRET=1``).
-- ``"cpu"``: the native CPU kernels where they apply (float32 and bfloat16 decode
-  attention, short LoRA segments, and the per-layer RMSNorm, RoPE + KV store and
-  SiLU-and-mul; built from ``csrc/`` on first use), the PyTorch reference for the rest.
+- ``"cpu"``: the native CPU kernels where they apply (float32 and bfloat16 decode and
+  prefill attention, short LoRA segments, the per-layer RMSNorm, RoPE + KV store and
+  SiLU-and-mul, and the skinny GEMM of decode batches; built from ``csrc/`` on first
+  use), the PyTorch reference for the rest.
   The default on CPU when the native library is available.
 - ``"torch"``: the PyTorch reference only (the tests' oracle).
 """
@@ -121,17 +122,26 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch
 _PACK_MIN_ELEMENTS = 1 << 16
 _MKL_PACK_MAX_ROWS = 128
 _LARGE_ROWS = 512
+# Batches of up to this many rows go to the native skinny GEMM where a weight takes it
+# (kind "skinny"), more to oneDNN reading the same plain weight. In bfloat16 the skinny
+# GEMM streamed the demo model's weights 1.3-2x faster than oneDNN's packed copy up to 32
+# rows and matched it at 64 (benchmarks/skinny_gemm.py), where oneDNN on the plain layout
+# was 0.7-0.9x its packed copy; from 128 rows oneDNN's packed copy leads, on the plain
+# layout 4-10 % behind it.
+SKINNY_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A linear weight ready for ``linear`` (``pack_linear_weight``).
 
-    ``kind`` "onednn": ``data`` is oneDNN's packed copy (or, for a shared weight, by
-    default the plain tensor itself); ``widen``: a bfloat16 layer whose weight was packed
-    as float32, for CPUs without bf16 GEMM instructions; ``large``: a plain float32 weight
-    that batches of ``_LARGE_ROWS`` rows or more multiply through ``F.linear`` (MKL)
-    instead. ``kind`` "mkl": MKL's packed copy, for batches of up to
+    ``kind`` "skinny": ``data`` is the plain weight itself, which batches of up to
+    ``SKINNY_MAX_ROWS`` rows multiply through the native skinny GEMM and larger ones
+    through oneDNN's GEMM on the plain layout. ``kind`` "onednn": ``data`` is oneDNN's
+    packed copy (or, for a shared weight, by default the plain tensor itself); ``widen``:
+    a bfloat16 layer whose weight was packed as float32, for CPUs without bf16 GEMM
+    instructions; ``large``: a plain float32 weight that batches of ``_LARGE_ROWS`` rows
+    or more multiply through ``F.linear`` (MKL) instead. ``kind`` "mkl": MKL's packed copy, for batches of up to
     ``_MKL_PACK_MAX_ROWS``."""
 
     kind: str
@@ -151,13 +161,20 @@ def onednn_bf16_gemm() -> bool:
     return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-_GEMM_CHOICES = ("onednn", "onednn-mkl", "onednn-f32", "mkl", "plain")
+_GEMM_CHOICES = ("auto", "onednn", "onednn-mkl", "onednn-f32", "skinny", "mkl", "plain")
 
 
 def cpu_gemm_choice() -> str:
     """``LORAPLEX_CPU_GEMM``, one of ``_GEMM_CHOICES``; ValueError else.
 
-    - "onednn" (the default): oneDNN's packed weights only (plain weights released, a tied
+    - "auto" (the default): "skinny" for bfloat16 weights where the CPU runs the native
+      skinny GEMM (AVX512_BF16), "onednn" for the rest. In float32 the skinny GEMM led
+      only below 16 rows and oneDNN's packed copy, which it cannot read, from there on
+      (benchmarks/skinny_gemm.py), so float32 keeps that copy.
+    - "skinny": the plain weight kept, the native skinny GEMM for batches of up to
+      ``SKINNY_MAX_ROWS`` rows and oneDNN on the plain layout for more, in float32 too;
+      "onednn" where the CPU lacks the skinny GEMM's instructions.
+    - "onednn": oneDNN's packed weights only (plain weights released, a tied
       LM head read in place).
     - "onednn-mkl": also the plain float32 weights, for batches of ``_LARGE_ROWS`` or more
       through MKL, and a packed copy of a tied head: faster without AVX-512, twice the
@@ -166,7 +183,7 @@ def cpu_gemm_choice() -> str:
       bf16 GEMM.
     - "mkl", "plain": MKL's packing or none (comparisons).
     """
-    choice = os.environ.get("LORAPLEX_CPU_GEMM", "onednn")
+    choice = os.environ.get("LORAPLEX_CPU_GEMM", "auto")
     if choice not in _GEMM_CHOICES:
         raise ValueError(f"LORAPLEX_CPU_GEMM must be one of {', '.join(_GEMM_CHOICES)}, "
                          f"not {choice!r}")
@@ -185,6 +202,9 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     bf16 products are exact in float32 and the sums are float32 either way, so the result
     is the bf16 GEMM's, at the float32 GEMM's speed, several times the bf16 one's there.
 
+    Where ``cpu_gemm_choice`` picks the skinny GEMM ("auto" in bfloat16 on CPUs with
+    AVX512_BF16), no copy is made: the weight itself is what both of its GEMMs read.
+
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
     embedding). In float32 no copy is made by default: oneDNN's GEMM reads the plain layout
     itself, well ahead of ``F.linear`` at decode (docs/engine.md, "Memory"), where a copy
@@ -193,10 +213,16 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     on the plain layout ran at 0.54x the packed copy's speed (the demo model's head, 21
     rows: 9.9 ms against 5.3). A packed copy is also made with "onednn-mkl" (see above)
     and for a widened weight (float32 GEMMs cannot read bf16)."""
-    if (weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES
-            or weight.numel() < _PACK_MIN_ELEMENTS):
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return None
     choice = cpu_gemm_choice()
+    if choice in ("auto", "skinny"):
+        if (cpu_native.can_skinny(weight.dtype) and _onednn_linear_available()
+                and (choice == "skinny" or weight.dtype == torch.bfloat16)):
+            return PackedWeight("skinny", weight)  # no copy, so any size
+        choice = "onednn"
+    if weight.numel() < _PACK_MIN_ELEMENTS:
+        return None
     if choice.startswith("onednn") and _onednn_linear_available():
         widen = weight.dtype == torch.bfloat16 and (choice == "onednn-f32"
                                                     or not onednn_bf16_gemm())
@@ -218,9 +244,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear``, through the packed weight (``pack_linear_weight``) where it applies.
     With a oneDNN-packed weight ``weight`` is not read, so its owner may release it."""
-    if packed is not None and packed.kind == "onednn":
+    if packed is not None and packed.kind in ("onednn", "skinny"):
         flat = x.reshape(-1, x.shape[-1])
-        if packed.large is not None and flat.shape[0] >= _LARGE_ROWS:
+        if packed.kind == "skinny" and flat.shape[0] <= SKINNY_MAX_ROWS:
+            out = cpu_native.skinny_linear(flat, packed.data, bias)
+        elif packed.large is not None and flat.shape[0] >= _LARGE_ROWS:
             out = torch.nn.functional.linear(flat, packed.large, bias)
         elif packed.widen:  # a bf16 layer on a CPU without bf16 GEMMs
             out = torch.ops.mkldnn._linear_pointwise(

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraplex.model.lora import LoRALinear
-from loraplex_kernels import ops
+from loraplex_kernels import cpu_native, ops
 
 KINDS = {
     "onednn": torch.backends.mkldnn.is_available(),
     "mkl": torch.backends.mkl.is_available(),
+    "skinny": torch.backends.mkldnn.is_available() and cpu_native.can_skinny(torch.float32),
 }
+needs_skinny_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and cpu_native.can_skinny(torch.bfloat16)),
+    reason="this CPU has no AVX512_BF16 (the skinny GEMM's bfloat16 instructions)")
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -80,7 +86,7 @@ def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "plain")
     assert ops.pack_linear_weight(torch.randn(512, 512)) is None
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "fastest")
-    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of onednn, onednn-mkl, "):
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_GEMM must be one of auto, onednn, onednn-mkl, "):
         ops.pack_linear_weight(torch.randn(512, 512))
 
 
@@ -91,6 +97,7 @@ def test_bfloat16_weights_are_packed_by_onednn(rows: int, shared: bool,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 x bf16 with float32 sums: within bf16 rounding of the output of float64. A
     shared (tied LM head) bf16 weight gets a packed copy too: the plain one is not read."""
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn")
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(320, 272, generator=g).bfloat16()
     bias = torch.randn(320, generator=g).bfloat16()
@@ -175,3 +182,96 @@ def test_large_batches_take_the_kept_plain_weight(monkeypatch: pytest.MonkeyPatc
     w = torch.randn(320, 272, generator=g)
     shared = ops.pack_linear_weight(w, shared=True)
     assert shared is not None and shared.data is w  # read in place
+
+
+def _rounded_product(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """float64's ``x @ weight.T + bias`` rounded to x's dtype: what float32 sums of the
+    (exact) products give but for rare ties and float32's own last bits."""
+    out = x.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+def _check_skinny(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> None:
+    expected = _rounded_product(x, weight, bias)
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+        return
+    torch.testing.assert_close(got.double(), expected.double(), rtol=8e-3, atol=1e-5)
+    assert (got == expected).double().mean().item() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param(torch.float32, marks=pytest.mark.skipif(
+        not KINDS["skinny"], reason="no AVX-512 here")),
+    pytest.param(torch.bfloat16, marks=needs_skinny_bf16)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 65, 300])
+def test_skinny_gemm_reads_the_plain_weight(dtype: torch.dtype, rows: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LORAPLEX_CPU_GEMM=skinny``: no copy; batches of up to 64 rows through the native
+    skinny GEMM, more through oneDNN on the same plain weight. 331 output columns (not a
+    multiple of its 4-row groups), 272 inputs (not of its 32-value bf16 vectors), a
+    strided input; scaling the weight after packing shows that both paths read it."""
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "skinny")
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(331, 272, generator=g).to(dtype)
+    bias = torch.randn(331, generator=g).to(dtype)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "skinny" and packed.data is weight
+    for x in (torch.randn(rows, 272, generator=g).to(dtype),
+              torch.randn(rows, 544, generator=g).to(dtype)[:, ::2]):
+        _check_skinny(ops.linear(x, torch.empty(0), bias, packed), x, weight, bias)
+        _check_skinny(ops.linear(x, torch.empty(0), None, packed), x, weight, None)
+    weight.mul_(2.0)  # exact in either dtype
+    x = torch.randn(2, rows, 272, generator=g).to(dtype)  # leading dims are flattened
+    got = ops.linear(x, torch.empty(0), bias, packed)
+    assert got.shape == (2, rows, 331)
+    _check_skinny(got.reshape(-1, 331), x.reshape(-1, 272), weight, bias)
+
+
+@needs_skinny_bf16
+@pytest.mark.parametrize("shared", [False, True])
+def test_bfloat16_weights_default_to_the_skinny_gemm(shared: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ("auto") on a CPU with AVX512_BF16: bf16 weights, a tied head's too,
+    stay plain and in place for the skinny GEMM; float32 ones get oneDNN's packed copy;
+    forcing the portable bf16 kernels (a CPU without the instructions) gives oneDNN's."""
+    monkeypatch.delenv("LORAPLEX_CPU_GEMM", raising=False)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(320, 272, generator=g).bfloat16()
+    packed = ops.pack_linear_weight(weight, shared=shared)
+    assert packed is not None and packed.kind == "skinny" and packed.data is weight
+    fp32 = ops.pack_linear_weight(torch.randn(320, 272, generator=g))
+    assert fp32 is not None and fp32.kind == "onednn"
+    layer = LoRALinear(272, [320], bias=False, num_slots=1, max_rank=8,
+                       dtype=torch.bfloat16, device=torch.device("cpu"))
+    layer.weight.copy_(weight)
+    layer.pack_weight()  # the plain weight is what it reads: kept
+    assert layer.packed_weight is not None and layer.packed_weight.kind == "skinny"
+    assert layer.weight.numel() == 320 * 272
+    x = torch.randn(3, 272, generator=g).bfloat16()
+    _check_skinny(layer(x, None), x, weight, None)
+    monkeypatch.setenv("LORAPLEX_CPU_BF16", "portable")
+    portable = ops.pack_linear_weight(weight, shared=shared)
+    assert portable is not None and portable.kind == "onednn"
+
+
+@pytest.mark.skipif(not KINDS["skinny"], reason="no AVX-512 here")
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(1, 100),
+       bf16=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_skinny_gemm_random_shapes(rows: int, n: int, k: int, bf16: bool, with_bias: bool,
+                                   seed: int) -> None:
+    """Any shape: partial groups of output columns, partial chunks of rows, inputs shorter
+    than one vector or ending in a partial one."""
+    dtype = torch.bfloat16 if bf16 and cpu_native.can_skinny(torch.bfloat16) else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    got = cpu_native.skinny_linear(x, weight, bias)
+    expected = _rounded_product(x, weight, bias)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(got.double(), expected.double(), **tol)  # type: ignore[arg-type]

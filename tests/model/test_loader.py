@@ -45,7 +45,7 @@ def test_kv_blocks_from_a_memory_budget(tiny_llama_dir: Path) -> None:
 def test_bad_cpu_gemm_setting_is_refused(tiny_llama_dir: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "blas")
-    with pytest.raises(ConfigError, match="LORAPLEX_CPU_GEMM must be one of onednn, onednn-mkl, "):
+    with pytest.raises(ConfigError, match="LORAPLEX_CPU_GEMM must be one of auto, onednn, onednn-mkl, "):
         ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=4), LORA,
                     progress=False)
 

@@ -95,9 +95,11 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return name
 
 
-# oneDNN's bf16 GEMM where the CPU has it, and the float32 GEMM over bf16 weights that
-# CPUs without it (AVX2 only) take, forced here so every machine runs both.
-@pytest.mark.parametrize("gemm", ["onednn", "onednn-f32"])
+# The default (the native skinny GEMM for bf16 decode batches where the CPU has
+# AVX512_BF16, oneDNN's packed copy elsewhere), the skinny GEMM in float32 too, oneDNN's
+# bf16 GEMM where the CPU has it, and the float32 GEMM over bf16 weights that CPUs without
+# it (AVX2 only) take, forced here so every machine runs each it can.
+@pytest.mark.parametrize("gemm", ["auto", "skinny", "onednn", "onednn-f32"])
 def test_bfloat16_logits_are_close_to_the_float32_oracle(
         model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
         oracle: list[tuple[list[int], torch.Tensor]], impl: str, gemm: str,
