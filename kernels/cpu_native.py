@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +41,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
               for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c",
             _CSRC / "cpu_prefill_attention.c", _CSRC / "cpu_skinny_gemm.c"]
-_HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h"]
+_HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h",
+            _CSRC / "lora.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
@@ -143,6 +145,10 @@ def load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
+    fn = lib.skinny_lora_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr,
+                   _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, ctypes.c_int]
     lib.loraplex_skinny_impls.restype = ctypes.c_int
     lib.loraplex_skinny_impls.argtypes = []
     return lib
@@ -289,6 +295,18 @@ def can_lora(x: torch.Tensor, out: torch.Tensor, slots: LoRASlots) -> bool:
             and slots.layout == "per_slot" and x.stride(1) == 1 and out.stride(1) == 1)
 
 
+def _lora_args(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor,
+               slots: LoRASlots) -> tuple[int, ...]:
+    """The LoRA kernels' segment and slot arguments, the tensors checked."""
+    assert can_lora(x, out, slots) and x.shape[0] == out.shape[0]
+    assert x.shape[1] == slots.in_features and out.shape[1] == slots.slice_offsets[-1]
+    assert segments.dtype == torch.int64 and segments.is_contiguous() and segments.shape[0] == 3
+    return (segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(),
+            segments.shape[1], slots.at_ptrs.data_ptr(), slots.bt_ptrs.data_ptr(),
+            slots.ranks.data_ptr(), slots.slice_table.data_ptr(), slots.num_slices.data_ptr(),
+            slots.slice_table.shape[1])
+
+
 def add_lora(
     out: torch.Tensor,  # [num_tokens, out], accumulated into
     x: torch.Tensor,  # [num_tokens, in]
@@ -303,17 +321,11 @@ def add_lora(
     (``load``; benchmarks compare revisions), default this tree's."""
     lib = lib or _library()
     assert lib is not None, "native CPU kernels are not available"
-    assert can_lora(x, out, slots) and x.shape[0] == out.shape[0]
-    assert x.shape[1] == slots.in_features and out.shape[1] == slots.slice_offsets[-1]
-    assert segments.dtype == torch.int64 and segments.is_contiguous() and segments.shape[0] == 3
-    num_segments = segments.shape[1]
-    if num_segments == 0:
+    lora_args = _lora_args(x, out, segments, slots)
+    if segments.shape[1] == 0:
         return
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], out.shape[1],
-            segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(),
-            num_segments, slots.at_ptrs.data_ptr(), slots.bt_ptrs.data_ptr(),
-            slots.ranks.data_ptr(), slots.slice_table.data_ptr(), slots.num_slices.data_ptr(),
-            slots.slice_table.shape[1], torch.get_num_threads())
+            *lora_args, torch.get_num_threads())
     if x.dtype == torch.bfloat16:
         status = lib.lora_segments_bf16(*args, _impl_code(lib, impl))
     else:
@@ -343,6 +355,23 @@ def _skinny_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(d for d, bit in _SKINNY_BITS.items() if lib.loraplex_skinny_impls() & bit)
 
 
+def _skinny_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+    """The skinny GEMM's x (unit column stride), output and arguments, the tensors
+    checked."""
+    assert x.dtype in _SKINNY_BITS and x.dim() == 2 and weight.dim() == 2
+    assert weight.dtype == x.dtype and weight.is_contiguous() and x.shape[1] == weight.shape[1]
+    assert x.is_cpu and weight.is_cpu
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (weight.shape[0],)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    return x, out, (x.data_ptr(), x.stride(0), weight.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                    x.shape[0], weight.shape[0], weight.shape[1])
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows of ``x`` [rows, in] (a decode step's),
@@ -350,17 +379,25 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     rounded once to the dtype. Where ``can_skinny(x.dtype)``."""
     lib = _library()
     assert lib is not None, "native CPU kernels are not available"
-    assert x.dtype in _SKINNY_BITS and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-    assert weight.dtype == x.dtype and weight.is_contiguous() and x.is_cpu and weight.is_cpu
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        assert bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (weight.shape[0],)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    x, out, args = _skinny_args(x, weight, bias)
     fn = lib.skinny_linear_f32 if x.dtype == torch.float32 else lib.skinny_linear_bf16
-    status = fn(x.data_ptr(), x.stride(0), weight.data_ptr(),
-                None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
-    if status != 0:
+    if fn(*args, torch.get_num_threads()) != 0:
         raise RuntimeError(f"the native skinny GEMM is not compiled for {x.dtype} here")
+    return out
+
+
+def skinny_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                segments: torch.Tensor, slots: LoRASlots) -> torch.Tensor:
+    """``skinny_linear`` and then ``add_lora`` of these segments into its output, bfloat16,
+    in one native call and one parallel region (the LoRA in ``bf16_impl()``)."""
+    lib = _library()
+    assert lib is not None, "native CPU kernels are not available"
+    assert x.dtype == torch.bfloat16, "the fused skinny GEMM and LoRA run bfloat16"
+    x, out, args = _skinny_args(x, weight, bias)
+    status = lib.skinny_lora_bf16(*args, *_lora_args(x, out, segments, slots),
+                                  torch.get_num_threads(), _impl_code(lib, None))
+    if status == -2:
+        raise RuntimeError("the native skinny GEMM is not compiled for bfloat16 here")
+    if status != 0:
+        raise MemoryError("native LoRA could not allocate its scratch memory")
     return out

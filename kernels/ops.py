@@ -262,6 +262,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                packed: PackedWeight | None, slots: LoRASlots, scales: torch.Tensor,
+                meta: SGMVMeta, backend: Backend | None = None) -> torch.Tensor:
+    """``linear`` and then ``add_lora`` into its output. A bfloat16 decode batch through
+    the skinny GEMM whose segments all go to the native LoRA kernel runs both in one native
+    call (``cpu_native.skinny_lora``: one parallel region instead of two)."""
+    if (meta.has_lora and packed is not None and packed.kind == "skinny"
+            and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+            and slots.layout == "per_slot" and slots.dtype == x.dtype
+            and meta.short_segments is not None and not meta.long_segment_ids
+            and resolve_backend(x.device, backend) == "cpu"):
+        return cpu_native.skinny_lora(x, packed.data, bias, meta.short_segments, slots)
+    out = linear(x, weight, bias, packed)
+    add_lora(out, x, slots, scales, meta, backend)
+    return out
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              backend: Backend | None = None) -> None:
@@ -339,6 +356,6 @@ def silu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch
 
 
 __all__ = ["AttentionMeta", "Backend", "LoRASlots", "PackedWeight", "Rope", "SGMVMeta",
-           "add_lora", "cpu_gemm_choice", "fused_add_rms_norm", "linear",
+           "add_lora", "cpu_gemm_choice", "fused_add_rms_norm", "linear", "linear_lora",
            "pack_linear_weight", "paged_attention", "resolve_backend", "rms_norm",
            "rope_store_kv", "sgmv_expand", "sgmv_shrink", "silu_and_mul", "store_kv"]

@@ -11,6 +11,7 @@
  */
 #include "bf16.h"
 #include "common.h"
+#include "lora.h"
 
 /* ---- LoRA segments ---------------------------------------------------------------- */
 
@@ -210,6 +211,65 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
 }
 #endif
 
+/* The LoRA arguments of lora_segments_bf16, shared by its team (lora.h). */
+int lora_bf16_prepare(struct lora_bf16_call *c)
+{
+    if (!(loraplex_bf16_impls() & (1 << c->impl))) return -2;
+    c->max_rank = 16;
+    for (int64_t i = 0; i < c->num_segs; ++i)
+        if (c->ranks[c->seg_slot[i]] > c->max_rank) c->max_rank = c->ranks[c->seg_slot[i]];
+    c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, LORA_TOKENS,
+                              &c->num_groups);
+    return c->work ? 0 : -1;
+}
+
+/* One thread's share of a prepared call, inside a parallel region (its work items are
+ * shared out by an orphaned `omp for`, which every thread of the team must reach).
+ * Returns 1 when scratch memory could not be allocated, else 0. */
+int lora_bf16_team(const struct lora_bf16_call *c)
+{
+    const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
+    int failed = 0;
+    /* y: fp32 [4, R] (portable) or bf16 (vector); xf: [4, w] fp32; xh: [4, w] bf16 */
+    float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * c->max_rank));
+    float *xf = calloc((size_t)(LORA_TOKENS * w), sizeof(float));
+    bf16 *xh = calloc((size_t)(LORA_TOKENS * w), sizeof(bf16));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < c->num_groups; ++g) {
+        if (!y || !xf || !xh) {
+            failed = 1;
+            continue;
+        }
+        const int64_t t = c->work[3 * g], nt = c->work[3 * g + 1], slot = c->work[3 * g + 2];
+        const bf16 *at = (const bf16 *)(intptr_t)c->at_ptrs[slot];
+        const bf16 *bt = (const bf16 *)(intptr_t)c->bt_ptrs[slot];
+        const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
+        for (int64_t j = 0; j < LORA_TOKENS; ++j) { /* rows past nt stay zero */
+            if (j < nt)
+                memcpy(xh + j * w, c->x + (t + j) * c->x_stride,
+                       sizeof(bf16) * (size_t)c->in_features);
+            else
+                memset(xh + j * w, 0, sizeof(bf16) * (size_t)w);
+        }
+#ifdef __AVX512BF16__
+        if (c->impl == BF16_AVX512) {
+            lora_tokens_avx512(xh, c->out + t * c->out_stride, c->out_stride, nt, in2,
+                               c->n_out, at, bt, c->ranks[slot], slices,
+                               c->num_slices[slot], (bf16 *)y);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < LORA_TOKENS * w; ++i) xf[i] = bf16_to_f32(xh[i]);
+        lora_tokens_portable(xf, c->out + t * c->out_stride, c->out_stride, nt, in2,
+                             c->n_out, at, bt, c->ranks[slot], slices, c->num_slices[slot],
+                             y);
+    }
+    free(y);
+    free(xf);
+    free(xh);
+    return failed;
+}
+
 /* Like lora_segments_f32, with bf16 x, out and weights (the pair-interleaved layout above,
  * R a multiple of 16); `impl` one of loraplex_bf16_impls.
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an impl not compiled. */
@@ -221,53 +281,17 @@ int lora_segments_bf16(
     const int64_t *slice_table, const int64_t *num_slices, int64_t max_slices,
     int num_threads, int impl)
 {
-    if (!(loraplex_bf16_impls() & (1 << impl))) return -2;
-    int64_t num_groups = 0, max_rank = 16;
-    for (int64_t i = 0; i < num_segs; ++i)
-        if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
-    int64_t *work = lora_work_items(seg_first, seg_len, seg_slot, num_segs, LORA_TOKENS,
-                                    &num_groups);
-    if (!work) return -1;
-    const int64_t in2 = (in_features + 1) / 2, w = 2 * in2;
+    struct lora_bf16_call c = {x, x_stride, out, out_stride, in_features, n_out, seg_first,
+                               seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks,
+                               slice_table, num_slices, max_slices, impl, 0, 0, NULL};
+    const int status = lora_bf16_prepare(&c);
+    if (status != 0) return status;
+    /* a lone work item runs on this thread: waking another costs more than it saves */
+    const int threads = c.num_groups < num_threads ? (int)(c.num_groups ? c.num_groups : 1)
+                                                   : num_threads;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        /* y: fp32 [4, R] (portable) or bf16 (vector); xf: [4, w] fp32; xh: [4, w] bf16 */
-        float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * max_rank));
-        float *xf = calloc((size_t)(LORA_TOKENS * w), sizeof(float));
-        bf16 *xh = calloc((size_t)(LORA_TOKENS * w), sizeof(bf16));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t g = 0; g < num_groups; ++g) {
-            if (!y || !xf || !xh) {
-                failed = 1;
-                continue;
-            }
-            const int64_t t = work[3 * g], nt = work[3 * g + 1], slot = work[3 * g + 2];
-            const bf16 *at = (const bf16 *)(intptr_t)at_ptrs[slot];
-            const bf16 *bt = (const bf16 *)(intptr_t)bt_ptrs[slot];
-            const int64_t *slices = slice_table + slot * max_slices * 4;
-            for (int64_t j = 0; j < LORA_TOKENS; ++j) { /* rows past nt stay zero */
-                if (j < nt)
-                    memcpy(xh + j * w, x + (t + j) * x_stride,
-                           sizeof(bf16) * (size_t)in_features);
-                else
-                    memset(xh + j * w, 0, sizeof(bf16) * (size_t)w);
-            }
-#ifdef __AVX512BF16__
-            if (impl == BF16_AVX512) {
-                lora_tokens_avx512(xh, out + t * out_stride, out_stride, nt, in2, n_out, at,
-                                   bt, ranks[slot], slices, num_slices[slot], (bf16 *)y);
-                continue;
-            }
-#endif
-            for (int64_t i = 0; i < LORA_TOKENS * w; ++i) xf[i] = bf16_to_f32(xh[i]);
-            lora_tokens_portable(xf, out + t * out_stride, out_stride, nt, in2, n_out, at, bt,
-                                 ranks[slot], slices, num_slices[slot], y);
-        }
-        free(y);
-        free(xf);
-        free(xh);
-    }
-    free(work);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    failed |= lora_bf16_team(&c);
+    free(c.work);
     return failed ? -1 : 0;
 }

@@ -18,8 +18,10 @@
  * AVX-512 (and AVX512_BF16 for bf16); `loraplex_skinny_impls` says which. */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
+#include "lora.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -59,19 +61,14 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d)
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* The sums of a group of nb <= NB weight rows against mb <= MB rows of x, stored to out
- * (with bias) as float32 (`out_f32`) or rounded to bf16. `dot` is the K loop. */
-#define SKINNY_STORE(OUT_T, STORE_ONE)                                                    \
+/* The sums of a group of nb <= NB weight rows against mb <= MB rows of x, reduced four
+ * outputs at a time, the bias `b4` added, stored through STORE(o, mask, sums). */
+#define SKINNY_STORE(STORE)                                                               \
     _Pragma("GCC unroll 6")                                                             \
     for (int i = 0; i < MB; ++i) {                                                      \
         if (i >= mb) break;                                                             \
-        float sums[NB];                                                                 \
-        _mm_storeu_ps(sums, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));       \
-        OUT_T *restrict o = out + i * ldo + n0;                                         \
-        for (int j = 0; j < nb; ++j) {                                                  \
-            const float v = sums[j] + (bias ? BIAS_AT(j) : 0.0f);                       \
-            STORE_ONE;                                                                  \
-        }                                                                               \
+        const __m128 v = _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), b4); \
+        STORE(out + i * ldo + n0, (__mmask8)((1u << nb) - 1), v);                       \
     }
 
 static inline __attribute__((always_inline)) void group_f32(
@@ -102,9 +99,11 @@ static inline __attribute__((always_inline)) void group_f32(
             }
         }
     }
-#define BIAS_AT(j) bias[n0 + (j)]
-    SKINNY_STORE(float, o[j] = v)
-#undef BIAS_AT
+    const __mmask8 nm = (__mmask8)((1u << nb) - 1);
+    const __m128 b4 = bias ? _mm_maskz_loadu_ps(nm, bias + n0) : _mm_setzero_ps();
+#define STORE_F32(o, mask, v) _mm_mask_storeu_ps(o, mask, v)
+    SKINNY_STORE(STORE_F32)
+#undef STORE_F32
 }
 #endif
 
@@ -139,9 +138,14 @@ static inline __attribute__((always_inline)) void group_bf16(
             }
         }
     }
-#define BIAS_AT(j) bf16_to_f32(bias[n0 + (j)])
-    SKINNY_STORE(bf16, o[j] = f32_to_bf16(v))
-#undef BIAS_AT
+    const __mmask8 nm = (__mmask8)((1u << nb) - 1);
+    const __m128 b4 = bias ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(
+                                 _mm_maskz_loadu_epi16(nm, bias + n0)), 16))
+                           : _mm_setzero_ps();
+    /* round to nearest even, as torch; vcvtneps2bf16 also flushes denormals to zero */
+#define STORE_BF16(o, mask, v) _mm_mask_storeu_epi16(o, mask, (__m128i)_mm_cvtneps_pbh(v))
+    SKINNY_STORE(STORE_BF16)
+#undef STORE_BF16
 }
 #endif
 
@@ -171,14 +175,15 @@ static inline __attribute__((always_inline)) void group_bf16(
 
 /* The groups are split evenly over the threads, each thread's a contiguous run (whole
  * weight rows: the hardware prefetchers follow NB streams). */
-#define SKINNY_PARALLEL(GROUP)                                                            \
-    const int64_t groups = (n + NB - 1) / NB;                                           \
-    _Pragma("omp parallel num_threads(num_threads)")                                     \
+#define SKINNY_THREAD(GROUP)                                                              \
     {                                                                                   \
+        const int64_t groups = (n + NB - 1) / NB;                                       \
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();             \
         const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;                 \
         SKINNY_RANGE(GROUP)                                                             \
     }
+#define SKINNY_PARALLEL(GROUP)                                                            \
+    _Pragma("omp parallel num_threads(num_threads)") SKINNY_THREAD(GROUP)
 
 /* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ w[n, k]^T + bias (NULL:
  * none). Returns 0, or -2 where this build has no AVX-512. */
@@ -210,6 +215,41 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
     (void)k; (void)num_threads;
+    return -2;
+#endif
+}
+
+/* skinny_linear_bf16 and then the LoRA of lora_segments_bf16 added to its output, in one
+ * parallel region: a decode step's projection wakes the team once, not twice (between
+ * regions libgomp's idle threads sleep after a short spin, loraplex/openmp.py, and waking
+ * them took about as long as a decode step's LoRA). Returns as lora_segments_bf16. */
+int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
+                     bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
+                     const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,
+                     int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs,
+                     const int64_t *ranks, const int64_t *slice_table,
+                     const int64_t *num_slices, int64_t max_slices, int num_threads, int impl)
+{
+#ifdef __AVX512BF16__
+    struct lora_bf16_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,
+                               num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,
+                               max_slices, impl, 0, 0, NULL};
+    const int status = lora_bf16_prepare(&c);
+    if (status != 0) return status;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        SKINNY_THREAD(group_bf16)
+#pragma omp barrier
+        failed |= lora_bf16_team(&c);
+    }
+    free(c.work);
+    return failed ? -1 : 0;
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
+    (void)k; (void)seg_first; (void)seg_len; (void)seg_slot; (void)num_segs; (void)at_ptrs;
+    (void)bt_ptrs; (void)ranks; (void)slice_table; (void)num_slices; (void)max_slices;
+    (void)num_threads; (void)impl;
     return -2;
 #endif
 }

@@ -13,7 +13,13 @@ from torch import nn
 
 from loraplex_kernels.lora_slots import LoRASlots, default_layout
 from loraplex_kernels.meta import SGMVMeta
-from loraplex_kernels.ops import Backend, PackedWeight, add_lora, linear, pack_linear_weight
+from loraplex_kernels.ops import (
+    Backend,
+    PackedWeight,
+    linear,
+    linear_lora,
+    pack_linear_weight,
+)
 
 # PEFT module name -> (our packed module, slice index within it)
 MODULE_SLICES: dict[str, tuple[str, int]] = {
@@ -58,10 +64,10 @@ class LoRALinear(nn.Module):
         self.packed_weight: PackedWeight | None = None  # see pack_weight
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.packed_weight)  # [num_tokens, out]
-        if lora is not None and lora.meta.has_lora:
-            add_lora(out, x, self.lora, lora.scales, lora.meta, lora.backend)
-        return out
+        if lora is None:
+            return linear(x, self.weight, self.bias, self.packed_weight)  # [num_tokens, out]
+        return linear_lora(x, self.weight, self.bias, self.packed_weight, self.lora,
+                           lora.scales, lora.meta, lora.backend)
 
     def pack_weight(self) -> None:
         """Keeps a GEMM-packed copy of the (loaded, now fixed) base weight where that is

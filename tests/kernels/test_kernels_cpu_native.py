@@ -27,6 +27,8 @@ from kernel_cases import (
     check_add_lora,
     check_attention,
     check_partial_targets,
+    lora_slots,
+    make_sgmv_inputs,
     torch_threads,
 )
 
@@ -165,3 +167,47 @@ def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hid
 
 def test_add_lora_partial_targets() -> None:
     check_partial_targets(torch.float32)
+
+
+@pytest.mark.skipif(not cpu_native.can_skinny(torch.bfloat16),
+                    reason="this CPU has no AVX512_BF16 (the skinny GEMM's bf16 instructions)")
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 9)), min_size=1, max_size=8),
+    ranks=st.lists(st.sampled_from([1, 8, 16, 33]), min_size=4, max_size=4),
+    hidden=st.integers(1, 80),
+    widths=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_skinny_gemm_and_lora_in_one_call(runs: list[tuple[int, int]], ranks: list[int],
+                                          hidden: int, widths: list[int],
+                                          threads: int) -> None:
+    """A bfloat16 decode batch's projection: the fused native call (one parallel region)
+    gives exactly what the skinny GEMM and then the LoRA kernel give apart, rows of base
+    tokens included; past 64 rows ``linear_lora`` takes the two apart."""
+    slots_of = sorted(s for s, n in runs for _ in range(n))
+    case = SGMVCase("decode", tuple(slots_of), tuple(ranks), hidden, tuple(widths))
+    inp = make_sgmv_inputs(case, torch.bfloat16, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    g = torch.Generator().manual_seed(len(slots_of))
+    weight = torch.randn(inp.slice_offsets[-1], hidden, generator=g).bfloat16()
+    bias = torch.randn(inp.slice_offsets[-1], generator=g).bfloat16()
+    packed = ops.PackedWeight("skinny", weight)
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    assert meta.short_segments is not None and not meta.long_segment_ids
+    with torch_threads(threads):
+        apart = cpu_native.skinny_linear(inp.x, weight, bias)
+        cpu_native.add_lora(apart, inp.x, meta.short_segments, slots)
+        fused = ops.linear_lora(inp.x, torch.empty(0), bias, packed, slots, inp.scales, meta)
+    assert torch.equal(fused, apart)
+    plain = cpu_native.skinny_linear(inp.x, weight, bias)
+    base = [t for t, s in enumerate(case.token_slots) if s < 0]
+    assert torch.equal(fused[base], plain[base]), "a base-model row got a LoRA delta"
+    if meta.has_lora:
+        assert not torch.equal(fused, plain)
+    many = inp.x.repeat(-(-65 // inp.x.shape[0]), 1)[:65]  # 65 rows: oneDNN, then LoRA
+    meta65 = SGMVMeta.build([0] * 65, case.slot_ranks)
+    out = ops.linear_lora(many, torch.empty(0), bias, packed, slots, inp.scales, meta65)
+    expected = ops.linear(many, torch.empty(0), bias, packed)
+    cpu_native.add_lora(expected, many, meta65.short_segments, slots)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
