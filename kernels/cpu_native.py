@@ -145,10 +145,11 @@ def load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
-    fn = lib.skinny_lora_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr,
-                   _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, ctypes.c_int]
+    for name, extra in (("skinny_lora_f32", []), ("skinny_lora_bf16", [ctypes.c_int])):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr,
+                       _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, *extra]
     lib.loraplex_skinny_impls.restype = ctypes.c_int
     lib.loraplex_skinny_impls.argtypes = []
     return lib
@@ -388,16 +389,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def skinny_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 segments: torch.Tensor, slots: LoRASlots) -> torch.Tensor:
-    """``skinny_linear`` and then ``add_lora`` of these segments into its output, bfloat16,
-    in one native call and one parallel region (the LoRA in ``bf16_impl()``)."""
+    """``skinny_linear`` and then ``add_lora`` of these segments into its output, in one
+    native call and one parallel region (bfloat16's LoRA in ``bf16_impl()``)."""
     lib = _library()
     assert lib is not None, "native CPU kernels are not available"
-    assert x.dtype == torch.bfloat16, "the fused skinny GEMM and LoRA run bfloat16"
     x, out, args = _skinny_args(x, weight, bias)
-    status = lib.skinny_lora_bf16(*args, *_lora_args(x, out, segments, slots),
-                                  torch.get_num_threads(), _impl_code(lib, None))
+    args = (*args, *_lora_args(x, out, segments, slots), torch.get_num_threads())
+    if x.dtype == torch.bfloat16:
+        status = lib.skinny_lora_bf16(*args, _impl_code(lib, None))
+    else:
+        status = lib.skinny_lora_f32(*args)
     if status == -2:
-        raise RuntimeError("the native skinny GEMM is not compiled for bfloat16 here")
+        raise RuntimeError(f"the native skinny GEMM is not compiled for {x.dtype} here")
     if status != 0:
         raise MemoryError("native LoRA could not allocate its scratch memory")
     return out

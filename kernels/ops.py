@@ -265,11 +265,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: PackedWeight | None, slots: LoRASlots, scales: torch.Tensor,
                 meta: SGMVMeta, backend: Backend | None = None) -> torch.Tensor:
-    """``linear`` and then ``add_lora`` into its output. A bfloat16 decode batch through
-    the skinny GEMM whose segments all go to the native LoRA kernel runs both in one native
-    call (``cpu_native.skinny_lora``: one parallel region instead of two)."""
+    """``linear`` and then ``add_lora`` into its output. A decode batch through the skinny
+    GEMM whose segments all go to the native LoRA kernel runs both in one native call
+    (``cpu_native.skinny_lora``: one parallel region instead of two)."""
     if (meta.has_lora and packed is not None and packed.kind == "skinny"
-            and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+            and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
             and slots.layout == "per_slot" and slots.dtype == x.dtype
             and meta.short_segments is not None and not meta.long_segment_ids
             and resolve_backend(x.device, backend) == "cpu"):

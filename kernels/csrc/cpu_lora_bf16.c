@@ -212,7 +212,7 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
 #endif
 
 /* The LoRA arguments of lora_segments_bf16, shared by its team (lora.h). */
-int lora_bf16_prepare(struct lora_bf16_call *c)
+int lora_bf16_prepare(struct lora_call *c)
 {
     if (!(loraplex_bf16_impls() & (1 << c->impl))) return -2;
     c->max_rank = 16;
@@ -226,7 +226,7 @@ int lora_bf16_prepare(struct lora_bf16_call *c)
 /* One thread's share of a prepared call, inside a parallel region (its work items are
  * shared out by an orphaned `omp for`, which every thread of the team must reach).
  * Returns 1 when scratch memory could not be allocated, else 0. */
-int lora_bf16_team(const struct lora_bf16_call *c)
+int lora_bf16_team(const struct lora_call *c)
 {
     const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
     int failed = 0;
@@ -246,21 +246,21 @@ int lora_bf16_team(const struct lora_bf16_call *c)
         const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
         for (int64_t j = 0; j < LORA_TOKENS; ++j) { /* rows past nt stay zero */
             if (j < nt)
-                memcpy(xh + j * w, c->x + (t + j) * c->x_stride,
+                memcpy(xh + j * w, (const bf16 *)c->x + (t + j) * c->x_stride,
                        sizeof(bf16) * (size_t)c->in_features);
             else
                 memset(xh + j * w, 0, sizeof(bf16) * (size_t)w);
         }
 #ifdef __AVX512BF16__
         if (c->impl == BF16_AVX512) {
-            lora_tokens_avx512(xh, c->out + t * c->out_stride, c->out_stride, nt, in2,
+            lora_tokens_avx512(xh, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
                                c->n_out, at, bt, c->ranks[slot], slices,
                                c->num_slices[slot], (bf16 *)y);
             continue;
         }
 #endif
         for (int64_t i = 0; i < LORA_TOKENS * w; ++i) xf[i] = bf16_to_f32(xh[i]);
-        lora_tokens_portable(xf, c->out + t * c->out_stride, c->out_stride, nt, in2,
+        lora_tokens_portable(xf, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
                              c->n_out, at, bt, c->ranks[slot], slices, c->num_slices[slot],
                              y);
     }
@@ -281,7 +281,7 @@ int lora_segments_bf16(
     const int64_t *slice_table, const int64_t *num_slices, int64_t max_slices,
     int num_threads, int impl)
 {
-    struct lora_bf16_call c = {x, x_stride, out, out_stride, in_features, n_out, seg_first,
+    struct lora_call c = {x, x_stride, out, out_stride, in_features, n_out, seg_first,
                                seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks,
                                slice_table, num_slices, max_slices, impl, 0, 0, NULL};
     const int status = lora_bf16_prepare(&c);

@@ -3,6 +3,7 @@
  * cpu_attention_f32.c for how the native kernels are built and called.
  */
 #include "common.h"
+#include "lora.h"
 
 /* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
  * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps a tile of
@@ -118,38 +119,58 @@ int lora_segments_f32(
     const int64_t *slice_table, const int64_t *num_slices, int64_t max_slices,
     int num_threads)
 {
-    int64_t num_groups = 0, max_rank = 1;
-    for (int64_t i = 0; i < num_segs; ++i)
-        if (ranks[seg_slot[i]] > max_rank) max_rank = ranks[seg_slot[i]];
-    int64_t *work = lora_work_items(seg_first, seg_len, seg_slot, num_segs, LORA_TOKENS,
-                                    &num_groups);
-    if (!work) return -1;
+    struct lora_call c = {x, x_stride, out, out_stride, in_features, n_out, seg_first,
+                          seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks, slice_table,
+                          num_slices, max_slices, 0, 0, 0, NULL};
+    if (lora_f32_prepare(&c) != 0) return -1;
+    /* a lone work item runs on this thread: waking another costs more than it saves */
+    const int threads = c.num_groups < num_threads ? (int)(c.num_groups ? c.num_groups : 1)
+                                                   : num_threads;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * max_rank));
-        float *xb = calloc((size_t)(LORA_TOKENS * in_features), sizeof(float));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < num_groups; ++w) {
-            if (!y || !xb) {
-                failed = 1;
-                continue;
-            }
-            const int64_t t = work[3 * w], nt = work[3 * w + 1], slot = work[3 * w + 2];
-            for (int64_t j = 0; j < LORA_TOKENS; ++j)
-                if (j < nt)
-                    memcpy(xb + j * in_features, x + (t + j) * x_stride,
-                           sizeof(float) * (size_t)in_features);
-                else
-                    memset(xb + j * in_features, 0, sizeof(float) * (size_t)in_features);
-            lora_tokens(xb, out + t * out_stride, out_stride, nt, in_features, n_out,
-                        (const float *)(intptr_t)at_ptrs[slot],
-                        (const float *)(intptr_t)bt_ptrs[slot], ranks[slot],
-                        slice_table + slot * max_slices * 4, num_slices[slot], y);
-        }
-        free(y);
-        free(xb);
-    }
-    free(work);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    failed |= lora_f32_team(&c);
+    free(c.work);
     return failed ? -1 : 0;
+}
+
+/* The arguments of lora_segments_f32, shared by its team (lora.h). */
+int lora_f32_prepare(struct lora_call *c)
+{
+    c->max_rank = 1;
+    for (int64_t i = 0; i < c->num_segs; ++i)
+        if (c->ranks[c->seg_slot[i]] > c->max_rank) c->max_rank = c->ranks[c->seg_slot[i]];
+    c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, LORA_TOKENS,
+                              &c->num_groups);
+    return c->work ? 0 : -1;
+}
+
+/* One thread's share of a prepared call, inside a parallel region (an orphaned `omp for`
+ * that every thread of the team must reach). 1 where scratch memory failed, else 0. */
+int lora_f32_team(const struct lora_call *c)
+{
+    const int64_t in = c->in_features;
+    int failed = 0;
+    float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * c->max_rank));
+    float *xb = calloc((size_t)(LORA_TOKENS * in), sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < c->num_groups; ++w) {
+        if (!y || !xb) {
+            failed = 1;
+            continue;
+        }
+        const int64_t t = c->work[3 * w], nt = c->work[3 * w + 1], slot = c->work[3 * w + 2];
+        for (int64_t j = 0; j < LORA_TOKENS; ++j)
+            if (j < nt)
+                memcpy(xb + j * in, (const float *)c->x + (t + j) * c->x_stride,
+                       sizeof(float) * (size_t)in);
+            else
+                memset(xb + j * in, 0, sizeof(float) * (size_t)in);
+        lora_tokens(xb, (float *)c->out + t * c->out_stride, c->out_stride, nt, in, c->n_out,
+                    (const float *)(intptr_t)c->at_ptrs[slot],
+                    (const float *)(intptr_t)c->bt_ptrs[slot], c->ranks[slot],
+                    c->slice_table + slot * c->max_slices * 4, c->num_slices[slot], y);
+    }
+    free(y);
+    free(xb);
+    return failed;
 }

@@ -219,37 +219,62 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
 #endif
 }
 
-/* skinny_linear_bf16 and then the LoRA of lora_segments_bf16 added to its output, in one
+/* skinny_linear_* and then the LoRA of lora_segments_* added to its output, in one
  * parallel region: a decode step's projection wakes the team once, not twice (between
  * regions libgomp's idle threads sleep after a short spin, loraplex/openmp.py, and waking
- * them took about as long as a decode step's LoRA). Returns as lora_segments_bf16. */
+ * them took about as long as a decode step's LoRA). Returns as lora_segments_*. */
+#define SKINNY_LORA(GROUP, PREPARE, TEAM, IMPL)                                             \
+    struct lora_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,         \
+                          num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,   \
+                          max_slices, IMPL, 0, 0, NULL};                                \
+    const int status = PREPARE(&c);                                                     \
+    if (status != 0) return status;                                                     \
+    int failed = 0;                                                                     \
+    _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")               \
+    {                                                                                   \
+        SKINNY_THREAD(GROUP)                                                            \
+        _Pragma("omp barrier")                                                          \
+        failed |= TEAM(&c);                                                             \
+    }                                                                                   \
+    free(c.work);                                                                       \
+    return failed ? -1 : 0;
+
+#define SKINNY_LORA_ARGS                                                                  \
+    const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,          \
+        int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs,               \
+        const int64_t *ranks, const int64_t *slice_table, const int64_t *num_slices,    \
+        int64_t max_slices, int num_threads
+#define SKINNY_LORA_UNUSED                                                                \
+    (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;  \
+    (void)k; (void)seg_first; (void)seg_len; (void)seg_slot; (void)num_segs;            \
+    (void)at_ptrs; (void)bt_ptrs; (void)ranks; (void)slice_table; (void)num_slices;     \
+    (void)max_slices; (void)num_threads
+
+#undef VEC
+#define VEC 16
+int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bias,
+                    float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
+                    SKINNY_LORA_ARGS)
+{
+#ifdef __AVX512F__
+    SKINNY_LORA(group_f32, lora_f32_prepare, lora_f32_team, 0)
+#else
+    SKINNY_LORA_UNUSED;
+    return -2;
+#endif
+}
+
+#undef VEC
+#define VEC 32
 int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
                      bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
-                     const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,
-                     int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs,
-                     const int64_t *ranks, const int64_t *slice_table,
-                     const int64_t *num_slices, int64_t max_slices, int num_threads, int impl)
+                     SKINNY_LORA_ARGS, int impl)
 {
 #ifdef __AVX512BF16__
-    struct lora_bf16_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,
-                               num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,
-                               max_slices, impl, 0, 0, NULL};
-    const int status = lora_bf16_prepare(&c);
-    if (status != 0) return status;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        SKINNY_THREAD(group_bf16)
-#pragma omp barrier
-        failed |= lora_bf16_team(&c);
-    }
-    free(c.work);
-    return failed ? -1 : 0;
+    SKINNY_LORA(group_bf16, lora_bf16_prepare, lora_bf16_team, impl)
 #else
-    (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
-    (void)k; (void)seg_first; (void)seg_len; (void)seg_slot; (void)num_segs; (void)at_ptrs;
-    (void)bt_ptrs; (void)ranks; (void)slice_table; (void)num_slices; (void)max_slices;
-    (void)num_threads; (void)impl;
+    SKINNY_LORA_UNUSED;
+    (void)impl;
     return -2;
 #endif
 }

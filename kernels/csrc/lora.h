@@ -1,29 +1,33 @@
-/* The bfloat16 LoRA kernel as a team's share of a parallel region (cpu_lora_bf16.c), for
- * kernels that run it in their own region after other work (cpu_skinny_gemm.c). */
+/* The LoRA kernels as a team's share of a parallel region (cpu_lora_f32.c,
+ * cpu_lora_bf16.c), for kernels that run them in their own region after other work
+ * (cpu_skinny_gemm.c). */
 #ifndef LORAPLEX_CPU_LORA_H
 #define LORAPLEX_CPU_LORA_H
 #include <stdint.h>
 
 #include "bf16.h"
 
-struct lora_bf16_call {
-    const bf16 *x;
+/* lora_segments_f32's or lora_segments_bf16's arguments (x and out float or bf16). */
+struct lora_call {
+    const void *x;
     int64_t x_stride;
-    bf16 *out;
+    void *out;
     int64_t out_stride, in_features, n_out;
     const int64_t *seg_first, *seg_len, *seg_slot;
     int64_t num_segs;
     const int64_t *at_ptrs, *bt_ptrs, *ranks, *slice_table, *num_slices;
     int64_t max_slices;
-    int impl;
-    /* set by lora_bf16_prepare: the largest rank, the work items (free them) */
+    int impl; /* bf16 only */
+    /* set by lora_*_prepare: the largest rank, the work items (free them) */
     int64_t max_rank, num_groups;
     int64_t *work;
 };
 
 /* 0; -1 out of memory; -2 an impl not compiled. */
-int lora_bf16_prepare(struct lora_bf16_call *c);
+int lora_f32_prepare(struct lora_call *c);
+int lora_bf16_prepare(struct lora_call *c);
 /* Every thread of the region calls it once; 1 where scratch memory failed, else 0. */
-int lora_bf16_team(const struct lora_bf16_call *c);
+int lora_f32_team(const struct lora_call *c);
+int lora_bf16_team(const struct lora_call *c);
 
 #endif

@@ -169,29 +169,32 @@ def test_add_lora_partial_targets() -> None:
     check_partial_targets(torch.float32)
 
 
-@pytest.mark.skipif(not cpu_native.can_skinny(torch.bfloat16),
-                    reason="this CPU has no AVX512_BF16 (the skinny GEMM's bf16 instructions)")
-@settings(max_examples=25, deadline=None, derandomize=True)
+@pytest.mark.skipif(not cpu_native.can_skinny(torch.float32),
+                    reason="this CPU has no AVX-512 (the skinny GEMM's instructions)")
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(
     runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 9)), min_size=1, max_size=8),
     ranks=st.lists(st.sampled_from([1, 8, 16, 33]), min_size=4, max_size=4),
     hidden=st.integers(1, 80),
     widths=st.lists(st.integers(1, 70), min_size=1, max_size=3),
     threads=st.sampled_from([1, 2, 3]),
+    bf16=st.booleans(),
 )
 def test_skinny_gemm_and_lora_in_one_call(runs: list[tuple[int, int]], ranks: list[int],
-                                          hidden: int, widths: list[int],
-                                          threads: int) -> None:
-    """A bfloat16 decode batch's projection: the fused native call (one parallel region)
-    gives exactly what the skinny GEMM and then the LoRA kernel give apart, rows of base
-    tokens included; past 64 rows ``linear_lora`` takes the two apart."""
+                                          hidden: int, widths: list[int], threads: int,
+                                          bf16: bool) -> None:
+    """A decode batch's projection: the fused native call (one parallel region) gives
+    exactly what the skinny GEMM and then the LoRA kernel give apart, rows of base tokens
+    included; past 64 rows ``linear_lora`` takes the two apart. bfloat16 where the CPU
+    has AVX512_BF16, else float32."""
+    dtype = torch.bfloat16 if bf16 and cpu_native.can_skinny(torch.bfloat16) else torch.float32
     slots_of = sorted(s for s, n in runs for _ in range(n))
     case = SGMVCase("decode", tuple(slots_of), tuple(ranks), hidden, tuple(widths))
-    inp = make_sgmv_inputs(case, torch.bfloat16, "cpu")
+    inp = make_sgmv_inputs(case, dtype, "cpu")
     slots = lora_slots(case, inp, "per_slot")
     g = torch.Generator().manual_seed(len(slots_of))
-    weight = torch.randn(inp.slice_offsets[-1], hidden, generator=g).bfloat16()
-    bias = torch.randn(inp.slice_offsets[-1], generator=g).bfloat16()
+    weight = torch.randn(inp.slice_offsets[-1], hidden, generator=g).to(dtype)
+    bias = torch.randn(inp.slice_offsets[-1], generator=g).to(dtype)
     packed = ops.PackedWeight("skinny", weight)
     meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
     assert meta.short_segments is not None and not meta.long_segment_ids
