@@ -62,8 +62,15 @@ def assert_clean(store: AdapterStore, factory: sessionmaker[Session]) -> None:
 
 
 def _wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 60) -> None:
+    """Polls ``predicate`` until true. A predicate that lists the store can race the sweep
+    it waits for (a folder removed between its listing and its scan): not true yet."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while True:
+        try:
+            if predicate():
+                return
+        except FileNotFoundError:
+            pass
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.001)
