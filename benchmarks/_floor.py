@@ -3,7 +3,8 @@ or faster machine explains itself.
 
 - GEMM rate at the model's own shapes (every linear layer of a decoder layer and the LM
   head, at a prefill-sized and a decode-sized number of rows), at the run's thread count
-  and dtype: GFLOP/s of ``torch.nn.functional.linear``, the best of a few repeats. For
+  and dtype: GFLOP/s of the fastest of ``torch.nn.functional.linear``, oneDNN's packed
+  weight and the native skinny GEMM (``_gemm_rate``), the best of a few repeats. For
   bfloat16 on a CPU without bf16 GEMM instructions (AVX2 only: torch's bf16 GEMM ran at a
   sixth of its float32 one there), the float32 rate where that is higher: a bf16 GEMM
   with float32 sums computes exactly that way (loraplex does, ``ops.pack_linear_weight``),
@@ -16,6 +17,7 @@ or faster machine explains itself.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,8 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplex_kernels.ops import linear, onednn_bf16_gemm, pack_linear_weight
+from loraplex_kernels.ops import PackedWeight, linear, onednn_bf16_gemm, pack_linear_weight
 
+_GEMM_VARIABLE = "LORAPLEX_CPU_GEMM"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,20 +77,35 @@ class Floors:
         return asdict(self)
 
 
+def _pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
+    """``pack_linear_weight`` under ``LORAPLEX_CPU_GEMM=choice``, the variable restored."""
+    saved = os.environ.get(_GEMM_VARIABLE)
+    os.environ[_GEMM_VARIABLE] = choice
+    try:
+        return pack_linear_weight(weight)
+    finally:
+        if saved is None:
+            del os.environ[_GEMM_VARIABLE]
+        else:
+            os.environ[_GEMM_VARIABLE] = saved
+
+
 def _gemm_rate(shapes: ModelShapes, rows: int, dtype: torch.dtype, repeats: int) -> float:
-    """GFLOP/s of the model's linear layers, each through the faster of ``F.linear`` and
-    a oneDNN-packed weight (``ops.linear``): the machine's rate, not one library's (MKL's
-    float32 sgemm takes its AVX2 path on AMD CPUs, at half oneDNN's AVX-512 rate there)."""
+    """GFLOP/s of the model's linear layers, each through the fastest of ``F.linear``, a
+    oneDNN-packed weight and the native skinny GEMM (``ops.linear``; from 65 rows oneDNN
+    on the plain weight): the machine's rate, not one library's (MKL's float32 sgemm takes
+    its AVX2 path on AMD CPUs, at half oneDNN's AVX-512 rate there)."""
     layers = shapes.layer_linears() + [(shapes.hidden, shapes.vocab)]
     weights = [torch.randn(out, inp, dtype=dtype) * 0.02 for inp, out in layers]
     inputs = [torch.randn(rows, inp, dtype=dtype) for inp, _ in layers]
     flops = sum(2 * rows * inp * out for inp, out in layers)
     seconds = 0.0
     for x, w in zip(inputs, weights, strict=True):
-        packed = pack_linear_weight(w)
         ways = [lambda x=x, w=w: F.linear(x, w)]
-        if packed is not None and not packed.widen:
-            ways.append(lambda x=x, packed=packed: linear(x, torch.empty(0), None, packed))
+        for choice in ("onednn", "skinny"):
+            packed = _pack_as(w, choice)
+            if packed is not None and not packed.widen and (choice == packed.kind):
+                ways.append(lambda x=x, w=w, packed=packed: linear(x, w, None, packed))
         best = float("inf")
         for way in ways:
             way()  # warm-up: oneDNN's primitive for this shape

@@ -124,10 +124,10 @@ _MKL_PACK_MAX_ROWS = 128
 _LARGE_ROWS = 512
 # Batches of up to this many rows go to the native skinny GEMM where a weight takes it
 # (kind "skinny"), more to oneDNN reading the same plain weight. In bfloat16 the skinny
-# GEMM streamed the demo model's weights 1.3-2x faster than oneDNN's packed copy up to 32
-# rows and matched it at 64 (benchmarks/skinny_gemm.py), where oneDNN on the plain layout
+# GEMM ran the demo model's 30 layers 1.6-2.4x faster than oneDNN's packed copy up to 16
+# rows and 1.1-1.3x at 32-64 (benchmarks/skinny_gemm.py), where oneDNN on the plain layout
 # was 0.7-0.9x its packed copy; from 128 rows oneDNN's packed copy leads, on the plain
-# layout 4-10 % behind it.
+# layout 4-14 % behind it.
 SKINNY_MAX_ROWS = 64
 
 
@@ -169,8 +169,9 @@ def cpu_gemm_choice() -> str:
 
     - "auto" (the default): "skinny" for bfloat16 weights where the CPU runs the native
       skinny GEMM (AVX512_BF16), "onednn" for the rest. In float32 the skinny GEMM led
-      only below 16 rows and oneDNN's packed copy, which it cannot read, from there on
-      (benchmarks/skinny_gemm.py), so float32 keeps that copy.
+      oneDNN's packed copy by less (0.9-1.5x) and oneDNN on the plain layout it would take
+      for prefill was 5-14 % slower than that copy: the offline workload measured level
+      within its noise, so float32 keeps the packed copy.
     - "skinny": the plain weight kept, the native skinny GEMM for batches of up to
       ``SKINNY_MAX_ROWS`` rows and oneDNN on the plain layout for more, in float32 too;
       "onednn" where the CPU lacks the skinny GEMM's instructions.

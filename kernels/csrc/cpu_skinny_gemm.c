@@ -4,8 +4,8 @@
  *
  * At decode sizes (a few to a few dozen rows) a step's GEMMs read every base weight once
  * and do little else, so what they cost is how fast the weights stream from memory.
- * oneDNN's GEMMs (packed or plain) streamed the demo model's weights at 4-13 GB/s there
- * against the machine's 48-52 GB/s for a plain sum over as many bytes (AVX-512 EPYC,
+ * oneDNN's GEMMs (packed or plain) streamed the demo model's weights at 4-14 GB/s there
+ * where a plain sum over as many bytes read 25-50 GB/s (AVX-512 EPYC, 2 threads,
  * benchmarks/skinny_gemm.py). Here each thread takes groups of NB consecutive weight rows
  * (output columns), reads each group from memory once, and multiplies it against every row
  * of x in chunks of MB rows: NB x MB sums of 16 lanes in registers, the group re-read from
