@@ -71,21 +71,30 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d)
         STORE(out + i * ldo + n0, (__mmask8)((1u << nb) - 1), v);                       \
     }
 
+/* A group's sums (NB x MB vectors, zeroed) and its NB weight rows (past nb: row n0 again,
+ * read but not stored). */
+#define SKINNY_SETUP(T)                                                                   \
+    __m512 acc[MB][NB];                                                                 \
+    _Pragma("GCC unroll 6") for (int i = 0; i < MB; ++i)                                \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps(); \
+    const T *restrict wr[NB];                                                           \
+    for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * k;
+
+/* The next `lines` cache lines of a group PREFETCH_GROUPS ahead. */
+static inline void prefetch_ahead(const char **pf, int lines)
+{
+    for (int l = 0; l < lines; ++l) _mm_prefetch(*pf + 64 * l, _MM_HINT_T0);
+    *pf += 64 * lines;
+}
+
 static inline __attribute__((always_inline)) void group_f32(
     const float *restrict x, int64_t ldx, const float *restrict w, int64_t k,
     const float *restrict bias, float *restrict out, int64_t ldo, int64_t n0, int nb,
     const int mb, const char **pf, const int pf_lines)
 {
-    __m512 acc[MB][NB];
-#pragma GCC unroll 6
-    for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-    const float *restrict wr[NB];
-    for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * k;
+    SKINNY_SETUP(float)
     for (int64_t p = 0; p < k; p += 16) {
-        for (int l = 0; l < pf_lines; ++l) _mm_prefetch(*pf + 64 * l, _MM_HINT_T0);
-        *pf += 64 * pf_lines;
+        prefetch_ahead(pf, pf_lines);
         const __mmask16 m = k - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - p)) - 1);
         __m512 wv[NB];
 #pragma GCC unroll 4
@@ -113,16 +122,9 @@ static inline __attribute__((always_inline)) void group_bf16(
     const bf16 *restrict bias, bf16 *restrict out, int64_t ldo, int64_t n0, int nb,
     const int mb, const char **pf, const int pf_lines)
 {
-    __m512 acc[MB][NB];
-#pragma GCC unroll 6
-    for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-    const bf16 *restrict wr[NB];
-    for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * k;
+    SKINNY_SETUP(bf16)
     for (int64_t p = 0; p < k; p += 32) {
-        for (int l = 0; l < pf_lines; ++l) _mm_prefetch(*pf + 64 * l, _MM_HINT_T0);
-        *pf += 64 * pf_lines;
+        prefetch_ahead(pf, pf_lines);
         const __mmask32 m = k - p >= 32 ? (__mmask32)0xffffffffu
                                         : (__mmask32)((1u << (k - p)) - 1);
         __m512i wv[NB];
