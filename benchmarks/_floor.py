@@ -77,7 +77,7 @@ class Floors:
         return asdict(self)
 
 
-def _pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
+def pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
     """``pack_linear_weight`` under ``LORAPLEX_CPU_GEMM=choice``, the variable restored."""
     saved = os.environ.get(_GEMM_VARIABLE)
     os.environ[_GEMM_VARIABLE] = choice
@@ -103,7 +103,7 @@ def _gemm_rate(shapes: ModelShapes, rows: int, dtype: torch.dtype, repeats: int)
     for x, w in zip(inputs, weights, strict=True):
         ways = [lambda x=x, w=w: F.linear(x, w)]
         for choice in ("onednn", "skinny"):
-            packed = _pack_as(w, choice)
+            packed = pack_as(w, choice)
             if packed is not None and not packed.widen and (choice == packed.kind):
                 ways.append(lambda x=x, w=w, packed=packed: linear(x, w, None, packed))
         best = float("inf")

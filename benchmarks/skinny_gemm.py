@@ -28,6 +28,7 @@ apply_defaults()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _floor import pack_as  # noqa: E402
 from _output import add_out_argument, cpu_name, pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex_kernels import cpu_native, ops  # noqa: E402
@@ -62,15 +63,7 @@ def _stream_gbps(nbytes: int, dtype: torch.dtype, repeats: int) -> float:
 def measure(dtype: torch.dtype, repeats: int) -> tuple[list[dict[str, Any]], float]:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g).to(dtype) for _ in range(LAYERS) for o, i in SHAPES]
-    with_env = os.environ.get("LORAPLEX_CPU_GEMM")
-    os.environ["LORAPLEX_CPU_GEMM"] = "onednn"
-    try:
-        packed = [ops.pack_linear_weight(w) for w in weights]
-    finally:
-        if with_env is None:
-            del os.environ["LORAPLEX_CPU_GEMM"]
-        else:
-            os.environ["LORAPLEX_CPU_GEMM"] = with_env
+    packed = [pack_as(w, "onednn") for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     stream = _stream_gbps(nbytes, dtype, repeats)
     name = str(dtype).removeprefix("torch.")

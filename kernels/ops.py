@@ -141,8 +141,8 @@ class PackedWeight:
     packed copy (or, for a shared weight, by default the plain tensor itself); ``widen``:
     a bfloat16 layer whose weight was packed as float32, for CPUs without bf16 GEMM
     instructions; ``large``: a plain float32 weight that batches of ``_LARGE_ROWS`` rows
-    or more multiply through ``F.linear`` (MKL) instead. ``kind`` "mkl": MKL's packed copy, for batches of up to
-    ``_MKL_PACK_MAX_ROWS``."""
+    or more multiply through ``F.linear`` (MKL) instead. ``kind`` "mkl": MKL's packed
+    copy, for batches of up to ``_MKL_PACK_MAX_ROWS``."""
 
     kind: str
     data: torch.Tensor
@@ -268,12 +268,13 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 meta: SGMVMeta, backend: Backend | None = None) -> torch.Tensor:
     """``linear`` and then ``add_lora`` into its output. A decode batch through the skinny
     GEMM whose segments all go to the native LoRA kernel runs both in one native call
-    (``cpu_native.skinny_lora``: one parallel region instead of two)."""
+    (``cpu_native.skinny_lora``: one parallel region instead of two). Runs per projection
+    of every step, so the backend check reads ``is_cpu``, not a device object."""
     if (meta.has_lora and packed is not None and packed.kind == "skinny"
             and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
             and slots.layout == "per_slot" and slots.dtype == x.dtype
             and meta.short_segments is not None and not meta.long_segment_ids
-            and resolve_backend(x.device, backend) == "cpu"):
+            and (x.is_cpu if backend is None else backend == "cpu")):
         return cpu_native.skinny_lora(x, packed.data, bias, meta.short_segments, slots)
     out = linear(x, weight, bias, packed)
     add_lora(out, x, slots, scales, meta, backend)

@@ -286,11 +286,8 @@ int lora_segments_bf16(
                                slice_table, num_slices, max_slices, impl, 0, 0, NULL};
     const int status = lora_bf16_prepare(&c);
     if (status != 0) return status;
-    /* a lone work item runs on this thread: waking another costs more than it saves */
-    const int threads = c.num_groups < num_threads ? (int)(c.num_groups ? c.num_groups : 1)
-                                                   : num_threads;
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(lora_threads(&c, num_threads)) reduction(| : failed)
     failed |= lora_bf16_team(&c);
     free(c.work);
     return failed ? -1 : 0;

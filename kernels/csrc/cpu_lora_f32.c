@@ -123,11 +123,8 @@ int lora_segments_f32(
                           seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks, slice_table,
                           num_slices, max_slices, 0, 0, 0, NULL};
     if (lora_f32_prepare(&c) != 0) return -1;
-    /* a lone work item runs on this thread: waking another costs more than it saves */
-    const int threads = c.num_groups < num_threads ? (int)(c.num_groups ? c.num_groups : 1)
-                                                   : num_threads;
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(lora_threads(&c, num_threads)) reduction(| : failed)
     failed |= lora_f32_team(&c);
     free(c.work);
     return failed ? -1 : 0;

@@ -23,6 +23,14 @@ struct lora_call {
     int64_t *work;
 };
 
+/* The team size for a prepared call: a lone work item runs on the calling thread (waking
+ * another costs more than it saves). */
+static inline int lora_threads(const struct lora_call *c, int num_threads)
+{
+    return c->num_groups < num_threads ? (int)(c->num_groups ? c->num_groups : 1)
+                                       : num_threads;
+}
+
 /* 0; -1 out of memory; -2 an impl not compiled. */
 int lora_f32_prepare(struct lora_call *c);
 int lora_bf16_prepare(struct lora_call *c);
