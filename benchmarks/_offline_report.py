@@ -20,7 +20,12 @@ def write_outputs(report: dict[str, Any], results: list[RunResult], out: Path) -
 
 def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    subset = [r for r in results if r.workload == "peer subset"]
+    rounds: dict[tuple[str, str], list[RunResult]] = {}
+    for r in results:
+        if r.workload == "peer subset":
+            rounds.setdefault((r.system, r.dtype), []).append(r)
+    # one bar per system and dtype: its median round, the other rounds as a range
+    subset = [sorted(rs, key=lambda r: r.seconds)[(len(rs) - 1) // 2] for rs in rounds.values()]
     sweep_dtype = next((r.dtype for r in results if r.workload == "full"), "float32")
     full = list(sweep_runs(results, sweep_dtype).values())
     if len(full) < 2:
@@ -32,8 +37,13 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
         ax = axes[0]
         base = next((r.tokens_per_s for r in subset if r.system == "a"), None)
         labels = [r.name.replace(" ", "\n", 1).replace(", ", "\n") for r in subset]
+        spread = [[r.tokens_per_s - min(x.tokens_per_s for x in rs) for r, rs in
+                   zip(subset, rounds.values(), strict=True)],
+                  [max(x.tokens_per_s for x in rs) - r.tokens_per_s for r, rs in
+                   zip(subset, rounds.values(), strict=True)]]
         bars = ax.bar(labels, [r.tokens_per_s for r in subset],
-                      color=[colors[r.system] for r in subset])
+                      color=[colors[r.system] for r in subset],
+                      yerr=spread if report.get("rounds", 1) > 1 else None, capsize=3)
         for bar, r in zip(bars, subset, strict=True):
             bar.set_hatch("//" if r.dtype == "bfloat16" else "")
         for bar, r in zip(bars, subset, strict=True):
@@ -41,8 +51,10 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
         ax.set_ylabel("output tokens/s")
+        rounds_note = (f", median of {report['rounds']} rounds (range: bars)"
+                       if report.get("rounds", 1) > 1 else "")
         ax.set_title(f"same {subset[0].num_requests} requests, "
-                     f"{subset[0].num_adapters} adapters", fontsize=10)
+                     f"{subset[0].num_adapters} adapters{rounds_note}", fontsize=10)
         ax.margins(y=0.25)
         ax.tick_params(axis="x", labelsize=8)
     else:
@@ -90,8 +102,15 @@ def print_table(report: dict[str, Any]) -> None:
               f"{f['gemm_gflops_decode']:.0f} at 16; streaming {f['stream_gbps']:.1f} GB/s")
     print("'floor': the fraction of the compute floor (in the run's own dtype) reached")
     print()
+    by_round = report.get("ratios_by_round", {})
     for k, v in report["ratios"].items():
-        print(f"{k:<36} {v:6.2f}")
+        each = by_round.get(k, [])
+        rounds = f"  (median of {', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
+        print(f"{k:<36} {v:6.2f}{rounds}")
+    for k, v in report.get("median_fraction_of_compute_floor", {}).items():
+        print(f"fraction of compute floor, {k:<20} {v:6.0%}")
+    for k, v in report.get("repeat_agreement", {}).items():
+        print(f"same tokens in every round, {k:<19} {v:6.0%}")
     for k, v in report["greedy_prefix16_agreement"].items():
         what = "whole outputs" if k.endswith("_whole") else "first 16 tokens"
         print(f"greedy agreement {k.removesuffix('_whole'):<36} {v:6.0%} ({what})")

@@ -7,6 +7,7 @@ import argparse
 import datetime as dt
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,7 @@ class RunResult:
     num_prompt_tokens: int
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    round: int = 0  # which pass over the systems (``--rounds``); the peer subset only
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,29 +82,35 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
               args: argparse.Namespace, model_dir: str, spec: WorkloadSpec,
               total_seconds: float) -> dict[str, Any]:
     """Ratios and greedy agreement between systems of one dtype (keys end in the dtype),
-    and between the dtypes of one system (``c_bfloat16_over_c_float32``)."""
-    subset = {(r.system, r.dtype): r for r in results if r.workload == "peer subset"}
-    ratios: dict[str, float] = {}
-    agree: dict[str, float] = {}
+    and between the dtypes of one system (``c_bfloat16_over_c_float32``).
 
-    def tps(system: str, dtype: str) -> float:
-        return subset[system, dtype].tokens_per_s
-
-    def outs(system: str, dtype: str) -> list[list[int]]:
-        return outputs[subset[system, dtype].name]
-
+    With several rounds, a ratio is taken within each round (both runs of a pair in the
+    same pass, so a slow phase of the machine hits numerator and denominator alike) and
+    the report's value is the median over rounds (``ratios_by_round`` keeps each one);
+    agreement is that of the first round, and ``repeat_agreement`` says whether a system
+    gave the same tokens in every round."""
+    by_round: dict[int, dict[tuple[str, str], RunResult]] = {}
+    for r in results:
+        if r.workload == "peer subset":
+            by_round.setdefault(r.round, {})[r.system, r.dtype] = r
+    ratios_by_round: dict[str, list[float]] = {}
+    for subset in by_round.values():
+        for key, value in subset_ratios(subset).items():
+            ratios_by_round.setdefault(key, []).append(value)
+    ratios = {key: statistics.median(values) for key, values in ratios_by_round.items()}
+    first = by_round[min(by_round)] if by_round else {}
+    agree = subset_agreement(first, outputs)
+    repeat: dict[str, float] = {}
+    for key, run in first.items():
+        later = [s[key] for s in by_round.values() if key in s and s[key] is not run]
+        if later:
+            repeat[":".join(key)] = min(agreement(outputs[run.name], outputs[r.name],
+                                                  prefix=1 << 30) for r in later)
+    floor_fraction = {
+        ":".join(key): statistics.median(s[key].extra["fraction_of_compute_floor"]
+                                         for s in by_round.values() if key in s)
+        for key in first}
     for d in DTYPES:
-        for num, den, key in (("c", "a", "c_over_a"), ("c", "b", "c_over_b"),
-                              ("b", "a", "b_over_a"), ("c", "v", "c_over_vllm")):
-            if (num, d) in subset and (den, d) in subset:
-                ratios[f"{key}_{d}"] = tps(num, d) / tps(den, d)
-        for other in ("b", "c"):
-            if ("a", d) in subset and (other, d) in subset:
-                agree[f"{other}_vs_a_{d}"] = agreement(outs("a", d), outs(other, d))
-        if ("v", d) in subset and ("c", d) in subset:
-            agree[f"c_vs_vllm_{d}"] = agreement(outs("v", d), outs("c", d))
-            agree[f"c_vs_vllm_{d}_whole"] = agreement(outs("v", d), outs("c", d),
-                                                      prefix=1 << 30)
         sweep = sweep_runs(results, d)
         if 0 in sweep and args.num_adapters in sweep:
             ratios[f"mixed_over_base_only_{d}"] = (sweep[args.num_adapters].tokens_per_s
@@ -112,20 +120,8 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
                 ratios[f"adapters_{n}_over_{args.num_adapters}_{d}"] = (
                     r.tokens_per_s / sweep[args.num_adapters].tokens_per_s)
         full = next((r for r in results if r.workload == "full" and r.dtype == d), None)
-        if ("c", d) in subset and full is not None:
-            ratios[f"c_full_over_c_subset_{d}"] = full.tokens_per_s / tps("c", d)
-    for system in SYSTEM_LABELS:
-        if system != "c" and (system, "bfloat16") in subset and ("c", "float32") in subset:
-            # how far another system's bf16 strays from float32 (loraplex's is the oracle's)
-            agree[f"{system}_bfloat16_vs_c_float32"] = agreement(outs("c", "float32"),
-                                                                 outs(system, "bfloat16"))
-        if (system, "bfloat16") in subset and (system, "float32") in subset:
-            ratios[f"{system}_bfloat16_over_{system}_float32"] = (
-                tps(system, "bfloat16") / tps(system, "float32"))
-            agree[f"{system}_bfloat16_vs_{system}_float32"] = agreement(
-                outs(system, "float32"), outs(system, "bfloat16"))
-            agree[f"{system}_bfloat16_vs_{system}_float32_whole"] = agreement(
-                outs(system, "float32"), outs(system, "bfloat16"), prefix=1 << 30)
+        if ("c", d) in first and full is not None:
+            ratios[f"c_full_over_c_subset_{d}"] = full.tokens_per_s / first["c", d].tokens_per_s
     return {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -133,6 +129,7 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         "model": model_dir,
         "machine": machine_info(),
         "runs_order": [f"{s}:{d}" for s, d in args.runs],
+        "rounds": len(by_round),
         "workload": {**asdict(spec), "peer_requests": args.peer_requests,
                      "length_distribution": "log-uniform", "greedy": True, "ignore_eos": True},
         "hf_batch_size": args.hf_batch_size,
@@ -142,9 +139,61 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
                      "max_num_batched_tokens": args.max_num_batched_tokens},
         "runs": [r.as_dict() for r in results],
         "ratios": ratios,
+        "ratios_by_round": ratios_by_round,
+        "median_fraction_of_compute_floor": floor_fraction,
         "greedy_prefix16_agreement": agree,
+        "repeat_agreement": repeat,
         "total_seconds": total_seconds,
     }
+
+
+def subset_ratios(subset: dict[tuple[str, str], RunResult]) -> dict[str, float]:
+    """Throughput ratios among one round's runs of the peer subset."""
+    ratios: dict[str, float] = {}
+
+    def tps(system: str, dtype: str) -> float:
+        return subset[system, dtype].tokens_per_s
+
+    for d in DTYPES:
+        for num, den, key in (("c", "a", "c_over_a"), ("c", "b", "c_over_b"),
+                              ("b", "a", "b_over_a"), ("c", "v", "c_over_vllm")):
+            if (num, d) in subset and (den, d) in subset:
+                ratios[f"{key}_{d}"] = tps(num, d) / tps(den, d)
+    for system in SYSTEM_LABELS:
+        if (system, "bfloat16") in subset and (system, "float32") in subset:
+            ratios[f"{system}_bfloat16_over_{system}_float32"] = (
+                tps(system, "bfloat16") / tps(system, "float32"))
+    return ratios
+
+
+def subset_agreement(subset: dict[tuple[str, str], RunResult],
+                     outputs: dict[str, list[list[int]]]) -> dict[str, float]:
+    """Greedy agreement among one round's runs of the peer subset: first 16 tokens, and
+    whole outputs (keys ending in ``_whole``) where vLLM or another dtype is involved."""
+    agree: dict[str, float] = {}
+
+    def outs(system: str, dtype: str) -> list[list[int]]:
+        return outputs[subset[system, dtype].name]
+
+    for d in DTYPES:
+        for other in ("b", "c"):
+            if ("a", d) in subset and (other, d) in subset:
+                agree[f"{other}_vs_a_{d}"] = agreement(outs("a", d), outs(other, d))
+        if ("v", d) in subset and ("c", d) in subset:
+            agree[f"c_vs_vllm_{d}"] = agreement(outs("v", d), outs("c", d))
+            agree[f"c_vs_vllm_{d}_whole"] = agreement(outs("v", d), outs("c", d),
+                                                      prefix=1 << 30)
+    for system in SYSTEM_LABELS:
+        if system != "c" and (system, "bfloat16") in subset and ("c", "float32") in subset:
+            # how far another system's bf16 strays from float32 (loraplex's is the oracle's)
+            agree[f"{system}_bfloat16_vs_c_float32"] = agreement(outs("c", "float32"),
+                                                                 outs(system, "bfloat16"))
+        if (system, "bfloat16") in subset and (system, "float32") in subset:
+            agree[f"{system}_bfloat16_vs_{system}_float32"] = agreement(
+                outs(system, "float32"), outs(system, "bfloat16"))
+            agree[f"{system}_bfloat16_vs_{system}_float32_whole"] = agreement(
+                outs(system, "float32"), outs(system, "bfloat16"), prefix=1 << 30)
+    return agree
 
 
 def sweep_runs(results: list[RunResult], dtype: str) -> dict[int, RunResult]:

@@ -106,6 +106,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "own :DTYPE runs in, each one after the other")
     p.add_argument("--vllm-venv", default=DEFAULT_VENV,
                    help="vLLM's own virtualenv (benchmarks/peers/vllm/setup.sh builds it)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes over the systems on the peer subset, the order reversed on "
+                        "every other pass; ratios are taken within a pass and the median "
+                        "reported (the full workload and the sweep run in the first pass)")
     p.add_argument("--peer-requests", type=int, default=200,
                    help="first K requests: the workload all three systems run")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of (b)")
@@ -151,6 +155,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       if (system, d) not in args.runs]
     if not args.runs:
         p.error("--systems names no system")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1; got {args.rounds}")
     args.systems = sorted({s for s, _ in args.runs})
     if "v" in args.systems and os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
         # measured: one of this process's idle OpenMP threads spun on one of the two cores
@@ -195,11 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[RunResult] = []
     outputs: dict[str, list[list[int]]] = {}
 
+    round_no = 0
+
     def record(name: str, system: str, dtype: str, items: Sequence[WorkItem],
                num_adapters: int, seconds: float, outs: list[list[int]],
                extra: dict[str, Any] | None = None,
                workload_name: str = "peer subset") -> RunResult:
         name = f"{name} [{dtype}]"
+        if args.rounds > 1 and workload_name == "peer subset":
+            name += f" #{round_no + 1}"
         check_lengths(name, items, outs)
         floor = compute_floor_seconds(shapes, floors[dtype], num_prompt_tokens(items),
                                       num_output_tokens(items))
@@ -208,24 +218,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "fraction_of_compute_floor": round(floor / seconds, 3)}
         r = RunResult(name, system, dtype, workload_name, len(items),
                       num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
-                      extra)
+                      extra, round_no if workload_name == "peer subset" else 0)
         results.append(r)
         outputs[name] = outs
         log(f"{name}: {r.num_output_tokens} tokens in {seconds:.1f}s = "
             f"{r.tokens_per_s:.1f} tok/s {extra}")
         return r
 
-    for system_id, dtype in args.runs:
-        if system_id in ("a", "b"):
-            run_hf(args, system_id, dtype, model_dir, adapter_paths, pad_id, subset, record)
-        elif system_id == "v":
-            log(f"(v) vLLM from {args.vllm_venv}, {dtype}: {len(subset)} requests")
-            secs, outs, extra = run_vllm(args, model_dir, adapter_paths[:args.num_adapters],
-                                         subset, dtype)
-            record(f"(v) {SYSTEM_LABELS['v']}", "v", dtype, subset, args.num_adapters, secs,
-                   outs, extra)
-        else:
-            run_loraplex(args, dtype, model_dir, adapter_paths, subset, workload, record)
+    for round_no in range(args.rounds):
+        order = args.runs if round_no % 2 == 0 else args.runs[::-1]
+        if args.rounds > 1:
+            log(f"round {round_no + 1} of {args.rounds}: " + ", ".join(f"{s}:{d}" for s, d in order))
+        for system_id, dtype in order:
+            if system_id in ("a", "b"):
+                run_hf(args, system_id, dtype, model_dir, adapter_paths, pad_id, subset, record)
+            elif system_id == "v":
+                log(f"(v) vLLM from {args.vllm_venv}, {dtype}: {len(subset)} requests")
+                secs, outs, extra = run_vllm(args, model_dir,
+                                             adapter_paths[:args.num_adapters], subset, dtype)
+                record(f"(v) {SYSTEM_LABELS['v']}", "v", dtype, subset, args.num_adapters,
+                       secs, outs, extra)
+            else:
+                run_loraplex(args, dtype, model_dir, adapter_paths, subset, workload, record,
+                             subset_only=args.peer_only or round_no > 0)
 
     report = summarise(results, outputs, args, model_dir, spec, time.perf_counter() - started)
     report["floors"] = {d: f.as_dict() for d, f in floors.items()}
@@ -253,8 +268,8 @@ def run_hf(args: argparse.Namespace, system_id: str, dtype: str, model_dir: str,
 
 def run_loraplex(args: argparse.Namespace, dtype: str, model_dir: str,
                  adapter_paths: Sequence[Path], subset: Sequence[WorkItem],
-                 workload: Sequence[WorkItem], record: Any) -> None:
-    """(c) on the peer subset; unless ``--peer-only``, then the whole workload and the
+                 workload: Sequence[WorkItem], record: Any, subset_only: bool) -> None:
+    """(c) on the peer subset; unless ``subset_only``, then the whole workload and the
     adapter sweep."""
     log(f"loading loraplex, {dtype}")
     max_len = args.max_prompt + args.max_output
@@ -262,7 +277,7 @@ def run_loraplex(args: argparse.Namespace, dtype: str, model_dir: str,
     system.warm_host_cache(len(adapter_paths))
     secs, outs, extra = system.generate(subset)
     record("(c) loraplex", "c", dtype, subset, args.num_adapters, secs, outs, extra)
-    if args.peer_only:
+    if subset_only:
         system.llm.close()
         return
     out_base = Path(args.out)
