@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
               for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c",
-            _CSRC / "cpu_prefill_attention.c", _CSRC / "cpu_skinny_gemm.c"]
+            _CSRC / "cpu_prefill_attention.c", _CSRC / "cpu_skinny_gemm.c",
+            _CSRC / "cpu_decode_layers.c"]
 _HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h",
-            _CSRC / "lora.h"]
+            _CSRC / "lora.h", _CSRC / "kernels.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
@@ -152,6 +153,12 @@ def load(path: Path) -> ctypes.CDLL:
                        _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, *extra]
     lib.loraplex_skinny_impls.restype = ctypes.c_int
     lib.loraplex_skinny_impls.argtypes = []
+    if hasattr(lib, "decode_layers"):  # a build of an older revision may lack it
+        lib.decode_layers.restype = ctypes.c_int
+        lib.decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float]
+        for name in ("decode_layer_fields", "decode_step_fields"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = []
     return lib
 
 

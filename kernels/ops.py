@@ -167,14 +167,16 @@ _GEMM_CHOICES = ("auto", "onednn", "onednn-mkl", "onednn-f32", "skinny", "mkl", 
 def cpu_gemm_choice() -> str:
     """``LORAPLEX_CPU_GEMM``, one of ``_GEMM_CHOICES``; ValueError else.
 
-    - "auto" (the default): "skinny" for bfloat16 weights where the CPU runs the native
-      skinny GEMM (AVX512_BF16), "onednn" for the rest. In float32 the skinny GEMM led
-      oneDNN's packed copy by less (0.9-1.5x) and oneDNN on the plain layout it would take
-      for prefill was 5-14 % slower than that copy: the offline workload measured level
-      within its noise, so float32 keeps the packed copy.
+    - "auto" (the default): "skinny" where the CPU runs the native skinny GEMM for the
+      weights' dtype (AVX-512; AVX512_BF16 for bfloat16), "onednn" for the rest. In
+      float32 the skinny GEMM alone led oneDNN's packed copy by less than in bfloat16
+      (0.9-1.5x, and oneDNN on the plain layout it takes for prefill is 5-14 % slower
+      than that copy), but with it every projection is native and a decode step's layers
+      run in one native call (``loraplex.model.native_decode``): the offline workload
+      went from 39 s to 26 s in float32.
     - "skinny": the plain weight kept, the native skinny GEMM for batches of up to
-      ``SKINNY_MAX_ROWS`` rows and oneDNN on the plain layout for more, in float32 too;
-      "onednn" where the CPU lacks the skinny GEMM's instructions.
+      ``SKINNY_MAX_ROWS`` rows and oneDNN on the plain layout for more; "onednn" where
+      the CPU lacks the skinny GEMM's instructions.
     - "onednn": oneDNN's packed weights only (plain weights released, a tied
       LM head read in place).
     - "onednn-mkl": also the plain float32 weights, for batches of ``_LARGE_ROWS`` or more
@@ -218,8 +220,7 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
         return None
     choice = cpu_gemm_choice()
     if choice in ("auto", "skinny"):
-        if (cpu_native.can_skinny(weight.dtype) and _onednn_linear_available()
-                and (choice == "skinny" or weight.dtype == torch.bfloat16)):
+        if cpu_native.can_skinny(weight.dtype) and _onednn_linear_available():
             return PackedWeight("skinny", weight)  # no copy, so any size
         choice = "onednn"
     if weight.numel() < _PACK_MIN_ELEMENTS:

@@ -21,6 +21,7 @@
 #include "bf16.h"
 #include "common.h"
 #include "decode_attention.h"
+#include "kernels.h"
 
 int loraplex_bf16_impls(void)
 {

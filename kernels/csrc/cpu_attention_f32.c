@@ -11,6 +11,7 @@
  */
 #include "common.h"
 #include "decode_attention.h"
+#include "kernels.h"
 
 /* Query heads scored together against each K row loaded (each head's q stays in
  * registers: 4 x head_dim / 16 vectors at head_dim 64). */

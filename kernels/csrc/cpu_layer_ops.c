@@ -13,6 +13,7 @@
  */
 #include "common.h"
 #include "bf16.h"
+#include "kernels.h"
 
 enum { GRAIN = 32768 };
 

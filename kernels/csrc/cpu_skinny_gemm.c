@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "lora.h"
 
 #ifdef __AVX512F__
@@ -161,7 +162,9 @@ static inline __attribute__((always_inline)) void group_bf16(
         /* the group PREFETCH_GROUPS ahead is read into cache while this one computes,   \
          * spread over all of its chunks' K loops */                                     \
         const char *pf = (const char *)(w + (n0 + PREFETCH_GROUPS * NB) * k);           \
-        const int64_t steps = ((k + VEC - 1) / VEC) * ((rows + MB - 1) / MB);           \
+        /* at least one: no rows (a step that samples nothing) or k = 0 compute nothing */ \
+        const int64_t steps_ = ((k + VEC - 1) / VEC) * ((rows + MB - 1) / MB);          \
+        const int64_t steps = steps_ > 0 ? steps_ : 1;                                  \
         const int pf_lines = (int)((NB * k * (int64_t)sizeof(*w) / 64 + steps) / steps); \
         int64_t r = 0;                                                                  \
         for (; r + MB <= rows; r += MB) SKINNY_CHUNK(GROUP, MB);                        \
@@ -241,11 +244,6 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     free(c.work);                                                                       \
     return failed ? -1 : 0;
 
-#define SKINNY_LORA_ARGS                                                                  \
-    const int64_t *seg_first, const int64_t *seg_len, const int64_t *seg_slot,          \
-        int64_t num_segs, const int64_t *at_ptrs, const int64_t *bt_ptrs,               \
-        const int64_t *ranks, const int64_t *slice_table, const int64_t *num_slices,    \
-        int64_t max_slices, int num_threads
 #define SKINNY_LORA_UNUSED                                                                \
     (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;  \
     (void)k; (void)seg_first; (void)seg_len; (void)seg_slot; (void)num_segs;            \

@@ -12,6 +12,7 @@ from torch import nn
 
 from loraplex.model.args import ModelArgs, rope_inv_freq
 from loraplex.model.lora import LoRALinear, LoRAStep
+from loraplex.model.native_decode import NativeDecode
 from loraplex_kernels.meta import AttentionMeta
 from loraplex_kernels.ops import (
     Backend,
@@ -146,15 +147,18 @@ class LlamaModel(nn.Module):
             requires_grad=False))
         self.rotary = Rotary(args, max_positions, device)
         self.packed_lm_head: PackedWeight | None = None
+        self.native_decode: NativeDecode | None = None  # see pack_weights
 
     def pack_weights(self) -> None:
         """GEMM-packed copies of the base weights where faster (float32 or bfloat16 on
-        CPU); call once the weights are loaded."""
+        CPU), and, where every projection then runs the skinny GEMM, the native decode
+        layers (``NativeDecode``); call once the weights are loaded."""
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.pack_weight()
         self.packed_lm_head = pack_linear_weight(
             self.lm_head, shared=self.args.tie_word_embeddings)
+        self.native_decode = NativeDecode.for_model(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -165,6 +169,12 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         rope = self.rotary(positions)
         residual = None
+        count = len(range(len(self.layers))[:num_layers])
+        native = self.native_decode
+        if (native is not None and count > 0 and len(kv_caches) == len(self.layers)
+                and native.takes(x, meta, lora, backend)):
+            x, residual = native.forward(x, rope, kv_caches, meta, lora, count)
+            return self.norm.add_forward(x, residual, backend)[0]
         for layer, kv in list(zip(self.layers, kv_caches, strict=True))[:num_layers]:
             x, residual = layer(x, residual, rope, kv, meta, lora, backend)
         if residual is None:

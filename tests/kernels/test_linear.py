@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from loraplex.model.lora import LoRALinear
@@ -47,7 +47,8 @@ def test_packed_linear_matches_plain(kind: str, rows: int,
 
 
 @pytest.mark.skipif(not KINDS["onednn"], reason="torch built without onednn")
-def test_onednn_packed_weight_is_all_linear_reads() -> None:
+def test_onednn_packed_weight_is_all_linear_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn")  # the default where AVX-512 is absent
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(320, 272, generator=g)
     bias = torch.randn(320, generator=g)
@@ -79,6 +80,8 @@ def test_lora_linear_releases_the_plain_weight_once_packed() -> None:
 
 
 def test_packing_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a copy (the skinny GEMM, the default with AVX-512, reads any weight in place)
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "onednn")
     assert ops.pack_linear_weight(torch.randn(64, 64)) is None  # too small to gain
     assert ops.pack_linear_weight(torch.randn(512, 512, dtype=torch.float16)) is None
     x, w = torch.randn(3, 64), torch.randn(64, 64)
@@ -236,15 +239,17 @@ def test_skinny_gemm_reads_the_plain_weight(dtype: torch.dtype, rows: int,
 def test_bfloat16_weights_default_to_the_skinny_gemm(shared: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The default ("auto") on a CPU with AVX512_BF16: bf16 weights, a tied head's too,
-    stay plain and in place for the skinny GEMM; float32 ones get oneDNN's packed copy;
-    forcing the portable bf16 kernels (a CPU without the instructions) gives oneDNN's."""
+    stay plain and in place for the skinny GEMM, and so do float32 ones (AVX-512); forcing
+    the portable bf16 kernels (a CPU without the instructions) gives oneDNN's packed copy
+    in bf16."""
     monkeypatch.delenv("LORAPLEX_CPU_GEMM", raising=False)
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(320, 272, generator=g).bfloat16()
     packed = ops.pack_linear_weight(weight, shared=shared)
     assert packed is not None and packed.kind == "skinny" and packed.data is weight
-    fp32 = ops.pack_linear_weight(torch.randn(320, 272, generator=g))
-    assert fp32 is not None and fp32.kind == "onednn"
+    fp32_weight = torch.randn(320, 272, generator=g)
+    fp32 = ops.pack_linear_weight(fp32_weight)
+    assert fp32 is not None and fp32.kind == "skinny" and fp32.data is fp32_weight
     layer = LoRALinear(272, [320], bias=False, num_slots=1, max_rank=8,
                        dtype=torch.bfloat16, device=torch.device("cpu"))
     layer.weight.copy_(weight)
@@ -260,12 +265,16 @@ def test_bfloat16_weights_default_to_the_skinny_gemm(shared: bool,
 
 @pytest.mark.skipif(not KINDS["skinny"], reason="no AVX-512 here")
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(1, 100),
+@given(rows=st.integers(0, 70), n=st.integers(1, 70), k=st.integers(0, 100),
        bf16=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@example(rows=0, n=5, k=7, bf16=False, with_bias=True, seed=0)  # a step sampling nothing
+@example(rows=0, n=5, k=7, bf16=True, with_bias=False, seed=0)
+@example(rows=3, n=5, k=0, bf16=False, with_bias=True, seed=0)
 def test_skinny_gemm_random_shapes(rows: int, n: int, k: int, bf16: bool, with_bias: bool,
                                    seed: int) -> None:
     """Any shape: partial groups of output columns, partial chunks of rows, inputs shorter
-    than one vector or ending in a partial one."""
+    than one vector or ending in a partial one, no rows at all (an LM head over a step
+    that samples nothing: it once divided by zero) and empty inputs."""
     dtype = torch.bfloat16 if bf16 and cpu_native.can_skinny(torch.bfloat16) else torch.float32
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g).to(dtype)

@@ -21,7 +21,7 @@ from loraplex.model.adapter_loader import TargetShapes, load_adapter
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
 from loraplex.model.sampler import SamplingRow
 from loraplex.testing import build_adapter, build_tiny_model, load_reference, runner_logits
-from loraplex_kernels import cpu_native
+from loraplex_kernels import cpu_decode, cpu_native
 
 NUM_NEW = 8
 GREEDY = SamplingRow()
@@ -67,7 +67,8 @@ def oracle(model_dir: Path, adapters: dict[str, Path],
 
 
 def _forced_logits(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-                   continuations: list[list[int]], dtype: str) -> torch.Tensor:
+                   continuations: list[list[int]], dtype: str,
+                   names: list[str | None] = NAMES) -> torch.Tensor:
     """The runner's logits [num_seqs, NUM_NEW, vocab], fed the given continuations: one
     prefill step, then decode steps of one token each (the native kernels' path)."""
     runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(num_kv_blocks=64),
@@ -77,7 +78,7 @@ def _forced_logits(model_dir: Path, adapters: dict[str, Path], prompts: list[lis
     slot_of = {"r8": 2, "r16qv": 0}
     for name, slot in slot_of.items():
         runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
-    slots = [-1 if n is None else slot_of[n] for n in NAMES]
+    slots = [-1 if n is None else slot_of[n] for n in names]
     tables = [[3 * i, 3 * i + 1, 3 * i + 2, 40 + i] for i in range(len(NAMES))]
     steps = [runner_logits(runner, BatchInputs([
         SeqInput(p, 0, t, s, [GREEDY]) for p, t, s in zip(prompts, tables, slots, strict=True)]))]
@@ -138,3 +139,28 @@ def test_bfloat16_greedy_agrees_with_float32(model_dir: Path, adapters: dict[str
     assert all(a[0] == b[0] for a, b in pairs), pairs
     same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
     assert same >= 0.75 * NUM_NEW * len(NAMES), f"{same} of {NUM_NEW * len(NAMES)} agree"
+
+
+@pytest.mark.parametrize("dtype,gemm", [("bfloat16", "auto"), ("float32", "skinny")])
+@pytest.mark.parametrize("with_lora", [True, False])
+def test_native_decode_layers_match_the_layer_by_layer_path(
+        model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+        oracle: list[tuple[list[int], torch.Tensor]], dtype: str, gemm: str, with_lora: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's layers in one native call (cpu_decode) against the same kernels
+    called layer by layer from Python: the same logits, bit for bit, with LoRA rows, base
+    rows and steps without adapters."""
+    if not cpu_native.can_skinny(getattr(torch, dtype)):
+        pytest.skip(f"the skinny GEMM does not run {dtype} on this CPU")
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", gemm)
+    continuations = [c for c, _ in oracle]
+    calls = []
+    run = cpu_decode.run
+    monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(1) or run(*a))
+    names = NAMES if with_lora else [None] * len(NAMES)
+    native = _forced_logits(model_dir, adapters, prompts, continuations, dtype, names)
+    assert len(calls) == NUM_NEW - 1  # every decode step, no prefill step
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    layered = _forced_logits(model_dir, adapters, prompts, continuations, dtype, names)
+    assert len(calls) == NUM_NEW - 1
+    assert torch.equal(native, layered)

@@ -1,0 +1,169 @@
+/* A decode step's decoder layers in one native call: for each layer the same kernels, in
+ * the same order and on the same buffers' values, as the Python layer code runs one by one
+ * (loraplex/model/llama.py), so the results are bit for bit the same; what goes is the
+ * Python between them (measured ~15 % of a bfloat16 decode step: module calls, argument
+ * checks, ctypes marshalling, seven small tensors per layer).
+ *
+ * Per layer, x [rows, hidden] is the previous layer's MLP output and residual the stream
+ * before it (layer 0 with `first` set: residual holds the embeddings, x is scratch):
+ *
+ *   x, residual = add_rms_norm(x, residual)          (layer 0 first: x = rms_norm(residual))
+ *   qkv  = x @ Wqkv^T (+ bias) + LoRA                 skinny_lora / skinny_linear
+ *   rope_store_kv(qkv -> this layer's K/V cache)     q rotated in place
+ *   attn = paged_decode_attention(q)
+ *   x    = attn @ Wo^T + LoRA
+ *   x, residual = add_rms_norm(x, residual)
+ *   gate_up = x @ Wgu^T + LoRA;  act = silu(gate) * up
+ *   x    = act @ Wdown^T + LoRA
+ *
+ * The caller applies the final norm. Every table is int64, laid out as the structs below
+ * (pointers as integers); decode_layer_fields / decode_step_fields give their sizes so the
+ * Python side can check its layout against this one. */
+#include <stdint.h>
+
+#include "kernels.h"
+
+enum { PROJ_QKV, PROJ_O, PROJ_GATE_UP, PROJ_DOWN, NUM_PROJ };
+
+struct decode_proj {
+    int64_t weight, bias;  /* [out, in] plain; bias [out] or 0 */
+    int64_t at_ptrs, bt_ptrs, ranks, slice_table, num_slices, max_slices;  /* LoRA slots */
+};
+
+struct decode_layer {
+    int64_t input_norm, post_attention_norm;  /* [hidden] */
+    struct decode_proj proj[NUM_PROJ];
+};
+
+struct decode_step {
+    int64_t rows, hidden, q_size, kv_size, inter;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, num_cache_slots;
+    int64_t x, residual, qkv, attn, gate_up, act;  /* activations, rows-major, unit stride */
+    int64_t cos, sin, cs_stride, slot_mapping;      /* float32 rope rows; int64 slots */
+    int64_t block_tables, table_stride, seq_lens, seq_ids, seq_rows, num_seqs;
+    int64_t seg_first, seg_len, seg_slot, num_segs; /* LoRA segments; num_segs 0: none */
+    int64_t first, bf16, impl, num_threads;
+};
+
+int decode_layer_fields(void) { return (int)(sizeof(struct decode_layer) / sizeof(int64_t)); }
+int decode_step_fields(void) { return (int)(sizeof(struct decode_step) / sizeof(int64_t)); }
+
+#define P(type, v) ((type)(intptr_t)(v))
+
+/* out [rows, n] = in [rows, k] @ W^T (+ bias) + each segment's LoRA delta */
+static int project(const struct decode_step *s, const struct decode_proj *p, int64_t in,
+                   int64_t k, int64_t out, int64_t n)
+{
+    const int t = (int)s->num_threads;
+    if (s->bf16) {
+        const bf16 *x = P(const bf16 *, in), *w = P(const bf16 *, p->weight),
+                   *b = P(const bf16 *, p->bias);
+        bf16 *o = P(bf16 *, out);
+        if (s->num_segs == 0) return skinny_linear_bf16(x, k, w, b, o, n, s->rows, n, k, t);
+        return skinny_lora_bf16(x, k, w, b, o, n, s->rows, n, k, P(const int64_t *, s->seg_first),
+                                P(const int64_t *, s->seg_len), P(const int64_t *, s->seg_slot),
+                                s->num_segs, P(const int64_t *, p->at_ptrs),
+                                P(const int64_t *, p->bt_ptrs), P(const int64_t *, p->ranks),
+                                P(const int64_t *, p->slice_table),
+                                P(const int64_t *, p->num_slices), p->max_slices, t,
+                                (int)s->impl);
+    }
+    const float *x = P(const float *, in), *w = P(const float *, p->weight),
+                *b = P(const float *, p->bias);
+    float *o = P(float *, out);
+    if (s->num_segs == 0) return skinny_linear_f32(x, k, w, b, o, n, s->rows, n, k, t);
+    return skinny_lora_f32(x, k, w, b, o, n, s->rows, n, k, P(const int64_t *, s->seg_first),
+                           P(const int64_t *, s->seg_len), P(const int64_t *, s->seg_slot),
+                           s->num_segs, P(const int64_t *, p->at_ptrs),
+                           P(const int64_t *, p->bt_ptrs), P(const int64_t *, p->ranks),
+                           P(const int64_t *, p->slice_table), P(const int64_t *, p->num_slices),
+                           p->max_slices, t);
+}
+
+static void norm(const struct decode_step *s, int64_t weight, float eps, int first)
+{
+    const int t = (int)s->num_threads;
+    const int64_t h = s->hidden;
+    if (s->bf16) {
+        if (first)
+            rms_norm_bf16(P(const bf16 *, s->residual), h, P(const bf16 *, weight),
+                          P(bf16 *, s->x), h, s->rows, h, eps, t);
+        else
+            fused_add_rms_norm_bf16(P(bf16 *, s->x), h, P(bf16 *, s->residual), h,
+                                    P(const bf16 *, weight), s->rows, h, eps, t);
+    } else if (first) {
+        rms_norm_f32(P(const float *, s->residual), h, P(const float *, weight),
+                     P(float *, s->x), h, s->rows, h, eps, t);
+    } else {
+        fused_add_rms_norm_f32(P(float *, s->x), h, P(float *, s->residual), h,
+                               P(const float *, weight), s->rows, h, eps, t);
+    }
+}
+
+static int attention(const struct decode_step *s, int64_t k_cache, int64_t v_cache,
+                     float scale)
+{
+    const int t = (int)s->num_threads;
+    const int64_t qkv_width = s->q_size + 2 * s->kv_size;
+    const int32_t *tables = P(const int32_t *, s->block_tables);
+    const int32_t *lens = P(const int32_t *, s->seq_lens);
+    const int64_t *ids = P(const int64_t *, s->seq_ids), *rows = P(const int64_t *, s->seq_rows);
+    if (s->bf16) {
+        bf16 *qkv = P(bf16 *, s->qkv);
+        if (rope_store_kv_bf16(qkv, qkv_width, P(const float *, s->cos), P(const float *, s->sin),
+                               s->cs_stride, P(const int64_t *, s->slot_mapping), s->rows,
+                               s->num_heads, s->num_kv_heads, s->head_dim, P(bf16 *, k_cache),
+                               P(bf16 *, v_cache), s->num_cache_slots, t) != 0)
+            return -3;
+        return paged_decode_attention_bf16(
+            qkv, qkv_width, s->head_dim, P(const bf16 *, k_cache), P(const bf16 *, v_cache),
+            tables, s->table_stride, lens, ids, rows, s->num_seqs, s->num_heads,
+            s->num_kv_heads, s->head_dim, s->block_size, scale, P(bf16 *, s->attn), s->q_size,
+            s->head_dim, t, (int)s->impl);
+    }
+    float *qkv = P(float *, s->qkv);
+    if (rope_store_kv_f32(qkv, qkv_width, P(const float *, s->cos), P(const float *, s->sin),
+                          s->cs_stride, P(const int64_t *, s->slot_mapping), s->rows,
+                          s->num_heads, s->num_kv_heads, s->head_dim, P(float *, k_cache),
+                          P(float *, v_cache), s->num_cache_slots, t) != 0)
+        return -3;
+    return paged_decode_attention_f32(
+        qkv, qkv_width, s->head_dim, P(const float *, k_cache), P(const float *, v_cache),
+        tables, s->table_stride, lens, ids, rows, s->num_seqs, s->num_heads, s->num_kv_heads,
+        s->head_dim, s->block_size, scale, P(float *, s->attn), s->q_size, s->head_dim, t);
+}
+
+/* layers [num_layers], kv_caches [num_layers][2] (K and V of each layer). Returns 0, -1
+ * when a kernel could not allocate its scratch memory, -2 when the skinny GEMM is not
+ * compiled for the dtype, -3 when a KV slot lies outside the cache (nothing of that
+ * layer's K/V written; earlier layers' were). */
+int decode_layers(const struct decode_layer *layers, int64_t num_layers,
+                  const int64_t *kv_caches, const struct decode_step *s, float eps,
+                  float scale)
+{
+    const int64_t h = s->hidden, qkv_width = s->q_size + 2 * s->kv_size;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const struct decode_layer *layer = &layers[l];
+        int status;
+        norm(s, layer->input_norm, eps, l == 0 && s->first);
+        if ((status = project(s, &layer->proj[PROJ_QKV], s->x, h, s->qkv, qkv_width)) != 0)
+            return status;
+        if ((status = attention(s, kv_caches[2 * l], kv_caches[2 * l + 1], scale)) != 0)
+            return status;
+        if ((status = project(s, &layer->proj[PROJ_O], s->attn, s->q_size, s->x, h)) != 0)
+            return status;
+        norm(s, layer->post_attention_norm, eps, 0);
+        if ((status = project(s, &layer->proj[PROJ_GATE_UP], s->x, h, s->gate_up,
+                              2 * s->inter)) != 0)
+            return status;
+        if (s->bf16)
+            silu_and_mul_bf16(P(const bf16 *, s->gate_up), 2 * s->inter, P(bf16 *, s->act),
+                              s->inter, s->rows, s->inter, (int)s->num_threads);
+        else
+            silu_and_mul_f32(P(const float *, s->gate_up), 2 * s->inter, P(float *, s->act),
+                             s->inter, s->rows, s->inter, (int)s->num_threads);
+        if ((status = project(s, &layer->proj[PROJ_DOWN], s->act, s->inter, s->x, h)) != 0)
+            return status;
+    }
+    return 0;
+}

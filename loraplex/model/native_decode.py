@@ -1,0 +1,147 @@
+"""The decoder layers of a pure-decode CPU step in one native call
+(``loraplex_kernels.cpu_decode``), where every projection runs the skinny GEMM.
+
+The layer-by-layer code (``llama.DecoderLayer``) calls the same kernels in the same order;
+what this saves is the Python between them, per layer and step. A step it does not take
+(prefill rows, more than ``SKINNY_MAX_ROWS`` rows, LoRA segments the native kernel does not
+run, another backend) goes layer by layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from loraplex.model.lora import LoRALinear, LoRAStep
+from loraplex_kernels import cpu_decode, cpu_native
+from loraplex_kernels.lora_slots import LoRASlots
+from loraplex_kernels.meta import AttentionMeta
+from loraplex_kernels.ops import SKINNY_MAX_ROWS, Backend, Rope
+
+if TYPE_CHECKING:
+    from loraplex.model.llama import DecoderLayer, KVCache, LlamaModel
+
+
+def _projection(module: LoRALinear,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, LoRASlots] | None:
+    packed = module.packed_weight
+    if packed is None or packed.kind != "skinny" or packed.data is not module.weight:
+        return None
+    if not cpu_decode.can_project(module.weight, module.bias, module.lora):
+        return None
+    return module.weight, module.bias, module.lora
+
+
+class NativeDecode:
+    """One model's layer table, built once its weights are packed (``for_model``)."""
+
+    def __init__(self, model: LlamaModel, layers: torch.Tensor) -> None:
+        self.args = model.args
+        self.eps = model.norm.eps
+        self.scale = model.args.head_dim ** -0.5
+        self.dtype = model.embed_tokens.dtype
+        self.layers = layers  # [num_layers, len(LAYER_FIELDS)] int64
+        self._kv_key: tuple[int, ...] = ()
+        self._kv_table = torch.empty(0, 2, dtype=torch.int64)
+
+    @classmethod
+    def for_model(cls, model: LlamaModel) -> NativeDecode | None:
+        """The native path for ``model``, or None where it cannot run: the library or the
+        switch, a projection not on the skinny GEMM (``LORAPLEX_CPU_GEMM``, dtype, CPU)."""
+        if not cpu_decode.available() or model.embed_tokens.device.type != "cpu":
+            return None
+        rows = []
+        for layer in cast("list[DecoderLayer]", list(model.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                    mlp.gate_up_proj, mlp.down_proj)]
+            present = [p for p in projections if p is not None]
+            if len(present) != len(projections):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.eps != model.norm.eps or not n.weight.is_contiguous() for n in norms):
+                return None
+            rows.append(cpu_decode.layer_row(norms[0].weight, norms[1].weight, present))
+        return cls(model, torch.tensor(rows, dtype=torch.int64))
+
+    def takes(self, x: torch.Tensor, meta: AttentionMeta, lora: LoRAStep | None,
+              backend: Backend | None) -> bool:
+        """Whether this step runs natively: CPU, only decode rows, few enough for the skinny
+        GEMM, and LoRA (if any) all in short segments."""
+        if not (x.is_cpu if backend is None else backend == "cpu"):
+            return False
+        n = x.shape[0]
+        if not 0 < n <= SKINNY_MAX_ROWS or meta.decode_seq_ids.numel() != n:
+            return False
+        if lora is None or not lora.meta.has_lora:
+            return True
+        return (lora.backend in (None, "cpu") and lora.meta.short_segments is not None
+                and not lora.meta.long_segment_ids)
+
+    def _kv_caches(self, kv_caches: list[KVCache], num_layers: int) -> torch.Tensor:
+        key = tuple(t.data_ptr() for kv in kv_caches[:num_layers] for t in kv)
+        if key != self._kv_key:
+            shape = kv_caches[0][0].shape
+            a = self.args
+            for k, v in kv_caches[:num_layers]:
+                if not (k.shape == v.shape == shape and k.dtype == v.dtype == self.dtype
+                        and k.is_contiguous() and v.is_contiguous() and k.is_cpu
+                        and v.is_cpu and shape[2:] == (a.num_kv_heads, a.head_dim)):
+                    raise ValueError("the KV caches do not fit the native decode layers")
+            self._kv_table = torch.tensor(key, dtype=torch.int64).reshape(num_layers, 2)
+            self._kv_key = key
+        return self._kv_table
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_caches: list[KVCache],
+                meta: AttentionMeta, lora: LoRAStep | None, num_layers: int,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over embeddings ``x`` [rows, hidden] (consumed: it becomes the
+        residual stream); returns the last MLP output and the stream before it, as the
+        layer loop does. Call where ``takes`` is true."""
+        a = self.args
+        n = x.shape[0]
+        assert x.dtype == self.dtype and x.is_contiguous() and x.shape[1] == a.hidden_size
+        cos, sin = rope
+        assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride()
+        assert cos.shape == sin.shape == (n, 1, a.head_dim) and cos.stride(2) == 1
+        slots = meta.slot_mapping
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)
+        tables, lens = meta.block_tables, meta.seq_lens
+        assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
+        seq_ids, seq_rows = meta.decode_seq_ids, meta.decode_rows
+        assert seq_ids.dtype == seq_rows.dtype == torch.int64
+        assert seq_ids.is_contiguous() and seq_rows.is_contiguous()
+        kv = self._kv_caches(kv_caches, num_layers)
+        k_cache = kv_caches[0][0]
+        segments = lora.meta.short_segments if lora is not None and lora.meta.has_lora \
+            else None
+        if segments is not None:
+            assert segments.dtype == torch.int64 and segments.is_contiguous()
+        num_segs = 0 if segments is None else segments.shape[1]
+        out = torch.empty_like(x)
+        buffers = {"qkv": a.q_size + 2 * a.kv_size, "attn": a.q_size,
+                   "gate_up": 2 * a.intermediate_size, "act": a.intermediate_size}
+        scratch = {k: torch.empty(n, w, dtype=x.dtype) for k, w in buffers.items()}
+        bf16 = x.dtype == torch.bfloat16
+        seg_ptr = 0 if segments is None else segments.data_ptr()
+        step = {
+            "rows": n, "hidden": a.hidden_size, "q_size": a.q_size, "kv_size": a.kv_size,
+            "inter": a.intermediate_size, "num_heads": a.num_heads,
+            "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
+            "block_size": k_cache.shape[1], "num_cache_slots": k_cache.shape[0] * k_cache.shape[1],
+            "x": out.data_ptr(), "residual": x.data_ptr(),
+            **{k: t.data_ptr() for k, t in scratch.items()},
+            "cos": cos.data_ptr(), "sin": sin.data_ptr(), "cs_stride": cos.stride(0),
+            "slot_mapping": slots.data_ptr(), "block_tables": tables.data_ptr(),
+            "table_stride": tables.stride(0), "seq_lens": lens.data_ptr(),
+            "seq_ids": seq_ids.data_ptr(), "seq_rows": seq_rows.data_ptr(),
+            "num_seqs": seq_ids.numel(),
+            "seg_first": seg_ptr, "seg_len": seg_ptr + 8 * num_segs,
+            "seg_slot": seg_ptr + 16 * num_segs, "num_segs": num_segs,
+            "first": 1, "bf16": int(bf16),
+            "impl": cpu_native.BF16_IMPLS[cpu_native.bf16_impl()] if bf16 else 0,
+            "num_threads": torch.get_num_threads(),
+        }
+        cpu_decode.run(self.layers, num_layers, kv, step, self.eps, self.scale)
+        return out, x
