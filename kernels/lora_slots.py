@@ -19,6 +19,7 @@ Two layouts, one per kind of kernel, never both:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -87,17 +88,20 @@ class LoRASlots:
                     self.lora_a[k][slot, :rank].copy_(pair[0])
                     self.lora_b[k][slot, :, :rank].copy_(pair[1])
             return
+        self.install(slot, self.prepare(pairs, scale))
+
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                scale: float) -> SlotWeights | None:
+        """The per-slot layout's tensors for one adapter (``set``'s arguments), built apart
+        from any slot so that a loader thread can build them ahead and ``install`` only
+        points a slot at them. None when no slice is targeted."""
+        assert self.layout == "per_slot", "the stacked layout is written in place (set)"
         total = sum(p[0].shape[0] for p in pairs if p is not None)
         if total == 0:
-            self.weights[slot] = self.native[slot] = None
-            self.slices[slot] = ()
-            self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
-            self.num_slices[slot] = 0
-            return
+            return None
         width = -(-total // _NATIVE_RANK_MULTIPLE) * _NATIVE_RANK_MULTIPLE
-        opts = dict(dtype=self.dtype, device=self.device)
-        at = torch.zeros(self.in_features, width, **opts)  # type: ignore[arg-type]
-        bt = torch.zeros(width, self.slice_offsets[-1], **opts)  # type: ignore[arg-type]
+        at = torch.zeros(self.in_features, width, dtype=self.dtype, device=self.device)
+        bt = torch.zeros(width, self.slice_offsets[-1], dtype=self.dtype, device=self.device)
         r0 = 0
         slices = []
         for k, pair in enumerate(pairs):
@@ -110,17 +114,49 @@ class LoRASlots:
             bt[r0:r1, lo:hi] = b.t() * scale
             slices.append((r0, r1, lo, hi))
             r0 = r1
-        self.weights[slot] = (at, bt)
-        self.slices[slot] = tuple(slices)
-        native = (at, bt)
+        native = None
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             native = (vnni_pair_layout(at), vnni_pair_layout(bt))
-        self.native[slot] = native if native[0] is not at else None  # None: weights
+        return SlotWeights(at, bt, native, tuple(slices), width, self.in_features,
+                           self.slice_offsets[-1], self.dtype)
+
+    def install(self, slot: int, weights: SlotWeights | None) -> None:
+        """Points a slot at ``prepare``'s tensors (None empties it): no copy; the slot
+        shares them, read-only, with whoever else holds them (the host cache)."""
+        if weights is None:
+            self.weights[slot] = self.native[slot] = None
+            self.slices[slot] = ()
+            self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
+            self.num_slices[slot] = 0
+            return
+        assert self.layout == "per_slot" and weights.dtype == self.dtype
+        assert weights.in_features == self.in_features
+        assert weights.out_features == self.slice_offsets[-1]
+        native = weights.native or (weights.at, weights.bt)
+        self.weights[slot] = (weights.at, weights.bt)
+        self.slices[slot] = weights.slices
+        self.native[slot] = weights.native  # None: the kernel reads ``weights``
         self.at_ptrs[slot] = native[0].data_ptr()
         self.bt_ptrs[slot] = native[1].data_ptr()
-        self.ranks[slot] = width
-        self.slice_table[slot, :len(slices)] = torch.tensor(slices, dtype=torch.int64)
-        self.num_slices[slot] = len(slices)
+        self.ranks[slot] = weights.width
+        self.slice_table[slot].zero_()
+        self.slice_table[slot, :len(weights.slices)] = torch.tensor(weights.slices,
+                                                                     dtype=torch.int64)
+        self.num_slices[slot] = len(weights.slices)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotWeights:
+    """One adapter's weights for one projection in the per-slot layout (``prepare``)."""
+
+    at: torch.Tensor  # A^T of every targeted slice side by side [in, width]
+    bt: torch.Tensor  # scaled block-diagonal B^T [width, out]
+    native: tuple[torch.Tensor, torch.Tensor] | None  # bf16: pair-interleaved copies
+    slices: tuple[tuple[int, int, int, int], ...]
+    width: int
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
 
 
 def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from loraplex.errors import (
 )
 from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapter
 from loraplex.model.args import ModelArgs
-from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput, SeqOutput
+from loraplex.model.runner import BatchInputs, ModelRunner, PreparedLoRA, SeqInput, SeqOutput
 from loraplex.model.sampler import SampledToken, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -89,13 +89,16 @@ class LLMEngine:
             ids.add(int(self.tokenizer.eos_token_id))
         return tuple(sorted(ids))
 
-    def _load_adapter(self, ref: AdapterRef) -> LoRAAdapter:
+    def _load_adapter(self, ref: AdapterRef) -> LoRAAdapter | PreparedLoRA:
+        """Reads and checks an adapter (on the adapter manager's loader thread, or at
+        admission) and lays it out for its slots there (``ModelRunner.prepare_lora``), so
+        an install on the step loop copies nothing where the layout allows."""
         adapter = load_adapter(ref.path, self.target_shapes, self.config.lora.max_lora_rank,
                                name=ref.adapter_id)
         if adapter.digest != ref.digest:
             raise AdapterError(f"adapter {ref.adapter_id!r}: file digest {adapter.digest[:12]} "
                                f"does not match the registered {ref.digest[:12]}")
-        return adapter
+        return self.runner.prepare_lora(adapter)
 
     @property
     def vocab_size(self) -> int:

@@ -23,6 +23,7 @@ from loraplex.model.loader import DTYPES, load_model, load_tokenizer
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
 from loraplex.model.sampler import SampledToken, SamplingRow, sample, verify
 from loraplex_kernels import cpu_native
+from loraplex_kernels.lora_slots import SlotWeights
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta, short_segment_limit
 from loraplex_kernels.ops import Backend, cpu_gemm_choice
 
@@ -30,6 +31,17 @@ if TYPE_CHECKING:
     from loraplex.model.adapter_loader import LoRAAdapter
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedLoRA:
+    """An adapter as the per-slot layout's slots hold it (``ModelRunner.prepare_lora``):
+    per (layer, projection) its tensors, or None where it targets nothing."""
+
+    name: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], SlotWeights | None]
 
 
 @dataclass(frozen=True)
@@ -162,23 +174,56 @@ class ModelRunner:
         return {"qkv_proj": blk.self_attn.qkv_proj, "o_proj": blk.self_attn.o_proj,
                 "gate_up_proj": blk.mlp.gate_up_proj, "down_proj": blk.mlp.down_proj}
 
-    def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        """Writes an adapter's weights into a slot (``None`` empties it)."""
-        scale = adapter.scaling if adapter else 0.0
+    def prepare_lora(self, adapter: LoRAAdapter) -> PreparedLoRA | LoRAAdapter:
+        """The adapter as its slots will hold it, where the layout allows (the CPU's
+        per-slot layout): every projection's tensors in the model's dtype and the kernels'
+        layout, built here, off the engine's step loop (the adapter loader's thread), so
+        that installing it into a slot copies nothing. Elsewhere the adapter itself (the
+        stacked layout copies into its slot)."""
+        modules = [self._lora_modules(layer) for layer in range(self.args.num_layers)]
+        if any(m.lora.layout != "per_slot" for m in modules[0].values()):
+            return adapter
+        with torch.no_grad():
+            weights = {(layer, name): module.lora.prepare(pairs, adapter.scaling)
+                       for layer, by_name in enumerate(modules)
+                       for name, (module, pairs) in self._slot_pairs(layer, by_name,
+                                                                     adapter).items()}
+        return PreparedLoRA(adapter.name, adapter.rank, adapter.scaling, weights)
+
+    def _slot_pairs(self, layer: int, modules: dict[str, LoRALinear], adapter: LoRAAdapter,
+                    ) -> dict[str, tuple[LoRALinear, list[tuple[torch.Tensor, torch.Tensor]
+                                                          | None]]]:
+        """Per projection of ``layer``: its module and each slice's (A, B) of the adapter
+        (None: not targeted), in the model's dtype and device."""
+        pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
+            name: [None] * len(m.slice_widths) for name, m in modules.items()}
+        for peft_name, (ours, slice_idx) in MODULE_SLICES.items():
+            w = adapter.weights.get((layer, peft_name))
+            if w is not None:
+                pairs[ours][slice_idx] = (w.lora_a.to(self.device, self.dtype),
+                                          w.lora_b.to(self.device, self.dtype))
+        return {name: (m, pairs[name]) for name, m in modules.items()}
+
+    def set_lora_slot(self, slot: int, adapter: LoRAAdapter | PreparedLoRA | None) -> None:
+        """Writes an adapter's weights into a slot (``None`` empties it); a
+        ``prepare_lora`` result is installed without copying."""
+        if adapter is not None and not isinstance(adapter, PreparedLoRA):
+            adapter = self.prepare_lora(adapter)
         with torch.no_grad():
             for layer in range(self.args.num_layers):
                 modules = self._lora_modules(layer)
-                pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
-                    name: [None] * len(m.slice_widths) for name, m in modules.items()}
-                for peft_name, (ours, slice_idx) in MODULE_SLICES.items():
-                    w = adapter.weights.get((layer, peft_name)) if adapter else None
-                    if w is not None:
-                        pairs[ours][slice_idx] = (w.lora_a.to(self.device, self.dtype),
-                                                  w.lora_b.to(self.device, self.dtype))
-                for name, module in modules.items():
-                    module.lora.set(slot, pairs[name], scale)
+                if isinstance(adapter, PreparedLoRA):
+                    for name, module in modules.items():
+                        module.lora.install(slot, adapter.weights[layer, name])
+                    continue
+                if adapter is None:
+                    for module in modules.values():
+                        module.lora.set(slot, [None] * len(module.slice_widths), 0.0)
+                    continue
+                for module, pairs in self._slot_pairs(layer, modules, adapter).values():
+                    module.lora.set(slot, pairs, adapter.scaling)
         self.slot_ranks[slot] = adapter.rank if adapter else 0
-        self.lora_scales[slot] = scale
+        self.lora_scales[slot] = adapter.scaling if adapter else 0.0
 
     # --- KV block movement ------------------------------------------------------------
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraplex import LLM, LoRARequest
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.model.adapter_loader import TargetShapes, load_adapter
-from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
+from loraplex.model.runner import BatchInputs, ModelRunner, PreparedLoRA, SeqInput
 from loraplex.model.sampler import SamplingRow
 from loraplex.testing import build_tiny_model, load_reference, reference_greedy, runner_logits
 
@@ -143,3 +144,47 @@ def test_base_rows_get_exactly_zero_delta(tiny_llama_dir: Path,
     mixed = run([1, -1, 1])
     assert torch.equal(mixed[1], base_only[1])
     assert not torch.allclose(mixed[0], base_only[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prepared_adapter_is_installed_without_copying(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path], dtype: str) -> None:
+    """The adapter loader lays an adapter out for its slots once (``prepare_lora``, on its
+    own thread); installing that only points slots at the tensors: two slots share them,
+    compute what the adapter installed from its file's tensors computes, and emptying one
+    leaves the other intact. The engine's loader hands such prepared adapters over."""
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), dtype=dtype),
+                         CacheConfig(num_kv_blocks=32),
+                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
+                         progress=False)
+    adapter = load_adapter(llama_adapters["r16rs"], TargetShapes.from_model_dir(tiny_llama_dir),
+                           16)
+    prepared = runner.prepare_lora(adapter)
+    assert isinstance(prepared, PreparedLoRA)
+    runner.set_lora_slot(0, adapter)  # laid out afresh from the adapter's tensors
+    runner.set_lora_slot(1, prepared)
+    runner.set_lora_slot(2, prepared)
+    lora = runner.model.layers[0].self_attn.qkv_proj.lora  # type: ignore[union-attr]
+    weights = prepared.weights[0, "qkv_proj"]
+    assert weights is not None
+    read = weights.native or (weights.at, weights.bt)  # what the kernels read
+    assert int(lora.at_ptrs[1]) == int(lora.at_ptrs[2]) == read[0].data_ptr()
+    assert int(lora.bt_ptrs[1]) == read[1].data_ptr() != int(lora.bt_ptrs[0])
+    prompt = _prompts(runner.args.vocab_size, [20], 4)[0]
+
+    def run(slot: int) -> torch.Tensor:  # the same batch shape every time
+        return runner_logits(runner, BatchInputs([
+            SeqInput(prompt, 0, [2 * i, 2 * i + 1], s, [GREEDY])
+            for i, s in enumerate([slot, -1])]))
+
+    copied, base = run(0), run(-1)
+    assert not torch.equal(copied[0], base[0])
+    assert torch.equal(run(1), copied) and torch.equal(run(2), copied)
+    runner.set_lora_slot(1, None)
+    assert int(lora.at_ptrs[1]) == 0
+    assert torch.equal(run(1), base) and torch.equal(run(2), copied)
+
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, progress=False, max_lora_rank=16)
+    ref = LoRARequest("r16rs", str(llama_adapters["r16rs"])).to_ref()
+    assert isinstance(llm.engine.adapters.load_now(ref), PreparedLoRA)
+    llm.close()
