@@ -36,7 +36,8 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     if subset:
         ax = axes[0]
         base = next((r.tokens_per_s for r in subset if r.system == "a"), None)
-        labels = [r.name.replace(" ", "\n", 1).replace(", ", "\n") for r in subset]
+        labels = [r.name.rsplit(" #", 1)[0].replace(" ", "\n", 1).replace(", ", "\n")
+                  for r in subset]  # a round's number dropped: the bar is the median
         spread = [[r.tokens_per_s - min(x.tokens_per_s for x in rs) for r, rs in
                    zip(subset, rounds.values(), strict=True)],
                   [max(x.tokens_per_s for x in rs) - r.tokens_per_s for r, rs in
@@ -48,7 +49,9 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
             bar.set_hatch("//" if r.dtype == "bfloat16" else "")
         for bar, r in zip(bars, subset, strict=True):
             note = f"{r.tokens_per_s:.0f}" + (f"\n{r.tokens_per_s / base:.1f}x (a)" if base else "")
-            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            # beside the range bar when there is one
+            at = 0.25 if report.get("rounds", 1) > 1 else 0.5
+            ax.annotate(note, (bar.get_x() + bar.get_width() * at, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
         ax.set_ylabel("output tokens/s")
         rounds_note = (f", median of {report['rounds']} rounds (range: bars)"

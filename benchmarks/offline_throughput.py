@@ -23,6 +23,11 @@ the base model only).
 ``--systems c:float32,c:bfloat16,v:bfloat16`` picks a dtype per system; ratios and greedy
 agreement are reported within one dtype (keys ending in it) and across the dtypes of one
 system (``c_bfloat16_over_c_float32``, ``c_bfloat16_vs_c_float32``).
+
+``--rounds N`` runs the peer subset N times, the order of the systems reversed every other
+round: a ratio is taken within each round (both of its runs in the same state of the
+machine, minutes apart) and the report gives the median, each round's kept
+(``ratios_by_round``), and whether each system gave the same tokens every round.
 """
 
 from __future__ import annotations
