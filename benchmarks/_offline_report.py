@@ -24,7 +24,9 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     for r in results:
         if r.workload == "peer subset":
             rounds.setdefault((r.system, r.dtype), []).append(r)
-    # one bar per system and dtype: its median round, the other rounds as a range
+    # one bar per system and dtype: its median round (the faster middle one for an even
+    # count), the other rounds as a range; the report's ratios are medians of per-round
+    # ratios, so they can differ a little from the bars' quotients
     subset = [sorted(rs, key=lambda r: r.seconds)[(len(rs) - 1) // 2] for rs in rounds.values()]
     sweep_dtype = next((r.dtype for r in results if r.workload == "full"), "float32")
     full = list(sweep_runs(results, sweep_dtype).values())

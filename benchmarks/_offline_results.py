@@ -100,12 +100,14 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
     ratios = {key: statistics.median(values) for key, values in ratios_by_round.items()}
     first = by_round[min(by_round)] if by_round else {}
     agree = subset_agreement(first, outputs)
-    repeat: dict[str, float] = {}
+    repeat: dict[str, float] = {}  # share of requests with the same tokens in every round
     for key, run in first.items():
-        later = [s[key] for s in by_round.values() if key in s and s[key] is not run]
+        later = [outputs[s[key].name] for s in by_round.values() if key in s
+                 and s[key] is not run]
         if later:
-            repeat[":".join(key)] = min(agreement(outputs[run.name], outputs[r.name],
-                                                  prefix=1 << 30) for r in later)
+            same = sum(all(list(o[i]) == list(ref) for o in later)
+                       for i, ref in enumerate(outputs[run.name]))
+            repeat[":".join(key)] = same / max(1, len(outputs[run.name]))
     floor_fraction = {
         ":".join(key): statistics.median(s[key].extra["fraction_of_compute_floor"]
                                          for s in by_round.values() if key in s)

@@ -100,6 +100,7 @@ def run(layers: torch.Tensor, num_layers: int, kv_caches: torch.Tensor,
     if status == -3:
         raise IndexError(f"a KV cache slot is outside [-1, {step['num_cache_slots']})")
     if status == -2:
-        raise RuntimeError("the native skinny GEMM is not compiled for this dtype here")
+        raise RuntimeError("a native decode kernel (skinny GEMM, or a bfloat16 kernel "
+                           "implementation) is not compiled for this dtype here")
     if status != 0:
         raise MemoryError("a native decode kernel could not allocate its scratch memory")

@@ -127,7 +127,9 @@ _LARGE_ROWS = 512
 # GEMM ran the demo model's 30 layers 1.6-2.4x faster than oneDNN's packed copy up to 16
 # rows and 1.1-1.3x at 32-64 (benchmarks/skinny_gemm.py), where oneDNN on the plain layout
 # was 0.7-0.9x its packed copy; from 128 rows oneDNN's packed copy leads, on the plain
-# layout 4-14 % behind it.
+# layout 4-14 % behind it. In float32 the skinny GEMM alone led by less (0.9-1.5x); it is
+# the default there too because with every projection on it a decode step's layers run in
+# one native call (loraplex/model/native_decode.py).
 SKINNY_MAX_ROWS = 64
 
 
@@ -205,8 +207,9 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     bf16 products are exact in float32 and the sums are float32 either way, so the result
     is the bf16 GEMM's, at the float32 GEMM's speed, several times the bf16 one's there.
 
-    Where ``cpu_gemm_choice`` picks the skinny GEMM ("auto" in bfloat16 on CPUs with
-    AVX512_BF16), no copy is made: the weight itself is what both of its GEMMs read.
+    Where ``cpu_gemm_choice`` picks the skinny GEMM ("auto" on CPUs with AVX-512, and
+    AVX512_BF16 for bfloat16), no copy is made: the weight itself is what both of its GEMMs
+    read.
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
     embedding). In float32 no copy is made by default: oneDNN's GEMM reads the plain layout

@@ -42,8 +42,9 @@ class NativeDecode:
         self.scale = model.args.head_dim ** -0.5
         self.dtype = model.embed_tokens.dtype
         self.layers = layers  # [num_layers, len(LAYER_FIELDS)] int64
-        self._kv_key: tuple[int, ...] = ()
-        self._kv_table = torch.empty(0, 2, dtype=torch.int64)
+        # KV-cache pointer tables by the caches' addresses (a layer-skip draft's steps
+        # use its first layers' caches, the target's all of them: one table each)
+        self._kv_tables: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> NativeDecode | None:
@@ -81,7 +82,8 @@ class NativeDecode:
 
     def _kv_caches(self, kv_caches: list[KVCache], num_layers: int) -> torch.Tensor:
         key = tuple(t.data_ptr() for kv in kv_caches[:num_layers] for t in kv)
-        if key != self._kv_key:
+        table = self._kv_tables.get(key)
+        if table is None:
             shape = kv_caches[0][0].shape
             a = self.args
             for k, v in kv_caches[:num_layers]:
@@ -89,9 +91,11 @@ class NativeDecode:
                         and k.is_contiguous() and v.is_contiguous() and k.is_cpu
                         and v.is_cpu and shape[2:] == (a.num_kv_heads, a.head_dim)):
                     raise ValueError("the KV caches do not fit the native decode layers")
-            self._kv_table = torch.tensor(key, dtype=torch.int64).reshape(num_layers, 2)
-            self._kv_key = key
-        return self._kv_table
+            if len(self._kv_tables) >= 4:  # caches reallocated: the old tables go
+                self._kv_tables.clear()
+            table = torch.tensor(key, dtype=torch.int64).reshape(num_layers, 2)
+            self._kv_tables[key] = table
+        return table
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_caches: list[KVCache],
                 meta: AttentionMeta, lora: LoRAStep | None, num_layers: int,
