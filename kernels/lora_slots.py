@@ -117,8 +117,7 @@ class LoRASlots:
         native = None
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             native = (vnni_pair_layout(at), vnni_pair_layout(bt))
-        return SlotWeights(at, bt, native, tuple(slices), width, self.in_features,
-                           self.slice_offsets[-1], self.dtype)
+        return SlotWeights(at, bt, native, tuple(slices))
 
     def install(self, slot: int, weights: SlotWeights | None) -> None:
         """Points a slot at ``prepare``'s tensors (None empties it): no copy; the slot
@@ -129,9 +128,9 @@ class LoRASlots:
             self.at_ptrs[slot] = self.bt_ptrs[slot] = self.ranks[slot] = 0
             self.num_slices[slot] = 0
             return
-        assert self.layout == "per_slot" and weights.dtype == self.dtype
-        assert weights.in_features == self.in_features
-        assert weights.out_features == self.slice_offsets[-1]
+        assert self.layout == "per_slot" and weights.at.dtype == self.dtype
+        assert weights.at.shape[0] == self.in_features
+        assert weights.bt.shape[1] == self.slice_offsets[-1]
         native = weights.native or (weights.at, weights.bt)
         self.weights[slot] = (weights.at, weights.bt)
         self.slices[slot] = weights.slices
@@ -153,10 +152,10 @@ class SlotWeights:
     bt: torch.Tensor  # scaled block-diagonal B^T [width, out]
     native: tuple[torch.Tensor, torch.Tensor] | None  # bf16: pair-interleaved copies
     slices: tuple[tuple[int, int, int, int], ...]
-    width: int
-    in_features: int
-    out_features: int
-    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:  # R: the slices' ranks together, rounded up to 16
+        return self.at.shape[1]
 
 
 def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:
