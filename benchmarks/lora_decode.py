@@ -19,6 +19,8 @@ the native kernel is what ``meta.short_segment_limit`` is set from.
 ``--baseline REV`` also times, per layout, another revision's native kernel (compiled
 beside this tree's, ``_baseline.py``) against this tree's, both per slice, plus one slot's
 256-token segment (rank 32): old / new time and the largest difference of their outputs.
+Each build reads the weights in its own layout (a revision from before the tiled layout
+reads A^T and B^T in place).
 
     python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--crossover]
         [--baseline REV] [--out PATH]
@@ -31,6 +33,7 @@ import copy
 import ctypes
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +54,11 @@ from _output import add_out_argument, write_json  # noqa: E402
 
 from loraplex_kernels import cpu_native  # noqa: E402
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
-from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
+from loraplex_kernels.lora_slots import (  # noqa: E402
+    LoRASlots,
+    tiled_layout,
+    vnni_pair_layout,
+)
 from loraplex_kernels.meta import SGMVMeta  # noqa: E402
 from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
 
@@ -70,15 +77,47 @@ def _slots(in_features: int, widths: list[int], dtype: torch.dtype,
     return slots
 
 
+Slices = Sequence[tuple[int, int, int, int]]
+
+
+def _read_as(slots: LoRASlots, make: Callable[[torch.Tensor, torch.Tensor, Slices],
+                                              tuple[torch.Tensor, torch.Tensor]]) -> LoRASlots:
+    """A shallow copy of ``slots`` whose kernel reads ``make(at, bt, slices)`` per slot."""
+    other = copy.copy(slots)
+    other.native = list(slots.native)
+    other.at_ptrs, other.bt_ptrs = slots.at_ptrs.clone(), slots.bt_ptrs.clone()
+    for s, pair in enumerate(slots.weights):
+        if pair is not None:
+            other.native[s] = copies = make(pair[0], pair[1], slots.slices[s])
+            other.at_ptrs[s], other.bt_ptrs[s] = copies[0].data_ptr(), copies[1].data_ptr()
+    return other
+
+
 def block_diagonal(slots: LoRASlots) -> LoRASlots:
     """The same weights, described to the kernel as one slice per slot covering all of B
     (every rank against every column): the kernel's work before it expanded per slice."""
-    whole = copy.copy(slots)
+    tile, pairs = cpu_native.lora_tile(), slots.dtype == torch.bfloat16
+    assert tile is not None
+    whole = _read_as(slots, lambda at, bt, _: tiled_layout(
+        at, bt, [(0, at.shape[1], 0, bt.shape[1])], tile, pairs=pairs))
     whole.slice_table = torch.zeros_like(slots.slice_table)
     whole.slice_table[:, 0, 1] = slots.ranks
     whole.slice_table[:, 0, 3] = slots.slice_offsets[-1]
     whole.num_slices = (slots.ranks > 0).to(torch.int64)
     return whole
+
+
+def as_build_reads(slots: LoRASlots, lib: ctypes.CDLL) -> LoRASlots:
+    """``slots`` as another build's kernel reads them: builds from before the tiled layout
+    (no ``loraplex_lora_tile``) read A^T and B^T in place, pair-interleaved in bfloat16."""
+    if hasattr(lib, "loraplex_lora_tile"):
+        tile = cpu_native.lora_tile_of(lib)
+        pairs = slots.dtype == torch.bfloat16
+        return _read_as(slots, lambda at, bt, slices: tiled_layout(at, bt, slices, tile,
+                                                                   pairs=pairs))
+    if slots.dtype == torch.bfloat16:
+        return _read_as(slots, lambda at, bt, _: (vnni_pair_layout(at), vnni_pair_layout(bt)))
+    return _read_as(slots, lambda at, bt, _: (at, bt))
 
 
 def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:
@@ -133,19 +172,20 @@ def versus_baseline(old: ctypes.CDLL, dtype_name: str, layout: str,
                torch.zeros(n, sum(widths), dtype=dtype))
               for _ in range(LAYERS if n <= 64 else 6)
               for in_features, widths in PROJECTIONS.values()]
+    old_slots = [as_build_reads(slots, old) for slots, _, _ in layers]
     results = []
     for lib in (old, None):
         for _, _, out in layers:
             out.zero_()
-        for slots, x, out in layers:
-            cpu_native.add_lora(out, x, segments, slots, lib=lib)
+        for (slots, x, out), old_read in zip(layers, old_slots, strict=True):
+            cpu_native.add_lora(out, x, segments, old_read if lib else slots, lib=lib)
         results.append([out.clone() for *_, out in layers])
     max_diff = max((a.double() - b.double()).abs().max().item()
                    for a, b in zip(*results, strict=True))
 
     def step(lib: ctypes.CDLL | None) -> None:
-        for slots, x, out in layers:
-            cpu_native.add_lora(out, x, segments, slots, lib=lib)
+        for (slots, x, out), old_read in zip(layers, old_slots, strict=True):
+            cpu_native.add_lora(out, x, segments, old_read if lib else slots, lib=lib)
 
     times = time_interleaved({"old": lambda: step(old), "new": lambda: step(None)}, repeats)
     row: dict[str, Any] = {"dtype": dtype_name, "layout": layout, "tokens": n,

@@ -177,6 +177,22 @@ def available() -> bool:
     return _library() is not None
 
 
+def lora_tile() -> int | None:
+    """The width of the tiled layout's blocks that this machine's LoRA kernel reads
+    (``lora_slots.tiled_layout``), or None when the library is unavailable."""
+    lib = _library()
+    return None if lib is None else lora_tile_of(lib)
+
+
+def lora_tile_of(lib: ctypes.CDLL) -> int:
+    """``lora_tile`` of a loaded build (benchmarks load another revision's beside it)."""
+    if not hasattr(lib, "loraplex_lora_tile"):
+        raise RuntimeError("this build's LoRA kernels read the untiled layout of an older "
+                           "revision")
+    lib.loraplex_lora_tile.restype = ctypes.c_int
+    return int(lib.loraplex_lora_tile())
+
+
 @functools.cache
 def bf16_impls() -> tuple[str, ...]:
     """The bfloat16 implementations this machine can run, best first: ``"avx512_bf16"``

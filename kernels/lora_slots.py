@@ -6,11 +6,13 @@ Two layouts, one per kind of kernel, never both:
   A of every slice transposed ``[in, R]`` and the block-diagonal B with the LoRA scale
   folded in, transposed ``[R, out]``, where ``R`` is the sum of the slices' own ranks
   rounded up to 16 (the native kernel keeps 16 ranks in registers). Allocated when an
-  adapter is loaded, at its own rank; an empty slot holds nothing. In bfloat16 the
-  native kernel's AVX-512 BF16 dot products sum pairs of consecutive values, so it reads
-  its own pair-interleaved copy of both (``vnni_pair_layout``); the reference reads the
-  plain ones. LoRA weights are small (rank x (in + out) per slot), so two copies cost
-  little.
+  adapter is loaded, at its own rank; an empty slot holds nothing. The native kernel reads
+  its own copy of both in the tiled layout (``tiled_layout``): each tile of ranks or
+  columns it keeps in registers is one contiguous run of memory, so that a decode step's
+  LoRA reads stream (read in place they ran at about half the streaming rate), and in
+  bfloat16 pair-interleaved along the summed axis, as its AVX-512 BF16 dot products read
+  them. The reference and the prefill matmuls read the plain ones. LoRA weights are small
+  (rank x (in + out) per slot), so two copies cost little.
 - ``"stacked"`` (Triton): per slice, A ``[num_slots, max_rank, in]`` and B
   ``[num_slots, out_k, max_rank]``, allocated up front, because the kernels address a slot
   by its stride. A slot's rows past its rank stay zero and are never read.
@@ -51,7 +53,7 @@ class LoRASlots:
         # per_slot: each targeted slice's (first rank, last rank, first column, last
         # column) in A^T's columns and B^T's blocks, for the per-slice prefill matmuls
         self.slices: list[tuple[tuple[int, int, int, int], ...]] = [()] * num_slots
-        # per_slot bfloat16: the native kernel's pair-interleaved copies (kept alive here)
+        # per_slot: the native kernel's tiled copies (kept alive here)
         self.native: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
         # per_slot, for the native kernel: each slot's addresses and R (0 = empty), and
         # its targeted slices as ``slices`` holds them (the kernel expands per slice)
@@ -115,8 +117,9 @@ class LoRASlots:
             slices.append((r0, r1, lo, hi))
             r0 = r1
         native = None
-        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
-            native = (vnni_pair_layout(at), vnni_pair_layout(bt))
+        tile = _native_tile() if self.device.type == "cpu" else None
+        if tile is not None:
+            native = tiled_layout(at, bt, slices, tile, pairs=self.dtype == torch.bfloat16)
         return SlotWeights(at, bt, native, tuple(slices))
 
     def install(self, slot: int, weights: SlotWeights | None) -> None:
@@ -131,10 +134,10 @@ class LoRASlots:
         assert self.layout == "per_slot" and weights.at.dtype == self.dtype
         assert weights.at.shape[0] == self.in_features
         assert weights.bt.shape[1] == self.slice_offsets[-1]
-        native = weights.native or (weights.at, weights.bt)
+        native = weights.native or (weights.at, weights.bt)  # the latter: no native kernel
         self.weights[slot] = (weights.at, weights.bt)
         self.slices[slot] = weights.slices
-        self.native[slot] = weights.native  # None: the kernel reads ``weights``
+        self.native[slot] = weights.native
         self.at_ptrs[slot] = native[0].data_ptr()
         self.bt_ptrs[slot] = native[1].data_ptr()
         self.ranks[slot] = weights.width
@@ -150,7 +153,7 @@ class SlotWeights:
 
     at: torch.Tensor  # A^T of every targeted slice side by side [in, width]
     bt: torch.Tensor  # scaled block-diagonal B^T [width, out]
-    native: tuple[torch.Tensor, torch.Tensor] | None  # bf16: pair-interleaved copies
+    native: tuple[torch.Tensor, torch.Tensor] | None  # the native kernel's tiled copies
     slices: tuple[tuple[int, int, int, int], ...]
 
     @property
@@ -165,3 +168,36 @@ def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:
     if k % 2:
         w = torch.cat([w, w.new_zeros(1, n)])
     return w.view(-1, 2, n).transpose(1, 2).contiguous()  # [ceil(k / 2), n, 2]
+
+
+def _native_tile() -> int | None:
+    from loraplex_kernels import cpu_native  # it imports this module
+
+    return cpu_native.lora_tile()
+
+
+def tiled_layout(at: torch.Tensor, bt: torch.Tensor,
+                 slices: Sequence[tuple[int, int, int, int]], tile: int,
+                 pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native kernel's copies of ``at [in, R]`` and ``bt [R, out]`` (``prepare``), flat,
+    each block it reads in one pass one contiguous run (csrc/cpu_lora_f32.c):
+
+    - A: per block of ``w = min(tile, R - k0)`` ranks from ``k0``, ``at[:, k0:k0 + w]``;
+    - B: per slice ``(kb, ke, lo, hi)`` in order, per tile of ``min(tile, hi - o0)`` columns
+      from ``o0``, ``bt[kb:ke, o0:o0 + tile]``; only the diagonal blocks.
+
+    ``pairs`` (bfloat16): both pair-interleaved along the summed axis first
+    (``vnni_pair_layout``), a slice's ranks widened to whole pairs ``kb // 2 .. ceil(ke /
+    2)``; the kernel then reads ``[rows / 2, width, 2]`` blocks."""
+    rank = at.shape[1]
+    a = vnni_pair_layout(at) if pairs else at  # [in2, R, 2] or [in, R]
+    a_blocks = [a[:, k0:k0 + tile].reshape(-1) for k0 in range(0, rank, tile)]
+    b_blocks = []
+    for kb, ke, lo, hi in slices:
+        if pairs:
+            rows = bt[kb // 2 * 2:min(-(-ke // 2) * 2, rank), lo:hi]
+            rows = vnni_pair_layout(rows)  # [pairs, width, 2]
+        else:
+            rows = bt[kb:ke, lo:hi]
+        b_blocks += [rows[:, o:o + tile].reshape(-1) for o in range(0, hi - lo, tile)]
+    return torch.cat(a_blocks), torch.cat(b_blocks)

@@ -92,6 +92,20 @@ static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
     memcpy(odd, &o, sizeof o);
 }
 
+/* The tokens per LoRA work item: `most` (a multiple of `group`), halved while that leaves
+ * fewer items than `want` (the team's threads), down to `group`. */
+static inline int64_t lora_item_tokens(const int64_t *seg_len, int64_t num_segs,
+                                       int64_t group, int64_t most, int64_t want)
+{
+    int64_t size = most;
+    for (; size > group; size /= 2) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < num_segs; ++i) n += (seg_len[i] + size - 1) / size;
+        if (n >= want) break;
+    }
+    return size < group ? group : size;
+}
+
 /* LoRA work items: (first token, token count, slot) for every group of up to
  * `group` consecutive tokens of a segment; *num_groups set. NULL when out of memory. */
 static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *seg_len,

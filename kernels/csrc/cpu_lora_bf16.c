@@ -5,9 +5,15 @@
  * differ from each other only in the order of fp32 additions.
  *
  * The vdpbf16ps operand wants pairs of consecutive bf16 values along the summed axis, so
- * the LoRA weights come pair-interleaved ("VNNI" layout, written by lora_slots.py):
- *   At: [ceil(in / 2), R, 2]   At[i2, k, j] = A^T[2 * i2 + j, k]   (zero past `in`)
- *   Bt: [R / 2, out, 2]        Bt[k2, o, j] = scaled B^T[2 * k2 + j, o]
+ * the LoRA weights come pair-interleaved ("VNNI" layout), and tiled as in cpu_lora_f32.c
+ * (lora_slots.py: `tiled_layout`), so that each tile's weights are one contiguous run:
+ *   A: per block of w = min(TILE_COLUMNS, R - k0) ranks from k0 (at in2 * k0 * 2),
+ *      [in2, w, 2] with [i2, k, j] = A^T[2 * i2 + j, k0 + k]   (in2 = ceil(in / 2), zero past in)
+ *   B: per slice (ranks kb..ke, columns lo..hi; its pairs k2b = kb / 2 .. k2e = (ke + 1) / 2,
+ *      rows of a neighbouring slice in a shared pair being zero in these columns), one after
+ *      another, per tile of wt = min(TILE_COLUMNS, hi - o0) columns from o0 (at the slice's
+ *      start + (o0 - lo) * (k2e - k2b) * 2), [k2e - k2b, wt, 2] with
+ *      [p, o, j] = scaled B^T[2 * (k2b + p) + j, o0 + o]
  */
 #include "bf16.h"
 #include "common.h"
@@ -27,8 +33,9 @@ static inline __attribute__((always_inline)) void shrink_pairs(
 {
     const int64_t w = 2 * in2;
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    const bf16 *restrict block = at + in2 * k0 * 2;
     for (int64_t i2 = 0; i2 < in2; ++i2) {
-        const bf16 *restrict a = at + (i2 * r + k0) * 2;
+        const bf16 *restrict a = block + i2 * (VL * nv) * 2;
         vf even[TILE_VECTORS], odd[TILE_VECTORS];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) load_pairs(a + 2 * VL * j, &even[j], &odd[j]);
@@ -51,14 +58,15 @@ static inline __attribute__((always_inline)) void shrink_pairs(
 }
 
 /* The portable expand of 4 tokens into TILE_COLUMNS columns from o0, over the pair-rows
- * k2b .. k2e: out[t, o0 + o] = bf16(out + y[t] . B^T[ranks, o0 + o]). */
+ * k2b .. k2e, from the tile's block `bt` ([k2e - k2b, TILE_COLUMNS, 2], read in order):
+ * out[t, o0 + o] = bf16(out + y[t] . B^T[ranks, o0 + o]). */
 static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *restrict bt,
-                                int64_t n_out, int64_t k2b, int64_t k2e, int64_t o0,
+                                int64_t k2b, int64_t k2e, int64_t o0,
                                 bf16 *restrict out, int64_t out_stride, int64_t nt)
 {
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
     for (int64_t k2 = k2b; k2 < k2e; ++k2) {
-        const bf16 *restrict b = bt + (k2 * n_out + o0) * 2;
+        const bf16 *restrict b = bt + (k2 - k2b) * TILE_COLUMNS * 2;
         vf even[TILE_VECTORS], odd[TILE_VECTORS];
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_VECTORS; ++j) load_pairs(b + 2 * VL * j, &even[j], &odd[j]);
@@ -79,49 +87,69 @@ static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *
     }
 }
 
-/* Up to 4 consecutive tokens of one slot (cpu_lora_f32.c's lora_tokens), weights in the
- * pair-interleaved layout. xb: the tokens' rows widened to fp32, zero-padded to 4 rows of
- * in2 * 2; y: [4, r], the shrink's output, rounded to bf16 values. */
+/* Up to LORA_ITEM_TOKENS consecutive tokens of one slot in groups of 4 (cpu_lora_f32.c's
+ * lora_tokens), weights in the tiled pair-interleaved layout. xb: the tokens' rows widened
+ * to fp32, zero-padded to a multiple of 4 rows of in2 * 2; y: [groups * 4, r], the shrink's
+ * output, rounded to bf16 values. */
 static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
-                                 int64_t out_stride, int64_t nt, int64_t in2, int64_t n_out,
+                                 int64_t out_stride, int64_t nt, int64_t in2,
                                  const bf16 *restrict at, const bf16 *restrict bt, int64_t r,
                                  const int64_t *restrict slices, int64_t num_slices,
                                  float *restrict y)
 {
+    const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
     int64_t k0 = 0;
     for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
-        shrink_pairs(xb, in2, at, r, k0, TILE_VECTORS, y);
+        for (int64_t g = 0; g < groups; ++g)
+            shrink_pairs(xb + g * LORA_TOKENS * w, in2, at, r, k0, TILE_VECTORS,
+                         y + g * LORA_TOKENS * r);
 #if TILE_COLUMNS > 16
-    switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
-    case 3: shrink_pairs(xb, in2, at, r, k0, 3, y); break;
-    case 2: shrink_pairs(xb, in2, at, r, k0, 2, y); break;
-    case 1: shrink_pairs(xb, in2, at, r, k0, 1, y); break;
-    default: break;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float *restrict xg = xb + g * LORA_TOKENS * w;
+        float *restrict yg = y + g * LORA_TOKENS * r;
+        switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
+        case 3: shrink_pairs(xg, in2, at, r, k0, 3, yg); break;
+        case 2: shrink_pairs(xg, in2, at, r, k0, 2, yg); break;
+        case 1: shrink_pairs(xg, in2, at, r, k0, 1, yg); break;
+        default: break;
+        }
     }
 #endif
+    const bf16 *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
         /* the pairs holding the slice's ranks; a pair's other row is zero here */
         const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
-        const int64_t hi = slices[4 * s + 3];
-        int64_t o0 = slices[4 * s + 2];
+        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3], np = k2e - k2b;
+        int64_t o0 = lo;
         for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
-            expand_pairs(y, r, bt, n_out, k2b, k2e, o0, out, out_stride, nt);
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t t0 = g * LORA_TOKENS;
+                expand_pairs(y + t0 * r, r, bs + (o0 - lo) * np * 2, k2b, k2e, o0,
+                             out + t0 * out_stride, out_stride,
+                             nt - t0 < LORA_TOKENS ? nt - t0 : LORA_TOKENS);
+            }
+        const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
+        const int64_t wt = hi - o0;
         for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */
-            for (int64_t o = o0; o < hi; ++o) {
+            for (int64_t o = 0; o < wt; ++o) {
                 float acc = 0.0f;
-                for (int64_t k2 = k2b; k2 < k2e; ++k2)
-                    acc += y[t * r + 2 * k2] * bf16_to_f32(bt[(k2 * n_out + o) * 2])
-                           + y[t * r + 2 * k2 + 1] * bf16_to_f32(bt[(k2 * n_out + o) * 2 + 1]);
-                bf16 *ot = out + t * out_stride + o;
+                for (int64_t p = 0; p < np; ++p)
+                    acc += y[t * r + 2 * (k2b + p)] * bf16_to_f32(b[(p * wt + o) * 2])
+                           + y[t * r + 2 * (k2b + p) + 1] * bf16_to_f32(b[(p * wt + o) * 2 + 1]);
+                bf16 *ot = out + t * out_stride + o0 + o;
                 *ot = f32_to_bf16(bf16_to_f32(*ot) + acc);
             }
+        bs += (hi - lo) * np * 2;
     }
 }
 
 #ifdef __AVX512BF16__
+#if TILE_COLUMNS != 64
+#error "the AVX-512 BF16 LoRA tiles are 64 wide, as the tiled layout's"
+#endif
 /* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
- * inlined): each pair-row of A^T's tile is one contiguous read of up to 256 bytes, and the
- * 4 x nv vectors of sums stay in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). */
+ * inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks, read in order), the
+ * 4 x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). */
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
     const int nv, bf16 *restrict yb)
@@ -132,8 +160,9 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     for (int t = 0; t < LORA_TOKENS; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+    const bf16 *restrict block = at + in2 * k0 * 2;
     for (int64_t i2 = 0; i2 < in2; ++i2) {
-        const bf16 *restrict a = at + (i2 * r + k0) * 2;
+        const bf16 *restrict a = block + i2 * (16 * nv) * 2;
         __m512bh av[4];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
@@ -152,61 +181,80 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
                                 (__m256i)_mm512_cvtneps_pbh(c[t][j]));
 }
 
-/* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to 4 rows of in2 * 2;
- * yb: [4, r] bf16. */
+/* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to a multiple of 4 rows
+ * of in2 * 2; yb: [groups * 4, r] bf16. */
 static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
-                               int64_t out_stride, int64_t nt, int64_t in2, int64_t n_out,
+                               int64_t out_stride, int64_t nt, int64_t in2,
                                const bf16 *restrict at, const bf16 *restrict bt, int64_t r,
                                const int64_t *restrict slices, int64_t num_slices,
                                bf16 *restrict yb)
 {
+    const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
     int64_t k0 = 0;
-    for (; k0 + 64 <= r; k0 += 64) shrink_ranks_avx512(xb, in2, at, r, k0, 4, yb);
-    switch ((r - k0) / 16) { /* r is a multiple of 16 */
-    case 3: shrink_ranks_avx512(xb, in2, at, r, k0, 3, yb); break;
-    case 2: shrink_ranks_avx512(xb, in2, at, r, k0, 2, yb); break;
-    case 1: shrink_ranks_avx512(xb, in2, at, r, k0, 1, yb); break;
-    default: break;
+    for (; k0 + 64 <= r; k0 += 64)
+        for (int64_t g = 0; g < groups; ++g)
+            shrink_ranks_avx512(xb + g * LORA_TOKENS * w, in2, at, r, k0, 4,
+                                yb + g * LORA_TOKENS * r);
+    for (int64_t g = 0; g < groups; ++g) {
+        const bf16 *restrict xg = xb + g * LORA_TOKENS * w;
+        bf16 *restrict yg = yb + g * LORA_TOKENS * r;
+        switch ((r - k0) / 16) { /* r is a multiple of 16 */
+        case 3: shrink_ranks_avx512(xg, in2, at, r, k0, 3, yg); break;
+        case 2: shrink_ranks_avx512(xg, in2, at, r, k0, 2, yg); break;
+        case 1: shrink_ranks_avx512(xg, in2, at, r, k0, 1, yg); break;
+        default: break;
+        }
     }
+    const bf16 *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
         /* the pairs holding the slice's ranks; a pair's other row is zero here */
         const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
-        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
+        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3], np = k2e - k2b;
         int64_t o0 = lo;
         for (; o0 + 64 <= hi; o0 += 64) {
-            __m512 c[LORA_TOKENS][4];
-            for (int64_t t = 0; t < LORA_TOKENS; ++t)
-                for (int64_t j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
-            for (int64_t k2 = k2b; k2 < k2e; ++k2) {
-                const bf16 *restrict b = bt + (k2 * n_out + o0) * 2;
-                const __m512bh b0 = as_bh(_mm512_loadu_si512(b)),
-                               b1 = as_bh(_mm512_loadu_si512(b + 32)),
-                               b2 = as_bh(_mm512_loadu_si512(b + 64)),
-                               b3 = as_bh(_mm512_loadu_si512(b + 96));
-                for (int64_t t = 0; t < LORA_TOKENS; ++t) {
-                    const __m512bh yp = pair_at(yb + t * r + 2 * k2);
-                    c[t][0] = _mm512_dpbf16_ps(c[t][0], yp, b0);
-                    c[t][1] = _mm512_dpbf16_ps(c[t][1], yp, b1);
-                    c[t][2] = _mm512_dpbf16_ps(c[t][2], yp, b2);
-                    c[t][3] = _mm512_dpbf16_ps(c[t][3], yp, b3);
+            for (int64_t g = 0; g < groups; ++g) { /* the tile from cache after the first */
+                const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
+                const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
+                bf16 *restrict og = out + g * LORA_TOKENS * out_stride;
+                const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
+                                                                    : LORA_TOKENS;
+                __m512 c[LORA_TOKENS][4];
+                for (int64_t t = 0; t < LORA_TOKENS; ++t)
+                    for (int64_t j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+                for (int64_t k2 = k2b; k2 < k2e; ++k2) {
+                    const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
+                    const __m512bh b0 = as_bh(_mm512_loadu_si512(b)),
+                                   b1 = as_bh(_mm512_loadu_si512(b + 32)),
+                                   b2 = as_bh(_mm512_loadu_si512(b + 64)),
+                                   b3 = as_bh(_mm512_loadu_si512(b + 96));
+                    for (int64_t t = 0; t < LORA_TOKENS; ++t) {
+                        const __m512bh yp = pair_at(yg + t * r + 2 * k2);
+                        c[t][0] = _mm512_dpbf16_ps(c[t][0], yp, b0);
+                        c[t][1] = _mm512_dpbf16_ps(c[t][1], yp, b1);
+                        c[t][2] = _mm512_dpbf16_ps(c[t][2], yp, b2);
+                        c[t][3] = _mm512_dpbf16_ps(c[t][3], yp, b3);
+                    }
                 }
+                for (int64_t t = 0; t < ng; ++t)
+                    for (int64_t j = 0; j < 4; ++j) {
+                        bf16 *ot = og + t * out_stride + o0 + 16 * j;
+                        const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
+                        _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
+                    }
             }
-            for (int64_t t = 0; t < nt; ++t)
-                for (int64_t j = 0; j < 4; ++j) {
-                    bf16 *ot = out + t * out_stride + o0 + 16 * j;
-                    const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
-                    _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
-                }
         }
+        const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
+        const int64_t wt = hi - o0;
         for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % 64 columns */
-            for (int64_t o = o0; o < hi; ++o) {
+            for (int64_t o = 0; o < wt; ++o) {
                 float acc = 0.0f;
                 for (int64_t k = 2 * k2b; k < 2 * k2e; ++k)
                     acc += bf16_to_f32(yb[t * r + k])
-                           * bf16_to_f32(bt[((k / 2) * n_out + o) * 2 + k % 2]);
-                bf16 *ot = out + t * out_stride + o;
+                           * bf16_to_f32(b[((k / 2 - k2b) * wt + o) * 2 + k % 2]);
+                bf16 *ot = out + t * out_stride + o0 + o;
                 *ot = f32_to_bf16(bf16_to_f32(*ot) + acc);
             }
+        bs += (hi - lo) * np * 2;
     }
 }
 #endif
@@ -218,7 +266,9 @@ int lora_bf16_prepare(struct lora_call *c)
     c->max_rank = 16;
     for (int64_t i = 0; i < c->num_segs; ++i)
         if (c->ranks[c->seg_slot[i]] > c->max_rank) c->max_rank = c->ranks[c->seg_slot[i]];
-    c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, LORA_TOKENS,
+    const int64_t size = lora_item_tokens(c->seg_len, c->num_segs, LORA_TOKENS,
+                                          LORA_ITEM_TOKENS, c->num_threads);
+    c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, size,
                               &c->num_groups);
     return c->work ? 0 : -1;
 }
@@ -231,9 +281,9 @@ int lora_bf16_team(const struct lora_call *c)
     const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
     int failed = 0;
     /* y: fp32 [4, R] (portable) or bf16 (vector); xf: [4, w] fp32; xh: [4, w] bf16 */
-    float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * c->max_rank));
-    float *xf = calloc((size_t)(LORA_TOKENS * w), sizeof(float));
-    bf16 *xh = calloc((size_t)(LORA_TOKENS * w), sizeof(bf16));
+    float *y = malloc(sizeof(float) * (size_t)(LORA_ITEM_TOKENS * c->max_rank));
+    float *xf = calloc((size_t)(LORA_ITEM_TOKENS * w), sizeof(float));
+    bf16 *xh = calloc((size_t)(LORA_ITEM_TOKENS * w), sizeof(bf16));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < c->num_groups; ++g) {
         if (!y || !xf || !xh) {
@@ -244,7 +294,8 @@ int lora_bf16_team(const struct lora_call *c)
         const bf16 *at = (const bf16 *)(intptr_t)c->at_ptrs[slot];
         const bf16 *bt = (const bf16 *)(intptr_t)c->bt_ptrs[slot];
         const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
-        for (int64_t j = 0; j < LORA_TOKENS; ++j) { /* rows past nt stay zero */
+        const int64_t padded = (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
+        for (int64_t j = 0; j < padded; ++j) { /* rows past nt stay zero */
             if (j < nt)
                 memcpy(xh + j * w, (const bf16 *)c->x + (t + j) * c->x_stride,
                        sizeof(bf16) * (size_t)c->in_features);
@@ -254,14 +305,14 @@ int lora_bf16_team(const struct lora_call *c)
 #ifdef __AVX512BF16__
         if (c->impl == BF16_AVX512) {
             lora_tokens_avx512(xh, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
-                               c->n_out, at, bt, c->ranks[slot], slices,
+                               at, bt, c->ranks[slot], slices,
                                c->num_slices[slot], (bf16 *)y);
             continue;
         }
 #endif
-        for (int64_t i = 0; i < LORA_TOKENS * w; ++i) xf[i] = bf16_to_f32(xh[i]);
+        for (int64_t i = 0; i < padded * w; ++i) xf[i] = bf16_to_f32(xh[i]);
         lora_tokens_portable(xf, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
-                             c->n_out, at, bt, c->ranks[slot], slices, c->num_slices[slot],
+                             at, bt, c->ranks[slot], slices, c->num_slices[slot],
                              y);
     }
     free(y);
@@ -270,8 +321,8 @@ int lora_bf16_team(const struct lora_call *c)
     return failed;
 }
 
-/* Like lora_segments_f32, with bf16 x, out and weights (the pair-interleaved layout above,
- * R a multiple of 16); `impl` one of loraplex_bf16_impls.
+/* Like lora_segments_f32, with bf16 x, out and weights (the tiled pair-interleaved layout
+ * above, R a multiple of 16); `impl` one of loraplex_bf16_impls.
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an impl not compiled. */
 int lora_segments_bf16(
     const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,
@@ -282,8 +333,8 @@ int lora_segments_bf16(
     int num_threads, int impl)
 {
     struct lora_call c = {x, x_stride, out, out_stride, in_features, n_out, seg_first,
-                               seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks,
-                               slice_table, num_slices, max_slices, impl, 0, 0, NULL};
+                          seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks, slice_table,
+                          num_slices, max_slices, impl, num_threads, 0, 0, NULL};
     const int status = lora_bf16_prepare(&c);
     if (status != 0) return status;
     int failed = 0;

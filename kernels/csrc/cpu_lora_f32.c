@@ -5,27 +5,40 @@
 #include "common.h"
 #include "lora.h"
 
-/* LoRA for up to 4 consecutive tokens of one slot, so each weight row loaded serves all
- * four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps a tile of
+/* LoRA for 4 consecutive tokens of one slot at a time, so each weight value loaded serves
+ * all four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps a tile of
  * ranks x 4 tokens in registers (TILE_COLUMNS, common.h); the expand keeps as many outputs
  * x 4 tokens, so each out row is read and written once. The expand runs per slice
  * (lora_slots.py: `slices`), over that slice's ranks and columns only: B^T is
  * block-diagonal over a packed projection's slices, and the blocks off the diagonal (2/3
  * of q/k/v's, 1/2 of gate/up's) are zero, so skipping them changes no sum and saves their
- * reads. xb: the tokens' x rows, zero-padded to 4 [4, in];
- * y: [4, r]; slices: num_slices x (first rank, end rank, first column, end column). */
+ * reads.
+ *
+ * The weights come in the tiled layout (lora_slots.py: `tiled_layout`), so that every
+ * tile's weights are one contiguous run and the step's LoRA reads stream like the base
+ * GEMM's: read in place, a tile of A^T [in, R] was TILE_COLUMNS values every R, and a tile
+ * of B^T [R, out] one run of TILE_COLUMNS per rank, each in a different row (up to 96
+ * strided streams at once), which ran at about half the streaming rate (AVX2 EPYC).
+ *   A: per block of w = min(TILE_COLUMNS, R - k0) ranks from k0, A^T[:, k0:k0 + w] as
+ *      [in, w], the blocks one after another (block k0 at in * k0).
+ *   B: per slice (ranks kb..ke, columns lo..hi), one after another, per tile of
+ *      wt = min(TILE_COLUMNS, hi - o0) columns from o0, B^T[kb:ke, o0:o0 + wt] as [ke - kb, wt]
+ *      (tile o0 at the slice's start + (o0 - lo) * (ke - kb)).
+ * xb: the tokens' x rows, zero-padded to 4 [4, in]; y: [4, r]; slices: num_slices x (first
+ * rank, end rank, first column, end column). */
 #define LORA_TOKENS 4
 
 /* The shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a constant
- * where it is inlined): each row of A^T's tile is read once, as one contiguous run of up to
- * 256 bytes, and the 4 x nv vectors of sums stay in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
+ * where it is inlined), from the block of A^T at k0 (rows of VL * nv ranks, read in order),
+ * the 4 x nv vectors of sums in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
 static inline __attribute__((always_inline)) void shrink_ranks(
     const float *restrict xb, int64_t in_features, const float *restrict at, int64_t r,
     int64_t k0, const int nv, float *restrict y)
 {
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    const float *restrict block = at + in_features * k0;
     for (int64_t i = 0; i < in_features; ++i) {
-        const float *restrict a = at + i * r + k0;
+        const float *restrict a = block + i * (VL * nv);
         vf av[TILE_VECTORS];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = loadv(a + VL * j);
@@ -42,16 +55,17 @@ static inline __attribute__((always_inline)) void shrink_ranks(
         for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + VL * j, &c[t][j], sizeof(vf));
 }
 
-/* The expand of 4 tokens into TILE_COLUMNS columns from o0, over ranks kb .. ke:
+/* The expand of 4 tokens into TILE_COLUMNS columns from o0, over ranks kb .. ke, from the
+ * tile's block `bt` ([ke - kb, TILE_COLUMNS], read in order):
  * out[t, o0 + o] += y[t] . B^T[kb:ke, o0 + o], the 4 x TILE_VECTORS vectors of sums in
  * registers. */
 static inline void expand_tile(const float *restrict y, int64_t r, const float *restrict bt,
-                               int64_t n_out, int64_t kb, int64_t ke, int64_t o0,
+                               int64_t kb, int64_t ke, int64_t o0,
                                float *restrict out, int64_t out_stride, int64_t nt)
 {
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
     for (int64_t k = kb; k < ke; ++k) {
-        const float *restrict b = bt + k * n_out + o0;
+        const float *restrict b = bt + (k - kb) * TILE_COLUMNS;
         vf bv[TILE_VECTORS];
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_VECTORS; ++j) bv[j] = loadv(b + VL * j);
@@ -71,41 +85,65 @@ static inline void expand_tile(const float *restrict y, int64_t r, const float *
         }
 }
 
+/* Up to LORA_ITEM_TOKENS consecutive tokens of one slot (lora.h), in groups of 4: each
+ * tile of weights is read from memory once and then, from cache, for every group, so a
+ * slot with many tokens in the step (one adapter's whole batch) reads its weights once,
+ * not once per 4 tokens. xb: [groups * 4, in], rows past nt zero; y: [groups * 4, r]. */
 static void lora_tokens(const float *restrict xb, float *restrict out, int64_t out_stride,
-                        int64_t nt, int64_t in_features, int64_t n_out,
+                        int64_t nt, int64_t in_features,
                         const float *restrict at, const float *restrict bt, int64_t r,
                         const int64_t *restrict slices, int64_t num_slices, float *restrict y)
 {
+    const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS;
     int64_t k0 = 0;
     for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
-        shrink_ranks(xb, in_features, at, r, k0, TILE_VECTORS, y);
+        for (int64_t g = 0; g < groups; ++g)
+            shrink_ranks(xb + g * LORA_TOKENS * in_features, in_features, at, r, k0,
+                         TILE_VECTORS, y + g * LORA_TOKENS * r);
 #if TILE_COLUMNS > 16
-    switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
-    case 3: shrink_ranks(xb, in_features, at, r, k0, 3, y); break;
-    case 2: shrink_ranks(xb, in_features, at, r, k0, 2, y); break;
-    case 1: shrink_ranks(xb, in_features, at, r, k0, 1, y); break;
-    default: break;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float *restrict xg = xb + g * LORA_TOKENS * in_features;
+        float *restrict yg = y + g * LORA_TOKENS * r;
+        switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
+        case 3: shrink_ranks(xg, in_features, at, r, k0, 3, yg); break;
+        case 2: shrink_ranks(xg, in_features, at, r, k0, 2, yg); break;
+        case 1: shrink_ranks(xg, in_features, at, r, k0, 1, yg); break;
+        default: break;
+        }
     }
 #endif
+    const float *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
         const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
         const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
         int64_t o0 = lo;
         for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
-            expand_tile(y, r, bt, n_out, kb, ke, o0, out, out_stride, nt);
-        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */
-            for (int64_t o = o0; o < hi; ++o) {
-                float acc = 0.0f;
-                for (int64_t k = kb; k < ke; ++k) acc += y[t * r + k] * bt[k * n_out + o];
-                out[t * out_stride + o] += acc;
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t t0 = g * LORA_TOKENS;
+                expand_tile(y + t0 * r, r, bs + (o0 - lo) * (ke - kb), kb, ke, o0,
+                            out + t0 * out_stride, out_stride,
+                            nt - t0 < LORA_TOKENS ? nt - t0 : LORA_TOKENS);
             }
+        const float *restrict b = bs + (o0 - lo) * (ke - kb); /* the last tile [ke - kb, wt] */
+        const int64_t wt = hi - o0;
+        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */
+            for (int64_t o = 0; o < wt; ++o) {
+                float acc = 0.0f;
+                for (int64_t k = kb; k < ke; ++k) acc += y[t * r + k] * b[(k - kb) * wt + o];
+                out[t * out_stride + o0 + o] += acc;
+            }
+        bs += (hi - lo) * (ke - kb);
     }
 }
+
+/* The tiled layout's tile width (lora_slots.py builds the layout the build reads). */
+int loraplex_lora_tile(void) { return TILE_COLUMNS; }
 
 /* LoRA shrink then expand for every token of every segment, accumulated into out:
  *   out[t, :n_out] += (x[t] @ At_s) @ Bt_s      for the tokens t of segment i (slot s)
  * At_s [in, r_s] holds every slice's A (transposed) and Bt_s [r_s, n_out] the block-diagonal
- * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16;
+ * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16,
+ * both in the tiled layout above (only the diagonal blocks of Bt_s);
  * slot s's slices are slice_table[s * max_slices * 4 ...], num_slices[s] of them (first
  * rank, end rank, first column, end column each). Tokens of one segment are consecutive rows
  * seg_first[i] .. seg_first[i] + seg_len[i] - 1; rows outside every segment (base model)
@@ -121,7 +159,7 @@ int lora_segments_f32(
 {
     struct lora_call c = {x, x_stride, out, out_stride, in_features, n_out, seg_first,
                           seg_len, seg_slot, num_segs, at_ptrs, bt_ptrs, ranks, slice_table,
-                          num_slices, max_slices, 0, 0, 0, NULL};
+                          num_slices, max_slices, 0, num_threads, 0, 0, NULL};
     if (lora_f32_prepare(&c) != 0) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(lora_threads(&c, num_threads)) reduction(| : failed)
@@ -136,7 +174,9 @@ int lora_f32_prepare(struct lora_call *c)
     c->max_rank = 1;
     for (int64_t i = 0; i < c->num_segs; ++i)
         if (c->ranks[c->seg_slot[i]] > c->max_rank) c->max_rank = c->ranks[c->seg_slot[i]];
-    c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, LORA_TOKENS,
+    const int64_t size = lora_item_tokens(c->seg_len, c->num_segs, LORA_TOKENS,
+                                          LORA_ITEM_TOKENS, c->num_threads);
+    c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, size,
                               &c->num_groups);
     return c->work ? 0 : -1;
 }
@@ -147,8 +187,8 @@ int lora_f32_team(const struct lora_call *c)
 {
     const int64_t in = c->in_features;
     int failed = 0;
-    float *y = malloc(sizeof(float) * (size_t)(LORA_TOKENS * c->max_rank));
-    float *xb = calloc((size_t)(LORA_TOKENS * in), sizeof(float));
+    float *y = malloc(sizeof(float) * (size_t)(LORA_ITEM_TOKENS * c->max_rank));
+    float *xb = calloc((size_t)(LORA_ITEM_TOKENS * in), sizeof(float));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < c->num_groups; ++w) {
         if (!y || !xb) {
@@ -156,13 +196,14 @@ int lora_f32_team(const struct lora_call *c)
             continue;
         }
         const int64_t t = c->work[3 * w], nt = c->work[3 * w + 1], slot = c->work[3 * w + 2];
-        for (int64_t j = 0; j < LORA_TOKENS; ++j)
+        const int64_t padded = (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
+        for (int64_t j = 0; j < padded; ++j)
             if (j < nt)
                 memcpy(xb + j * in, (const float *)c->x + (t + j) * c->x_stride,
                        sizeof(float) * (size_t)in);
             else
                 memset(xb + j * in, 0, sizeof(float) * (size_t)in);
-        lora_tokens(xb, (float *)c->out + t * c->out_stride, c->out_stride, nt, in, c->n_out,
+        lora_tokens(xb, (float *)c->out + t * c->out_stride, c->out_stride, nt, in,
                     (const float *)(intptr_t)c->at_ptrs[slot],
                     (const float *)(intptr_t)c->bt_ptrs[slot], c->ranks[slot],
                     c->slice_table + slot * c->max_slices * 4, c->num_slices[slot], y);

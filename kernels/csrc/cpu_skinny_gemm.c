@@ -231,7 +231,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
 #define SKINNY_LORA(GROUP, PREPARE, TEAM, IMPL)                                             \
     struct lora_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,         \
                           num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,   \
-                          max_slices, IMPL, 0, 0, NULL};                                \
+                          max_slices, IMPL, num_threads, 0, 0, NULL};                   \
     const int status = PREPARE(&c);                                                     \
     if (status != 0) return status;                                                     \
     int failed = 0;                                                                     \

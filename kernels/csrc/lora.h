@@ -7,6 +7,11 @@
 
 #include "bf16.h"
 
+/* The most tokens of one slot a work item takes (in groups of 4 kept in registers): the
+ * item reads each tile of its slot's weights from memory once for all of them. Fewer
+ * where that leaves the team short of work items (lora_item_tokens). */
+#define LORA_ITEM_TOKENS 32
+
 /* lora_segments_f32's or lora_segments_bf16's arguments (x and out float or bf16). */
 struct lora_call {
     const void *x;
@@ -18,6 +23,7 @@ struct lora_call {
     const int64_t *at_ptrs, *bt_ptrs, *ranks, *slice_table, *num_slices;
     int64_t max_slices;
     int impl; /* bf16 only */
+    int num_threads; /* the team's size (lora_threads may run it smaller) */
     /* set by lora_*_prepare: the largest rank, the work items (free them) */
     int64_t max_rank, num_groups;
     int64_t *work;
@@ -30,6 +36,9 @@ static inline int lora_threads(const struct lora_call *c, int num_threads)
     return c->num_groups < num_threads ? (int)(c->num_groups ? c->num_groups : 1)
                                        : num_threads;
 }
+
+/* TILE_COLUMNS of this build: the width of the tiled layout's blocks (cpu_lora_f32.c). */
+int loraplex_lora_tile(void);
 
 /* 0; -1 out of memory; -2 an impl not compiled. */
 int lora_f32_prepare(struct lora_call *c);

@@ -164,3 +164,17 @@ def test_native_decode_layers_match_the_layer_by_layer_path(
     layered = _forced_logits(model_dir, adapters, prompts, continuations, dtype, names)
     assert len(calls) == NUM_NEW - 1
     assert torch.equal(native, layered)
+
+
+
+def test_bfloat16_without_avx512_bf16_kernels_is_named(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """bfloat16 without the AVX512_BF16 kernels runs slower than float32 (docs/benchmarks.md,
+    AVX2 EPYC); the runner says so, and only then."""
+    for dtype in ("bfloat16", "float32"):
+        caplog.clear()
+        ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(num_kv_blocks=8),
+                    LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1), progress=False)
+        warned = any("without AVX512_BF16" in r.getMessage() for r in caplog.records)
+        assert warned == (dtype == "bfloat16"
+                          and "avx512_bf16" not in cpu_native.bf16_impls()), dtype
