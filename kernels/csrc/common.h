@@ -92,6 +92,36 @@ static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
     memcpy(odd, &o, sizeof o);
 }
 
+/* The shrink of a work item's tokens, group of 4 by group (LORA_TOKENS, defined by the
+ * kernel's file), tile of ranks by tile, so each tile of A is read from memory once and
+ * from cache for the other groups. SHRINK(x, y, k0, nv) is the kernel's shrink of one
+ * group (x its rows, y its rows of ranks, nv vectors of ranks from k0, a constant);
+ * X_STEP: a group's elements in x. TILE_COLUMNS divides r, or (AVX-512) the last tile is
+ * 16, 32 or 48 ranks. */
+#if TILE_COLUMNS > 16
+#define LORA_SHRINK_LAST(SHRINK, X, Y, K0, R)                                             \
+    switch (((R) - (K0)) / VL) { /* r is a multiple of 16, here VL */                   \
+    case 3: SHRINK(X, Y, K0, 3); break;                                                 \
+    case 2: SHRINK(X, Y, K0, 2); break;                                                 \
+    case 1: SHRINK(X, Y, K0, 1); break;                                                 \
+    default: break;                                                                     \
+    }
+#else
+#define LORA_SHRINK_LAST(SHRINK, X, Y, K0, R)
+#endif
+#define LORA_SHRINK_GROUPS(SHRINK, XB, X_STEP, Y, R, GROUPS)                              \
+    do {                                                                                \
+        int64_t k0_ = 0;                                                                \
+        for (; k0_ + TILE_COLUMNS <= (R); k0_ += TILE_COLUMNS)                          \
+            for (int64_t g_ = 0; g_ < (GROUPS); ++g_)                                   \
+                SHRINK((XB) + g_ * (X_STEP), (Y) + g_ * LORA_TOKENS * (R), k0_,         \
+                       TILE_VECTORS);                                                   \
+        for (int64_t g_ = 0; g_ < (GROUPS); ++g_) {                                     \
+            LORA_SHRINK_LAST(SHRINK, (XB) + g_ * (X_STEP), (Y) + g_ * LORA_TOKENS * (R), \
+                             k0_, R)                                                    \
+        }                                                                               \
+    } while (0)
+
 /* The tokens per LoRA work item: `most` (a multiple of `group`), halved while that leaves
  * fewer items than `want` (the team's threads), down to `group`. */
 static inline int64_t lora_item_tokens(const int64_t *seg_len, int64_t num_segs,

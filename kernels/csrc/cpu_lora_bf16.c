@@ -98,23 +98,9 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
                                  float *restrict y)
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
-    int64_t k0 = 0;
-    for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
-        for (int64_t g = 0; g < groups; ++g)
-            shrink_pairs(xb + g * LORA_TOKENS * w, in2, at, r, k0, TILE_VECTORS,
-                         y + g * LORA_TOKENS * r);
-#if TILE_COLUMNS > 16
-    for (int64_t g = 0; g < groups; ++g) {
-        const float *restrict xg = xb + g * LORA_TOKENS * w;
-        float *restrict yg = y + g * LORA_TOKENS * r;
-        switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
-        case 3: shrink_pairs(xg, in2, at, r, k0, 3, yg); break;
-        case 2: shrink_pairs(xg, in2, at, r, k0, 2, yg); break;
-        case 1: shrink_pairs(xg, in2, at, r, k0, 1, yg); break;
-        default: break;
-        }
-    }
-#endif
+#define SHRINK(X, Y, K0, NV) shrink_pairs(X, in2, at, r, K0, NV, Y)
+    LORA_SHRINK_GROUPS(SHRINK, xb, LORA_TOKENS * w, y, r, groups);
+#undef SHRINK
     const bf16 *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
         /* the pairs holding the slice's ranks; a pair's other row is zero here */

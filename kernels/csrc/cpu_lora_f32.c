@@ -95,23 +95,9 @@ static void lora_tokens(const float *restrict xb, float *restrict out, int64_t o
                         const int64_t *restrict slices, int64_t num_slices, float *restrict y)
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS;
-    int64_t k0 = 0;
-    for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
-        for (int64_t g = 0; g < groups; ++g)
-            shrink_ranks(xb + g * LORA_TOKENS * in_features, in_features, at, r, k0,
-                         TILE_VECTORS, y + g * LORA_TOKENS * r);
-#if TILE_COLUMNS > 16
-    for (int64_t g = 0; g < groups; ++g) {
-        const float *restrict xg = xb + g * LORA_TOKENS * in_features;
-        float *restrict yg = y + g * LORA_TOKENS * r;
-        switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
-        case 3: shrink_ranks(xg, in_features, at, r, k0, 3, yg); break;
-        case 2: shrink_ranks(xg, in_features, at, r, k0, 2, yg); break;
-        case 1: shrink_ranks(xg, in_features, at, r, k0, 1, yg); break;
-        default: break;
-        }
-    }
-#endif
+#define SHRINK(X, Y, K0, NV) shrink_ranks(X, in_features, at, r, K0, NV, Y)
+    LORA_SHRINK_GROUPS(SHRINK, xb, LORA_TOKENS * in_features, y, r, groups);
+#undef SHRINK
     const float *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
         const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
