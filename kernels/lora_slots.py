@@ -117,7 +117,8 @@ class LoRASlots:
             slices.append((r0, r1, lo, hi))
             r0 = r1
         native = None
-        tile = _native_tile() if self.device.type == "cpu" else None
+        native_dtype = self.dtype in (torch.float32, torch.bfloat16)  # what the kernel takes
+        tile = _native_tile() if self.device.type == "cpu" and native_dtype else None
         if tile is not None:
             native = tiled_layout(at, bt, slices, tile, pairs=self.dtype == torch.bfloat16)
         return SlotWeights(at, bt, native, tuple(slices))

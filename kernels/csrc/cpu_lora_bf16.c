@@ -266,7 +266,8 @@ int lora_bf16_team(const struct lora_call *c)
 {
     const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
     int failed = 0;
-    /* y: fp32 [4, R] (portable) or bf16 (vector); xf: [4, w] fp32; xh: [4, w] bf16 */
+    /* per work item, LORA_ITEM_TOKENS rows at most: y: fp32 [., R] (portable) or bf16
+     * (vector); xf: [., w] fp32; xh: [., w] bf16 */
     float *y = malloc(sizeof(float) * (size_t)(LORA_ITEM_TOKENS * c->max_rank));
     float *xf = calloc((size_t)(LORA_ITEM_TOKENS * w), sizeof(float));
     bf16 *xh = calloc((size_t)(LORA_ITEM_TOKENS * w), sizeof(bf16));

@@ -24,8 +24,9 @@
  *   B: per slice (ranks kb..ke, columns lo..hi), one after another, per tile of
  *      wt = min(TILE_COLUMNS, hi - o0) columns from o0, B^T[kb:ke, o0:o0 + wt] as [ke - kb, wt]
  *      (tile o0 at the slice's start + (o0 - lo) * (ke - kb)).
- * xb: the tokens' x rows, zero-padded to 4 [4, in]; y: [4, r]; slices: num_slices x (first
- * rank, end rank, first column, end column). */
+ * xb: a work item's x rows, zero-padded to a multiple of 4 [LORA_ITEM_TOKENS, in] at most;
+ * y: as many rows of r; slices: num_slices x (first rank, end rank, first column, end
+ * column). */
 #define LORA_TOKENS 4
 
 /* The shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a constant

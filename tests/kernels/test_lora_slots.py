@@ -76,6 +76,17 @@ def test_the_tiled_layout_holds_each_block_contiguously() -> None:
         assert torch.equal(second[k // 2 - 1, :, k % 2], bt[k, 24:40])
 
 
+def test_the_tiled_layout_at_the_avx512_width() -> None:
+    """Tiles of 64 (AVX-512): a last rank block narrower than a tile (R 80 = 64 + 16), and a
+    slice narrower than one tile of columns, stored at its own width."""
+    at, bt = torch.randn(3, 80), torch.randn(80, 100)
+    slices = [(0, 40, 0, 70), (40, 75, 70, 100)]
+    a, b = tiled_layout(at, bt, slices, 64)
+    assert torch.equal(a, torch.cat([at[:, :64].reshape(-1), at[:, 64:].reshape(-1)]))
+    expect = [bt[0:40, 0:64], bt[0:40, 64:70], bt[40:75, 70:100]]
+    assert torch.equal(b, torch.cat([e.reshape(-1) for e in expect]))
+
+
 def test_slots_point_the_native_kernel_at_their_tiled_copies() -> None:
     tile = cpu_native.lora_tile()
     for dtype in (torch.float32, torch.bfloat16):
