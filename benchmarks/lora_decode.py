@@ -96,7 +96,7 @@ def _read_as(slots: LoRASlots, make: Callable[[torch.Tensor, torch.Tensor, Slice
 def block_diagonal(slots: LoRASlots) -> LoRASlots:
     """The same weights, described to the kernel as one slice per slot covering all of B
     (every rank against every column): the kernel's work before it expanded per slice."""
-    tile, pairs = cpu_native.lora_tile(), slots.dtype == torch.bfloat16
+    tile, pairs = cpu_native.lora_tile(slots.dtype), slots.dtype == torch.bfloat16
     assert tile is not None
     whole = _read_as(slots, lambda at, bt, _: tiled_layout(
         at, bt, [(0, at.shape[1], 0, bt.shape[1])], tile, pairs=pairs))

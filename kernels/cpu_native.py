@@ -142,6 +142,9 @@ def load(path: Path) -> ctypes.CDLL:
                        _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, *extra]
     lib.loraplex_bf16_impls.restype = ctypes.c_int
     lib.loraplex_bf16_impls.argtypes = []
+    if hasattr(lib, "loraplex_lora_tile"):  # a build of an older revision may lack it
+        lib.loraplex_lora_tile.restype = ctypes.c_int
+        lib.loraplex_lora_tile.argtypes = []
     for name in ("skinny_linear_f32", "skinny_linear_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -177,19 +180,20 @@ def available() -> bool:
     return _library() is not None
 
 
-def lora_tile() -> int | None:
-    """The width of the tiled layout's blocks that this machine's LoRA kernel reads
-    (``lora_slots.tiled_layout``), or None when the library is unavailable."""
+@functools.cache
+def lora_tile(dtype: torch.dtype) -> int | None:
+    """The width of the tiled layout's blocks that this machine's LoRA kernel reads for
+    ``dtype`` (``lora_slots.tiled_layout``), or None when no native kernel takes it (the
+    library unavailable, or a dtype it has no kernel for)."""
     lib = _library()
-    return None if lib is None else lora_tile_of(lib)
+    return None if lib is None or dtype not in _NATIVE_DTYPES else lora_tile_of(lib)
 
 
 def lora_tile_of(lib: ctypes.CDLL) -> int:
-    """``lora_tile`` of a loaded build (benchmarks load another revision's beside it)."""
+    """The tile width of a loaded build (benchmarks load another revision's beside it)."""
     if not hasattr(lib, "loraplex_lora_tile"):
         raise RuntimeError("this build's LoRA kernels read the untiled layout of an older "
                            "revision")
-    lib.loraplex_lora_tile.restype = ctypes.c_int
     return int(lib.loraplex_lora_tile())
 
 

@@ -117,8 +117,7 @@ class LoRASlots:
             slices.append((r0, r1, lo, hi))
             r0 = r1
         native = None
-        native_dtype = self.dtype in (torch.float32, torch.bfloat16)  # what the kernel takes
-        tile = _native_tile() if self.device.type == "cpu" and native_dtype else None
+        tile = _native_tile(self.dtype) if self.device.type == "cpu" else None
         if tile is not None:
             native = tiled_layout(at, bt, slices, tile, pairs=self.dtype == torch.bfloat16)
         return SlotWeights(at, bt, native, tuple(slices))
@@ -171,10 +170,10 @@ def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:
     return w.view(-1, 2, n).transpose(1, 2).contiguous()  # [ceil(k / 2), n, 2]
 
 
-def _native_tile() -> int | None:
+def _native_tile(dtype: torch.dtype) -> int | None:
     from loraplex_kernels import cpu_native  # it imports this module
 
-    return cpu_native.lora_tile()
+    return cpu_native.lora_tile(dtype)
 
 
 def tiled_layout(at: torch.Tensor, bt: torch.Tensor,
@@ -196,7 +195,7 @@ def tiled_layout(at: torch.Tensor, bt: torch.Tensor,
     b_blocks = []
     for kb, ke, lo, hi in slices:
         if pairs:
-            rows = bt[kb // 2 * 2:min(-(-ke // 2) * 2, rank), lo:hi]
+            rows = bt[kb // 2 * 2:-(-ke // 2) * 2, lo:hi]  # R is even: whole pairs
             rows = vnni_pair_layout(rows)  # [pairs, width, 2]
         else:
             rows = bt[kb:ke, lo:hi]

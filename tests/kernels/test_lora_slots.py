@@ -88,8 +88,8 @@ def test_the_tiled_layout_at_the_avx512_width() -> None:
 
 
 def test_slots_point_the_native_kernel_at_their_tiled_copies() -> None:
-    tile = cpu_native.lora_tile()
     for dtype in (torch.float32, torch.bfloat16):
+        tile = cpu_native.lora_tile(dtype)
         slots = LoRASlots(5, [4, 3], 2, 64, dtype, CPU, "per_slot")
         a, b = torch.randn(3, 5).to(dtype), torch.randn(7, 3).to(dtype)
         slots.set(0, [(a[:2], b[:4, :2]), (a[2:], b[4:, 2:])], 1.0)
