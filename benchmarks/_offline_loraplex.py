@@ -21,13 +21,13 @@ class LoraplexSystem:
 
         block_size = 16
         blocks_per_seq = -(-max_len // block_size)
-        self.config = dict(dtype=dtype, max_loras=args.max_loras, max_lora_rank=32,
-                           max_cpu_loras=max(128, len(adapter_paths)),
-                           num_kv_blocks=args.max_num_seqs * blocks_per_seq + 64,
-                           max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           enable_prefix_caching=True)
-        self.llm = LLM(model=model_dir, progress=False, **self.config)  # type: ignore[arg-type]
+        self.config: dict[str, Any] = dict(
+            dtype=dtype, max_loras=args.max_loras, max_lora_rank=32,
+            max_cpu_loras=max(128, len(adapter_paths)),
+            num_kv_blocks=args.max_num_seqs * blocks_per_seq + 64,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=True)
+        self.llm = LLM(model=model_dir, progress=False, **self.config)
         self.loras = [LoRARequest(f"lora-{i}", str(p)) for i, p in enumerate(adapter_paths)]
         self.num_runs = 0
 

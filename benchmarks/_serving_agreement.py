@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from _log import log
 from _serving_bench import Bench
@@ -22,7 +22,8 @@ def compare_outputs(bench: Bench, model_dir: str, adapter_paths: Sequence[Path],
     for rate in bench.args.rates:
         texts = [[r["text"] if r["error"] is None and r["end"] is not None else None
                   for r in _row(bench.results, name, rate)["records"]] for name in names]
-        row = dict(rate=rate, **agreement(*texts, encode))
+        ref, other = texts
+        row = dict(rate=rate, **agreement(ref, other, encode))
         row["oracle"] = judge(bench, model_dir, adapter_paths, rate, row["differ"], texts)
         rows.append(row)
     return rows
@@ -118,5 +119,6 @@ def hf_greedy(model_dir: str, dtype: str, cases: Sequence[tuple[list[int], Path 
                 nxt = int(res.logits[0, -1].argmax())
                 out.append(nxt)
                 ids = torch.tensor([[nxt]])  # [1, 1]
-        texts.append(tok.decode(out, skip_special_tokens=True))
+        # One sequence of ids decodes to one string (a batch of them, to a list).
+        texts.append(cast(str, tok.decode(out, skip_special_tokens=True)))
     return texts

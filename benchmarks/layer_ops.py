@@ -48,7 +48,7 @@ PER_LAYER = {"rms_norm": 0, "fused_add_rms_norm": 2, "rope_store_kv": 1, "silu_a
 
 
 def _calls(dtype: torch.dtype, tokens: int,
-           backend: ops.Backend) -> dict[str, Callable[[], object]]:
+           backend: ops.Backend) -> dict[str, Callable[[], None]]:
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)  # [tokens, hidden]
     residual = torch.randn(tokens, HIDDEN, generator=g).to(dtype)

@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +33,7 @@ from _output import pyplot, save_figure  # noqa: E402
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.engine.sampling_params import GrammarSpec  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
     "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
     "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "action", "sci-fi"]},
@@ -85,7 +86,7 @@ def main() -> None:
     compiler = llm.engine._compiler()
     cold = []
     for i in range(20):
-        schema = dict(SCHEMA, properties=dict(SCHEMA["properties"], **{f"extra{i}": {  # type: ignore[arg-type]
+        schema = dict(SCHEMA, properties=dict(SCHEMA["properties"], **{f"extra{i}": {
             "type": "string"}}))
         start = time.perf_counter()
         compiler.constraint(GrammarSpec.json_schema(schema))
