@@ -85,15 +85,15 @@ def peer_gemm(kind: str) -> Iterator[None]:
     plain = torch.nn.functional.linear
     packed: dict[int, tuple[torch.Tensor, Any]] = {}
 
-    def linear(x: torch.Tensor, weight: torch.Tensor,
+    def linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - torch's name
                bias: torch.Tensor | None = None) -> torch.Tensor:
         entry = packed.get(id(weight))
         if entry is None or entry[0] is not weight:
             entry = packed[id(weight)] = (weight, ops.pack_linear_weight(weight))
-        if entry[1] is None or x.dim() < 2 or x.dtype != weight.dtype:
-            return plain(x, weight, bias)
-        out = ops.linear(x.reshape(-1, x.shape[-1]), weight, bias, entry[1])
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        if entry[1] is None or input.dim() < 2 or input.dtype != weight.dtype:
+            return plain(input, weight, bias)
+        out = ops.linear(input.reshape(-1, input.shape[-1]), weight, bias, entry[1])
+        return out.reshape(*input.shape[:-1], out.shape[-1])
 
     torch.nn.functional.linear = linear
     try:

@@ -101,13 +101,13 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
     first = by_round[min(by_round)] if by_round else {}
     agree = subset_agreement(first, outputs)
     repeat: dict[str, float] = {}  # share of requests with the same tokens in every round
-    for key, run in first.items():
-        later = [outputs[s[key].name] for s in by_round.values() if key in s
-                 and s[key] is not run]
+    for system_dtype, run in first.items():
+        later = [outputs[s[system_dtype].name] for s in by_round.values()
+                 if system_dtype in s and s[system_dtype] is not run]
         if later:
             same = sum(all(list(o[i]) == list(ref) for o in later)
                        for i, ref in enumerate(outputs[run.name]))
-            repeat[":".join(key)] = same / max(1, len(outputs[run.name]))
+            repeat[":".join(system_dtype)] = same / max(1, len(outputs[run.name]))
     floor_fraction = {
         ":".join(key): statistics.median(s[key].extra["fraction_of_compute_floor"]
                                          for s in by_round.values() if key in s)

@@ -4,6 +4,7 @@ until a readiness URL answers 200, and shows the log's tail when it does not."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ class ServerProcess:
     """Subclasses start ``self.proc`` (a ``subprocess.Popen``) logging to ``log_path``."""
 
     name = "the server"
+    proc: subprocess.Popen[bytes]
     ready_path = "/ready"
     poll_interval = 0.5
 

@@ -362,32 +362,46 @@ def add_lora(
         raise MemoryError("native LoRA could not allocate its scratch memory")
 
 
-# csrc/cpu_skinny_gemm.c: bit per dtype compiled in (AVX-512; AVX512_BF16 for bf16)
-_SKINNY_BITS = {torch.float32: 1, torch.bfloat16: 2}
+# csrc/cpu_skinny_gemm.c's implementations: float32 (AVX-512, or AVX2 with FMA), bfloat16
+# by AVX-512 BF16 dot products, bfloat16 widened to float32 (AVX2 with FMA)
+_SKINNY_F32, _SKINNY_BF16, _SKINNY_BF16_WIDEN = 1, 2, 4
 
 
 def can_skinny(dtype: torch.dtype) -> bool:
     """Whether the native skinny GEMM (``skinny_linear``) runs this dtype here: float32
-    with AVX-512, bfloat16 with AVX512_BF16 as well (and ``LORAPLEX_CPU_BF16`` not forcing
-    the portable kernels, which stand for a CPU without it)."""
-    return dtype in _skinny_dtypes() and (dtype == torch.float32
-                                          or bf16_impl() == "avx512_bf16")
+    with AVX-512 or with AVX2 and FMA; bfloat16 with AVX512_BF16 (and ``LORAPLEX_CPU_BF16``
+    not forcing the portable kernels, which stand for a CPU without it), or without
+    AVX-512 on AVX2 and FMA (bf16 widened to float32 as it is read). An AVX-512 CPU
+    without AVX512_BF16 keeps oneDNN's bf16 GEMMs."""
+    impls = _skinny_impls()
+    if dtype == torch.float32:
+        return bool(impls & _SKINNY_F32)
+    if dtype == torch.bfloat16:
+        return bool(impls & _SKINNY_BF16_WIDEN) or (
+            bool(impls & _SKINNY_BF16) and bf16_impl() == "avx512_bf16")
+    return False
 
 
 @functools.cache
-def _skinny_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes the library's skinny GEMM is compiled for and the CPU runs."""
+def _skinny_impls() -> int:
+    """The bits of the skinny GEMM's implementations the library holds and the CPU runs
+    (the library is built for this CPU; the flags are checked for a build found in a
+    shared cache directory all the same)."""
     lib = _library()
-    if lib is None or "avx512f" not in _cpu_signature().split():
-        return ()
-    return tuple(d for d, bit in _SKINNY_BITS.items() if lib.loraplex_skinny_impls() & bit)
+    if lib is None:
+        return 0
+    flags = set(_cpu_signature().split())
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return 0
+    impls = int(lib.loraplex_skinny_impls())
+    return impls if "avx512_bf16" in flags else impls & ~_SKINNY_BF16
 
 
 def _skinny_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
     """The skinny GEMM's x (unit column stride), output and arguments, the tensors
     checked."""
-    assert x.dtype in _SKINNY_BITS and x.dim() == 2 and weight.dim() == 2
+    assert x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and weight.dim() == 2
     assert weight.dtype == x.dtype and weight.is_contiguous() and x.shape[1] == weight.shape[1]
     assert x.is_cpu and weight.is_cpu
     if x.stride(1) != 1:

@@ -139,8 +139,10 @@ class PackedWeight:
 
     ``kind`` "skinny": ``data`` is the plain weight itself, which batches of up to
     ``SKINNY_MAX_ROWS`` rows multiply through the native skinny GEMM and larger ones
-    through oneDNN's GEMM on the plain layout. ``kind`` "onednn": ``data`` is oneDNN's
-    packed copy (or, for a shared weight, by default the plain tensor itself); ``widen``:
+    through oneDNN's GEMM on the plain layout, or, for a bfloat16 weight on a CPU without
+    bf16 GEMMs (``widen``), through ``large``, its float32 packed copy. ``kind``
+    "onednn": ``data`` is oneDNN's packed copy (or, for a shared weight, by default the
+    plain tensor itself); ``widen``:
     a bfloat16 layer whose weight was packed as float32, for CPUs without bf16 GEMM
     instructions; ``large``: a plain float32 weight that batches of ``_LARGE_ROWS`` rows
     or more multiply through ``F.linear`` (MKL) instead. ``kind`` "mkl": MKL's packed
@@ -170,7 +172,8 @@ def cpu_gemm_choice() -> str:
     """``LORAPLEX_CPU_GEMM``, one of ``_GEMM_CHOICES``; ValueError else.
 
     - "auto" (the default): "skinny" where the CPU runs the native skinny GEMM for the
-      weights' dtype (AVX-512; AVX512_BF16 for bfloat16), "onednn" for the rest. In
+      weights' dtype (AVX-512, AVX512_BF16 for bfloat16; or AVX2 with FMA, bf16 widened
+      as it is read), "onednn" for the rest. In
       float32 the skinny GEMM alone led oneDNN's packed copy by less than in bfloat16
       (0.9-1.5x, and oneDNN on the plain layout it takes for prefill is 5-14 % slower
       than that copy), but with it every projection is native and a decode step's layers
@@ -208,8 +211,10 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     is the bf16 GEMM's, at the float32 GEMM's speed, several times the bf16 one's there.
 
     Where ``cpu_gemm_choice`` picks the skinny GEMM ("auto" on CPUs with AVX-512, and
-    AVX512_BF16 for bfloat16), no copy is made: the weight itself is what both of its GEMMs
-    read.
+    AVX512_BF16 for bfloat16, or AVX2 with FMA), no copy is made: the weight itself is
+    what both of its GEMMs read; but for a bfloat16 weight on a CPU without bf16 GEMMs
+    (AVX2), whose batches past ``SKINNY_MAX_ROWS`` rows take the widened float32 packed
+    copy (``large``): the plain bf16 weight and that copy are 1.5x the float32 weights.
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
     embedding). In float32 no copy is made by default: oneDNN's GEMM reads the plain layout
@@ -224,6 +229,11 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     choice = cpu_gemm_choice()
     if choice in ("auto", "skinny"):
         if cpu_native.can_skinny(weight.dtype) and _onednn_linear_available():
+            if weight.dtype == torch.bfloat16 and not onednn_bf16_gemm():
+                # AVX2: decode batches stream the bf16 weight (half the float32 bytes),
+                # larger ones take the float32 GEMM on a widened packed copy, as below
+                return PackedWeight("skinny", weight, True, torch.ops.mkldnn.
+                                    _reorder_linear_weight(weight.float().contiguous(), None))
             return PackedWeight("skinny", weight)  # no copy, so any size
         choice = "onednn"
     if weight.numel() < _PACK_MIN_ELEMENTS:
@@ -253,12 +263,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         flat = x.reshape(-1, x.shape[-1])
         if packed.kind == "skinny" and flat.shape[0] <= SKINNY_MAX_ROWS:
             out = cpu_native.skinny_linear(flat, packed.data, bias)
-        elif packed.large is not None and flat.shape[0] >= _LARGE_ROWS:
-            out = torch.nn.functional.linear(flat, packed.large, bias)
         elif packed.widen:  # a bf16 layer on a CPU without bf16 GEMMs
             out = torch.ops.mkldnn._linear_pointwise(
-                flat.float(), packed.data, None if bias is None else bias.float(), "none",
-                [], "").to(x.dtype)
+                flat.float(), packed.large if packed.kind == "skinny" else packed.data,
+                None if bias is None else bias.float(), "none", [], "").to(x.dtype)
+        elif packed.large is not None and flat.shape[0] >= _LARGE_ROWS:
+            out = torch.nn.functional.linear(flat, packed.large, bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, packed.data, bias, "none", [], "")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])

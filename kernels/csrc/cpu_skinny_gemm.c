@@ -14,8 +14,14 @@
  *
  * float32: one FMA per 16 weights and row. bfloat16: vdpbf16ps, one per 32 weights and
  * row, its pairs being consecutive values along `in` in both operands, which is the plain
- * layout. `in` needs no particular multiple: the last vector is masked. Compiled only with
- * AVX-512 (and AVX512_BF16 for bf16); `loraplex_skinny_impls` says which. */
+ * layout. `in` needs no particular multiple: the last vector is masked.
+ *
+ * Without AVX-512, on AVX2 with FMA (e.g. AMD Zen 2/3, Intel before Ice Lake): the same
+ * groups in vectors of 8 floats, NB x MB_AVX2 sums in 8 of the 16 ymm registers. bfloat16
+ * weights and rows are widened to float32 as they are loaded (a bf16 is a float32's upper
+ * half: products exact, sums float32), so a decode step streams half the bytes of its
+ * float32 weights; the sums are rounded to bf16 as torch rounds. `loraplex_skinny_impls`
+ * says what a build holds. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,20 +30,29 @@
 #include "kernels.h"
 #include "lora.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define SKINNY_AVX2 1
+#endif
 
-enum { SKINNY_F32 = 1, SKINNY_BF16 = 2 };
+/* SKINNY_BF16: AVX-512 BF16 dot products (the bf16 kernels' avx512_bf16 implementation);
+ * SKINNY_BF16_WIDEN: bf16 widened to float32 (AVX2), whatever bf16 implementation the
+ * other kernels run. */
+enum { SKINNY_F32 = 1, SKINNY_BF16 = 2, SKINNY_BF16_WIDEN = 4 };
 
 int loraplex_skinny_impls(void)
 {
     int impls = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SKINNY_AVX2)
     impls |= SKINNY_F32;
 #endif
 #ifdef __AVX512BF16__
     impls |= SKINNY_BF16;
+#endif
+#ifdef SKINNY_AVX2
+    impls |= SKINNY_BF16_WIDEN;
 #endif
     return impls;
 }
@@ -46,7 +61,20 @@ int loraplex_skinny_impls(void)
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2
 #endif
+#ifdef SKINNY_AVX2
+#define MB 2 /* rows of x per chunk: NB * MB = 8 of the 16 ymm registers hold sums */
+#else
 #define MB 6 /* rows of x per chunk: NB * MB = 24 of the 32 vector registers hold sums */
+#endif
+
+#if defined(__AVX512F__) || defined(SKINNY_AVX2)
+/* The next `lines` cache lines of a group PREFETCH_GROUPS ahead. */
+static inline void prefetch_ahead(const char **pf, int lines)
+{
+    for (int l = 0; l < lines; ++l) _mm_prefetch(*pf + 64 * l, _MM_HINT_T0);
+    *pf += 64 * lines;
+}
+#endif
 
 #ifdef __AVX512F__
 /* [sum(a), sum(b), sum(c), sum(d)] of four vectors of 16 floats. */
@@ -81,12 +109,6 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d)
     const T *restrict wr[NB];                                                           \
     for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * k;
 
-/* The next `lines` cache lines of a group PREFETCH_GROUPS ahead. */
-static inline void prefetch_ahead(const char **pf, int lines)
-{
-    for (int l = 0; l < lines; ++l) _mm_prefetch(*pf + 64 * l, _MM_HINT_T0);
-    *pf += 64 * lines;
-}
 
 static inline __attribute__((always_inline)) void group_f32(
     const float *restrict x, int64_t ldx, const float *restrict w, int64_t k,
@@ -152,6 +174,103 @@ static inline __attribute__((always_inline)) void group_bf16(
 }
 #endif
 
+#ifdef SKINNY_AVX2
+/* [sum(a), sum(b), sum(c), sum(d)] of four vectors of 8 floats. */
+static inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    /* per 128-bit half: [a01, a23, b01, b23], then [a0-3, b0-3, c0-3, d0-3] */
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+static inline __m256 widen_bf16x8(const bf16 *p)
+{
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The last k - p < 8 values of a row, zero-padded to a vector (AVX2 has no masked
+ * 16-bit loads; float32 goes through the same copy for one code path). */
+static inline __m256 tail_f32(const float *p, int64_t n)
+{
+    float v[8] = {0};
+    for (int64_t i = 0; i < n; ++i) v[i] = p[i];
+    return _mm256_loadu_ps(v);
+}
+
+static inline __m256 tail_bf16(const bf16 *p, int64_t n)
+{
+    bf16 v[8] = {0};
+    for (int64_t i = 0; i < n; ++i) v[i] = p[i];
+    return widen_bf16x8(v);
+}
+
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+#define LOAD_BF16(p) widen_bf16x8(p)
+
+/* A group's sums over the whole of k: full vectors of 8, then the tail (k % 8 values),
+ * NB weight rows (past nb: row n0 again, read but not stored) against mb rows of x. */
+#define SKINNY_AVX2_SUMS(T, LOAD, TAIL)                                                   \
+    __m256 acc[MB][NB];                                                                 \
+    _Pragma("GCC unroll 2") for (int i = 0; i < MB; ++i)                                \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps(); \
+    const T *restrict wr[NB];                                                           \
+    for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * k;               \
+    int64_t p = 0;                                                                      \
+    for (; p + 8 <= k; p += 8) {                                                        \
+        prefetch_ahead(pf, pf_lines);                                                   \
+        __m256 wv[NB];                                                                  \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j) wv[j] = LOAD(wr[j] + p);   \
+        _Pragma("GCC unroll 2") for (int i = 0; i < MB; ++i) {                          \
+            if (i < mb) {                                                               \
+                const __m256 xv = LOAD(x + i * ldx + p);                                \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j)                    \
+                    acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);                  \
+            }                                                                           \
+        }                                                                               \
+    }                                                                                   \
+    if (p < k) {                                                                        \
+        __m256 wv[NB];                                                                  \
+        for (int j = 0; j < NB; ++j) wv[j] = TAIL(wr[j] + p, k - p);                    \
+        for (int i = 0; i < MB && i < mb; ++i) {                                        \
+            const __m256 xv = TAIL(x + i * ldx + p, k - p);                             \
+            for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]); \
+        }                                                                               \
+    }
+
+static inline __attribute__((always_inline)) void group_f32(
+    const float *restrict x, int64_t ldx, const float *restrict w, int64_t k,
+    const float *restrict bias, float *restrict out, int64_t ldo, int64_t n0, int nb,
+    const int mb, const char **pf, const int pf_lines)
+{
+    SKINNY_AVX2_SUMS(float, LOAD_F32, tail_f32)
+    float b4[4] = {0};
+    for (int j = 0; j < nb && bias; ++j) b4[j] = bias[n0 + j];
+    const __m128 bv = _mm_loadu_ps(b4);
+    for (int i = 0; i < MB && i < mb; ++i) {
+        float v[4];
+        _mm_storeu_ps(v, _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), bv));
+        for (int j = 0; j < nb; ++j) out[i * ldo + n0 + j] = v[j];
+    }
+}
+
+static inline __attribute__((always_inline)) void group_bf16(
+    const bf16 *restrict x, int64_t ldx, const bf16 *restrict w, int64_t k,
+    const bf16 *restrict bias, bf16 *restrict out, int64_t ldo, int64_t n0, int nb,
+    const int mb, const char **pf, const int pf_lines)
+{
+    SKINNY_AVX2_SUMS(bf16, LOAD_BF16, tail_bf16)
+    float b4[4] = {0};
+    for (int j = 0; j < nb && bias; ++j) b4[j] = bf16_to_f32(bias[n0 + j]);
+    const __m128 bv = _mm_loadu_ps(b4);
+    for (int i = 0; i < MB && i < mb; ++i) {
+        float v[4];
+        _mm_storeu_ps(v, _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), bv));
+        for (int j = 0; j < nb; ++j) out[i * ldo + n0 + j] = f32_to_bf16(v[j]);
+    }
+}
+#endif
+
 /* One thread's share: groups g0 .. g1 of NB weight rows, every row of x for each. */
 #define SKINNY_CHUNK(GROUP, MB_)                                                          \
     GROUP(x + r * ldx, ldx, w, k, bias, out + r * ldo, ldo, n0, nb, MB_, &pf, pf_lines)
@@ -168,7 +287,7 @@ static inline __attribute__((always_inline)) void group_bf16(
         const int pf_lines = (int)((NB * k * (int64_t)sizeof(*w) / 64 + steps) / steps); \
         int64_t r = 0;                                                                  \
         for (; r + MB <= rows; r += MB) SKINNY_CHUNK(GROUP, MB);                        \
-        switch (rows - r) {                                                             \
+        switch (rows - r) { /* fewer than MB */                                         \
         case 5: SKINNY_CHUNK(GROUP, 5); break;                                          \
         case 4: SKINNY_CHUNK(GROUP, 4); break;                                          \
         case 3: SKINNY_CHUNK(GROUP, 3); break;                                          \
@@ -192,12 +311,16 @@ static inline __attribute__((always_inline)) void group_bf16(
 
 /* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ w[n, k]^T + bias (NULL:
  * none). Returns 0, or -2 where this build has no AVX-512. */
-#define VEC 16
+#define VEC 16 /* values per step of k (only spreads the prefetches) */
+#ifdef SKINNY_AVX2
+#undef VEC
+#define VEC 8
+#endif
 int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                       float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                       int num_threads)
 {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SKINNY_AVX2)
     SKINNY_PARALLEL(group_f32)
     return 0;
 #else
@@ -209,12 +332,16 @@ int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *
 
 #undef VEC
 #define VEC 32
+#ifdef SKINNY_AVX2
+#undef VEC
+#define VEC 8
+#endif
 /* As skinny_linear_f32, bfloat16 tensors, float32 sums rounded once (with the bias). */
 int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
                        bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                        int num_threads)
 {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
     SKINNY_PARALLEL(group_bf16)
     return 0;
 #else
@@ -252,11 +379,15 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
 
 #undef VEC
 #define VEC 16
+#ifdef SKINNY_AVX2
+#undef VEC
+#define VEC 8
+#endif
 int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                     float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                     SKINNY_LORA_ARGS)
 {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SKINNY_AVX2)
     SKINNY_LORA(group_f32, lora_f32_prepare, lora_f32_team, 0)
 #else
     SKINNY_LORA_UNUSED;
@@ -266,11 +397,15 @@ int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bi
 
 #undef VEC
 #define VEC 32
+#ifdef SKINNY_AVX2
+#undef VEC
+#define VEC 8
+#endif
 int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
                      bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                      SKINNY_LORA_ARGS, int impl)
 {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
     SKINNY_LORA(group_bf16, lora_bf16_prepare, lora_bf16_team, impl)
 #else
     SKINNY_LORA_UNUSED;

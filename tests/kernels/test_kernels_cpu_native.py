@@ -170,7 +170,7 @@ def test_add_lora_partial_targets() -> None:
 
 
 @pytest.mark.skipif(not cpu_native.can_skinny(torch.float32),
-                    reason="this CPU has no AVX-512 (the skinny GEMM's instructions)")
+                    reason="this CPU has neither AVX-512 nor AVX2 with FMA (the skinny GEMM's)")
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(
     runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 9)), min_size=1, max_size=8),
@@ -185,8 +185,8 @@ def test_skinny_gemm_and_lora_in_one_call(runs: list[tuple[int, int]], ranks: li
                                           bf16: bool) -> None:
     """A decode batch's projection: the fused native call (one parallel region) gives
     exactly what the skinny GEMM and then the LoRA kernel give apart, rows of base tokens
-    included; past 64 rows ``linear_lora`` takes the two apart. bfloat16 where the CPU
-    has AVX512_BF16, else float32."""
+    included; past 64 rows ``linear_lora`` takes the two apart. bfloat16 where the skinny
+    GEMM runs it (AVX512_BF16, or AVX2), else float32."""
     dtype = torch.bfloat16 if bf16 and cpu_native.can_skinny(torch.bfloat16) else torch.float32
     slots_of = sorted(s for s, n in runs for _ in range(n))
     case = SGMVCase("decode", tuple(slots_of), tuple(ranks), hidden, tuple(widths))
@@ -195,7 +195,8 @@ def test_skinny_gemm_and_lora_in_one_call(runs: list[tuple[int, int]], ranks: li
     g = torch.Generator().manual_seed(len(slots_of))
     weight = torch.randn(inp.slice_offsets[-1], hidden, generator=g).to(dtype)
     bias = torch.randn(inp.slice_offsets[-1], generator=g).to(dtype)
-    packed = ops.PackedWeight("skinny", weight)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "skinny"
     meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
     assert meta.short_segments is not None and not meta.long_segment_ids
     with torch_threads(threads):

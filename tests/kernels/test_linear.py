@@ -18,7 +18,7 @@ KINDS = {
 }
 needs_skinny_bf16 = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and cpu_native.can_skinny(torch.bfloat16)),
-    reason="this CPU has no AVX512_BF16 (the skinny GEMM's bfloat16 instructions)")
+    reason="the skinny GEMM does not run bfloat16 here (neither AVX512_BF16 nor AVX2)")
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -208,25 +208,29 @@ def _check_skinny(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 @pytest.mark.parametrize("dtype", [
     pytest.param(torch.float32, marks=pytest.mark.skipif(
-        not KINDS["skinny"], reason="no AVX-512 here")),
+        not KINDS["skinny"], reason="no skinny GEMM here (neither AVX-512 nor AVX2 with FMA)")),
     pytest.param(torch.bfloat16, marks=needs_skinny_bf16)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 65, 300])
 def test_skinny_gemm_reads_the_plain_weight(dtype: torch.dtype, rows: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``LORAPLEX_CPU_GEMM=skinny``: no copy; batches of up to 64 rows through the native
-    skinny GEMM, more through oneDNN on the same plain weight. 331 output columns (not a
-    multiple of its 4-row groups), 272 inputs (not of its 32-value bf16 vectors), a
-    strided input; scaling the weight after packing shows that both paths read it."""
+    skinny GEMM, more through oneDNN on the same plain weight (a bf16 weight on a CPU
+    without bf16 GEMMs: on a float32 packed copy). 331 output columns (not a multiple of
+    its 4-row groups), 272 inputs (not of its 32-value bf16 vectors), a strided input;
+    scaling the weight after packing shows that the paths without a copy read it."""
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", "skinny")
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(331, 272, generator=g).to(dtype)
     bias = torch.randn(331, generator=g).to(dtype)
     packed = ops.pack_linear_weight(weight)
     assert packed is not None and packed.kind == "skinny" and packed.data is weight
+    assert packed.widen == (dtype == torch.bfloat16 and not ops.onednn_bf16_gemm())
     for x in (torch.randn(rows, 272, generator=g).to(dtype),
               torch.randn(rows, 544, generator=g).to(dtype)[:, ::2]):
         _check_skinny(ops.linear(x, torch.empty(0), bias, packed), x, weight, bias)
         _check_skinny(ops.linear(x, torch.empty(0), None, packed), x, weight, None)
+    if packed.widen and rows > ops.SKINNY_MAX_ROWS // 2:
+        return  # the flattened batch below would read the copy
     weight.mul_(2.0)  # exact in either dtype
     x = torch.randn(2, rows, 272, generator=g).to(dtype)  # leading dims are flattened
     got = ops.linear(x, torch.empty(0), bias, packed)
@@ -238,10 +242,11 @@ def test_skinny_gemm_reads_the_plain_weight(dtype: torch.dtype, rows: int,
 @pytest.mark.parametrize("shared", [False, True])
 def test_bfloat16_weights_default_to_the_skinny_gemm(shared: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default ("auto") on a CPU with AVX512_BF16: bf16 weights, a tied head's too,
-    stay plain and in place for the skinny GEMM, and so do float32 ones (AVX-512); forcing
-    the portable bf16 kernels (a CPU without the instructions) gives oneDNN's packed copy
-    in bf16."""
+    """The default ("auto") where the skinny GEMM runs bf16: bf16 weights, a tied head's
+    too, stay plain and in place for the skinny GEMM, and so do float32 ones. With
+    AVX512_BF16, forcing the portable bf16 kernels (a CPU without the instructions) gives
+    oneDNN's packed copy in bf16; on AVX2 (no bf16 GEMMs) the skinny GEMM widens bf16
+    whatever the other kernels run, and batches past its rows read a float32 copy."""
     monkeypatch.delenv("LORAPLEX_CPU_GEMM", raising=False)
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(320, 272, generator=g).bfloat16()
@@ -258,12 +263,15 @@ def test_bfloat16_weights_default_to_the_skinny_gemm(shared: bool,
     assert layer.weight.numel() == 320 * 272
     x = torch.randn(3, 272, generator=g).bfloat16()
     _check_skinny(layer(x, None), x, weight, None)
+    assert packed.widen == (not ops.onednn_bf16_gemm())
+    assert (packed.large is not None and packed.large.dtype == torch.float32) == packed.widen
     monkeypatch.setenv("LORAPLEX_CPU_BF16", "portable")
     portable = ops.pack_linear_weight(weight, shared=shared)
-    assert portable is not None and portable.kind == "onednn"
+    assert portable is not None
+    assert portable.kind == ("skinny" if packed.widen else "onednn")
 
 
-@pytest.mark.skipif(not KINDS["skinny"], reason="no AVX-512 here")
+@pytest.mark.skipif(not KINDS["skinny"], reason="no skinny GEMM here (neither AVX-512 nor AVX2 with FMA)")
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(0, 70), n=st.integers(1, 70), k=st.integers(0, 100),
        bf16=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
