@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +84,11 @@ def _compiler() -> str | None:
 
 
 def build(compiler: str | None = None, directory: Path | None = None,
-          csrc: Path | None = None) -> Path:
+          csrc: Path | None = None, flags: Sequence[str] = ()) -> Path:
     """Compiles the library if this machine has no build of the current source yet.
     ``csrc``: a folder holding every C source and header of another revision (benchmarks),
-    compiled instead of this tree's."""
+    compiled instead of this tree's. ``flags``: more compiler flags (tests: the AVX2
+    kernels of a build with AVX-512 turned off, on a CPU that has it)."""
     sources = sorted(csrc.glob("*.c")) if csrc else _SOURCES
     headers = sorted(csrc.glob("*.h")) if csrc else _HEADERS
     cc = compiler or _compiler()
@@ -95,7 +97,7 @@ def build(compiler: str | None = None, directory: Path | None = None,
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
     texts = [f.read_text(encoding="utf-8") for f in (*sources, *headers)]
-    key = hashlib.sha256("\0".join([*texts, cc, *version, *_FLAGS,
+    key = hashlib.sha256("\0".join([*texts, cc, *version, *_FLAGS, *flags,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"cpu_kernels-{key}.so"
@@ -105,7 +107,7 @@ def build(compiler: str | None = None, directory: Path | None = None,
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *_FLAGS, *flags, *map(str, sources), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"building the kernels in {csrc or _CSRC} failed: "

@@ -3,6 +3,8 @@ against float64 and the plain ``F.linear``."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -292,3 +294,39 @@ def test_skinny_gemm_random_shapes(rows: int, n: int, k: int, bf16: bool, with_b
     expected = _rounded_product(x, weight, bias)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(got.double(), expected.double(), **tol)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The native library built with AVX-512 turned off: the AVX2 kernels, on any CPU that
+    has AVX2 and FMA (the build an AVX2-only CPU gets, tested on AVX-512 machines too)."""
+    flags = set(cpu_native._cpu_signature().split())
+    if not {"avx2", "fma"} <= flags or cpu_native._compiler() is None:
+        pytest.skip("no AVX2 with FMA here, or no C compiler")
+    return cpu_native.load(cpu_native.build(directory=tmp_path_factory.mktemp("avx2"),
+                                            flags=["-mno-avx512f"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n", "k"), [
+    (1, 331, 272), (2, 9, 17), (3, 5, 7), (7, 64, 100), (13, 4, 8), (64, 70, 33),
+    (0, 5, 7), (3, 5, 0)])
+def test_skinny_gemm_avx2_kernels(avx2_library: ctypes.CDLL, dtype: torch.dtype, rows: int,
+                                  n: int, k: int) -> None:
+    """The AVX2 build's skinny GEMM: float32, and bfloat16 widened as it is read (no
+    AVX-512 BF16 dot products: `loraplex_skinny_impls` says so), against float64 rounded
+    to the dtype; odd widths (a partial last vector of 8), partial groups of outputs, odd
+    row counts, no rows, empty inputs, a bias."""
+    assert avx2_library.loraplex_skinny_impls() == 1 | 4  # float32, bf16 widened
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    for bias in (None, torch.randn(n, generator=g).to(dtype)):
+        out = torch.full((rows, n), float("nan"), dtype=dtype)
+        fn = (avx2_library.skinny_linear_f32 if dtype == torch.float32
+              else avx2_library.skinny_linear_bf16)
+        status = fn(x.data_ptr(), x.stride(0) if rows else k, weight.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k, 2)
+        assert status == 0
+        if rows:
+            _check_skinny(out, x, weight, bias)
