@@ -14,8 +14,14 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    pins its adapter's slot). A request whose adapter cannot get a slot, or is still being
    read from disk (that read runs in the background), is skipped so the requests behind it
    are not blocked. Skipping has a limit: once a request has waited ``max_adapter_wait_s``
-   for a slot, no further request that would pin a slot is admitted until it has one, so
-   the running adapters drain and free a slot for it (it cannot starve).
+   for a slot, the running adapters drain to free a slot for it (it cannot starve): until
+   it has one, a request behind it that would pin a slot is admitted only if it joins an
+   adapter that running requests pin already, with a ``max_tokens`` within the most that
+   one of them may still generate, and its whole prompt fits the step. It then ends no
+   later than they may, so no slot is held longer than it could be without it, and the
+   starving request's wait keeps its bound; without that exception the drain left every
+   other request of a running adapter waiting behind it (on a slow machine, where each
+   step takes seconds, all of them, as soon as the slots filled).
 """
 
 from __future__ import annotations
@@ -218,6 +224,9 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         starving = False  # an older request has waited too long for an adapter slot
+        # While starving: by adapter pinned by running requests, the most output tokens one
+        # of them may still generate (the steps its slot may stay pinned).
+        horizons: dict[AdapterKey, int] | None = None
         # Adapters of the waiting requests passed over so far: loads are started only while
         # they fit the host cache together, or a load would evict an adapter that a request
         # ahead is still waiting for (and it would be read from disk again).
@@ -236,7 +245,10 @@ class Scheduler:
                     out.failed.append((request, error))
                     continue
                 if starving:
-                    continue
+                    if horizons is None:
+                        horizons = self._pinned_horizons()
+                    if request.params.max_tokens > horizons.get(ref.key, 0):
+                        continue
                 if not self.adapters.can_acquire(ref.key):
                     starving = now - request.arrival_time > self.max_adapter_wait_s
                     ahead.add(ref.key)
@@ -252,6 +264,8 @@ class Scheduler:
             num_computed = cached.num_tokens if cached else request.num_computed_tokens
             num_new = request.num_tokens - num_computed
             if num_new > budget:
+                if starving and ref is not None:
+                    continue  # a chunked prompt could end after the slot's horizon
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
@@ -273,6 +287,14 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledSeq(request, num_new, slot))
             budget -= num_new
+
+    def _pinned_horizons(self) -> dict[AdapterKey, int]:
+        horizons: dict[AdapterKey, int] = {}
+        for request in self.running:
+            if request.adapter is not None:
+                left = request.params.max_tokens - request.num_output_tokens
+                horizons[request.adapter.key] = max(horizons.get(request.adapter.key, 0), left)
+        return horizons
 
     def _allocate(self, request: Request, num_new: int) -> list[int] | None:
         return self.kv.allocate_slots(request.request_id, request.all_token_ids,

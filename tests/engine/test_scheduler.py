@@ -178,3 +178,81 @@ def test_speculative_slots_fit_the_budget_and_never_preempt() -> None:
         ("a", 0), ("b", 0)]
     assert not out.preempted
     sched.kv.check_invariants()
+
+
+def _ids(out: SchedulerOutput) -> list[str]:
+    return [s.request.request_id for s in out.scheduled]
+
+
+def test_a_drain_still_admits_requests_that_end_within_their_running_adapter() -> None:
+    """While a request starves for the only slot, a request of the adapter already in it
+    joins the slot if it ends no later than the slot's running requests may: within their
+    max_tokens left, its whole prompt this step. The starving request gets the slot at the
+    same step as if nothing had joined."""
+    sched, adapters, clock = _setup(max_loras=1, budget=64)
+    for name in ("a", "b"):
+        adapters.load_now(_ref(name))
+    sched.add(_request("a0", 4, "a", clock, max_tokens=10))
+    out = sched.schedule()
+    assert _ids(out) == ["a0"]
+    _complete_step(sched, out)  # a0 may generate 9 more tokens
+    for rid, n_prompt, adapter, max_tokens in (
+            ("b", 4, "b", 2),  # no slot for it: it starves once the clock moves on
+            ("a1", 4, "a", 9),  # ends with a0
+            ("a2", 4, "a", 10),  # would end one step after a0: waits
+            ("a3", 70, "a", 3),  # its prompt does not fit what is left of the budget
+            ("base", 4, None, 20)):  # pins no slot
+        sched.add(_request(rid, n_prompt, adapter, clock, max_tokens=max_tokens))
+    clock.now = 5.0
+    out = sched.schedule()
+    assert _ids(out) == ["a0", "a1", "base"]
+    _complete_step(sched, out)
+    step, b_step = 2, None
+    while sched.has_unfinished() and step < 100:
+        step += 1
+        out = sched.schedule()
+        if "b" in _ids(out) and b_step is None:
+            b_step = step
+            assert "a2" not in {r.request_id for r in sched.running}
+        _complete_step(sched, out)
+    # a0 took its 10th token at step 10 and a1 its 9th with it: b starts at step 11.
+    assert b_step == 11
+    assert not sched.has_unfinished()
+    assert sched.kv.all_free_or_cached()
+    assert all(p == 0 for p in adapters.stats().pins)
+
+
+def _steps(requests: list[tuple[str, int, str, int]], max_loras: int, budget: int,
+           seconds_per_step: float) -> tuple[int, dict[str, int]]:
+    """Steps to finish ``requests`` (id, prompt, adapter, max_tokens), queued together, and
+    each one's first step."""
+    sched, adapters, clock = _setup(max_loras=max_loras, budget=budget)
+    for _, _, name, _ in requests:
+        adapters.load_now(_ref(name))
+    for rid, n_prompt, name, max_tokens in requests:
+        sched.add(_request(rid, n_prompt, name, clock, max_tokens=max_tokens))
+    step, first = 0, {}
+    while sched.has_unfinished():
+        step += 1
+        out = sched.schedule()
+        for rid in _ids(out):
+            first.setdefault(rid, step)
+        _complete_step(sched, out)
+        clock.now += seconds_per_step
+        assert step < 1000
+    assert sched.kv.all_free_or_cached()
+    return step, first
+
+
+def test_a_slow_engine_takes_as_many_steps_as_a_fast_one_under_slot_pressure() -> None:
+    """Longest first (as LLM.generate queues a batch) over 3 adapters and 2 slots. When each
+    step takes longer than the wait limit, every request waiting for a slot starves from
+    the second step on; the drain must not hold back the requests of the running adapters
+    (it did: 62 steps instead of 38, a1 and b1 starting at steps 29 and 39 instead of 2)."""
+    requests = [("a0", 8, "a", 30), ("b0", 8, "b", 28), ("c0", 8, "c", 10),
+                ("a1", 8, "a", 25), ("b1", 8, "b", 24), ("c1", 8, "c", 8)]
+    fast, fast_first = _steps(requests, max_loras=2, budget=16, seconds_per_step=0.0)
+    slow, slow_first = _steps(requests, max_loras=2, budget=16, seconds_per_step=10.0)
+    assert fast == slow == 38
+    assert slow_first == fast_first
+    assert slow_first["c0"] == 29  # when b0's slot frees: its wait is bounded as before
