@@ -17,7 +17,7 @@
  * layout. `in` needs no particular multiple: the last vector is masked.
  *
  * Without AVX-512, on AVX2 with FMA (e.g. AMD Zen 2/3, Intel before Ice Lake): the same
- * groups in vectors of 8 floats, NB x MB_AVX2 sums in 8 of the 16 ymm registers. bfloat16
+ * groups in vectors of 8 floats, NB x MB sums in 12 of the 16 ymm registers. bfloat16
  * weights and rows are widened to float32 as they are loaded (a bf16 is a float32's upper
  * half: products exact, sums float32), so a decode step streams half the bytes of its
  * float32 weights; the sums are rounded to bf16 as torch rounds. `loraplex_skinny_impls`
@@ -62,7 +62,7 @@ int loraplex_skinny_impls(void)
 #define PREFETCH_GROUPS 2
 #endif
 #ifdef SKINNY_AVX2
-#define MB 2 /* rows of x per chunk: NB * MB = 8 of the 16 ymm registers hold sums */
+#define MB 3 /* rows of x per chunk: NB * MB = 12 of the 16 ymm registers hold sums */
 #else
 #define MB 6 /* rows of x per chunk: NB * MB = 24 of the 32 vector registers hold sums */
 #endif
@@ -212,7 +212,7 @@ static inline __m256 tail_bf16(const bf16 *p, int64_t n)
  * NB weight rows (past nb: row n0 again, read but not stored) against mb rows of x. */
 #define SKINNY_AVX2_SUMS(T, LOAD, TAIL)                                                   \
     __m256 acc[MB][NB];                                                                 \
-    _Pragma("GCC unroll 2") for (int i = 0; i < MB; ++i)                                \
+    _Pragma("GCC unroll 3") for (int i = 0; i < MB; ++i)                                \
         _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps(); \
     const T *restrict wr[NB];                                                           \
     for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * k;               \
@@ -221,7 +221,7 @@ static inline __m256 tail_bf16(const bf16 *p, int64_t n)
         prefetch_ahead(pf, pf_lines);                                                   \
         __m256 wv[NB];                                                                  \
         _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j) wv[j] = LOAD(wr[j] + p);   \
-        _Pragma("GCC unroll 2") for (int i = 0; i < MB; ++i) {                          \
+        _Pragma("GCC unroll 3") for (int i = 0; i < MB; ++i) {                          \
             if (i < mb) {                                                               \
                 const __m256 xv = LOAD(x + i * ldx + p);                                \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NB; ++j)                    \

@@ -310,7 +310,7 @@ def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "n", "k"), [
     (1, 331, 272), (2, 9, 17), (3, 5, 7), (7, 64, 100), (13, 4, 8), (64, 70, 33),
-    (0, 5, 7), (3, 5, 0)])
+    (0, 5, 7), (3, 5, 0), (7, 5, 0)])
 def test_skinny_gemm_avx2_kernels(avx2_library: ctypes.CDLL, dtype: torch.dtype, rows: int,
                                   n: int, k: int) -> None:
     """The AVX2 build's skinny GEMM: float32, and bfloat16 widened as it is read (no
