@@ -238,20 +238,26 @@ static inline __m256 tail_bf16(const bf16 *p, int64_t n)
         }                                                                               \
     }
 
+/* The group's sums reduced four outputs at a time, the bias added (WIDEN: a bias value to
+ * float), stored through NARROW (float to the output's type). */
+#define SKINNY_AVX2_STORE(WIDEN, NARROW)                                                  \
+    float b4[4] = {0};                                                                  \
+    for (int j = 0; j < nb && bias; ++j) b4[j] = WIDEN(bias[n0 + j]);                   \
+    const __m128 bv = _mm_loadu_ps(b4);                                                 \
+    for (int i = 0; i < MB && i < mb; ++i) {                                            \
+        float v[4];                                                                     \
+        _mm_storeu_ps(v, _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), bv)); \
+        for (int j = 0; j < nb; ++j) out[i * ldo + n0 + j] = NARROW(v[j]);              \
+    }
+#define AS_F32(v) (v)
+
 static inline __attribute__((always_inline)) void group_f32(
     const float *restrict x, int64_t ldx, const float *restrict w, int64_t k,
     const float *restrict bias, float *restrict out, int64_t ldo, int64_t n0, int nb,
     const int mb, const char **pf, const int pf_lines)
 {
     SKINNY_AVX2_SUMS(float, LOAD_F32, tail_f32)
-    float b4[4] = {0};
-    for (int j = 0; j < nb && bias; ++j) b4[j] = bias[n0 + j];
-    const __m128 bv = _mm_loadu_ps(b4);
-    for (int i = 0; i < MB && i < mb; ++i) {
-        float v[4];
-        _mm_storeu_ps(v, _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), bv));
-        for (int j = 0; j < nb; ++j) out[i * ldo + n0 + j] = v[j];
-    }
+    SKINNY_AVX2_STORE(AS_F32, AS_F32)
 }
 
 static inline __attribute__((always_inline)) void group_bf16(
@@ -260,14 +266,7 @@ static inline __attribute__((always_inline)) void group_bf16(
     const int mb, const char **pf, const int pf_lines)
 {
     SKINNY_AVX2_SUMS(bf16, LOAD_BF16, tail_bf16)
-    float b4[4] = {0};
-    for (int j = 0; j < nb && bias; ++j) b4[j] = bf16_to_f32(bias[n0 + j]);
-    const __m128 bv = _mm_loadu_ps(b4);
-    for (int i = 0; i < MB && i < mb; ++i) {
-        float v[4];
-        _mm_storeu_ps(v, _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), bv));
-        for (int j = 0; j < nb; ++j) out[i * ldo + n0 + j] = f32_to_bf16(v[j]);
-    }
+    SKINNY_AVX2_STORE(bf16_to_f32, f32_to_bf16)
 }
 #endif
 
