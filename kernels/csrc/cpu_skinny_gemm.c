@@ -308,13 +308,19 @@ static inline __attribute__((always_inline)) void group_bf16(
 #define SKINNY_PARALLEL(GROUP)                                                            \
     _Pragma("omp parallel num_threads(num_threads)") SKINNY_THREAD(GROUP)
 
-/* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ w[n, k]^T + bias (NULL:
- * none). Returns 0, or -2 where this build has no AVX-512. */
-#define VEC 16 /* values per step of k (only spreads the prefetches) */
+/* Values per step of k, by dtype (only spreads the prefetches): VEC is set to one of them
+ * before each function. */
 #ifdef SKINNY_AVX2
-#undef VEC
-#define VEC 8
+#define VEC_F32 8
+#define VEC_BF16 8
+#else
+#define VEC_F32 16
+#define VEC_BF16 32
 #endif
+
+/* out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ w[n, k]^T + bias (NULL:
+ * none). Returns 0, or -2 where this build has neither AVX-512 nor AVX2 with FMA. */
+#define VEC VEC_F32
 int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                       float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                       int num_threads)
@@ -330,11 +336,7 @@ int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *
 }
 
 #undef VEC
-#define VEC 32
-#ifdef SKINNY_AVX2
-#undef VEC
-#define VEC 8
-#endif
+#define VEC VEC_BF16
 /* As skinny_linear_f32, bfloat16 tensors, float32 sums rounded once (with the bias). */
 int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
                        bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
@@ -377,11 +379,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     (void)max_slices; (void)num_threads
 
 #undef VEC
-#define VEC 16
-#ifdef SKINNY_AVX2
-#undef VEC
-#define VEC 8
-#endif
+#define VEC VEC_F32
 int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                     float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                     SKINNY_LORA_ARGS)
@@ -395,11 +393,7 @@ int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bi
 }
 
 #undef VEC
-#define VEC 32
-#ifdef SKINNY_AVX2
-#undef VEC
-#define VEC 8
-#endif
+#define VEC VEC_BF16
 int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
                      bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                      SKINNY_LORA_ARGS, int impl)
