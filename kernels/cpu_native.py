@@ -11,6 +11,8 @@ One source per kernel and dtype (``cpu_attention_f32.c``, ``cpu_lora_f32.c``, an
 implementations (``bf16_impls``): AVX-512 BF16 dot products, compiled in only where the
 CPU has ``avx512_bf16``, and a portable one that widens bf16 to float32. The best one
 available runs; ``LORAPLEX_CPU_BF16=portable`` forces the portable one (tests run both).
+Where the CPU has AMX, the bfloat16 skinny GEMM of decode batches runs on its tiles
+(``skinny_amx``; ``LORAPLEX_CPU_AMX=0`` keeps it on AVX-512 BF16).
 
 The library is compiled with ``-march=native``, so the cache key includes the compiler,
 the flags and the CPU's feature flags: a cache directory shared between machines never
@@ -42,7 +44,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu_lora")
               for dtype in ("f32", "bf16")), _CSRC / "cpu_layer_ops.c",
             _CSRC / "cpu_prefill_attention.c", _CSRC / "cpu_skinny_gemm.c",
-            _CSRC / "cpu_decode_layers.c"]
+            _CSRC / "cpu_skinny_amx.c", _CSRC / "cpu_decode_layers.c"]
 _HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h",
             _CSRC / "lora.h", _CSRC / "kernels.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
@@ -50,6 +52,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
 _ENV_CACHE = "LORAPLEX_KERNEL_CACHE"
 _ENV_BF16 = "LORAPLEX_CPU_BF16"
+_ENV_AMX = "LORAPLEX_CPU_AMX"
 # implementation name -> the C kernels' `impl` (csrc/bf16.h), best first
 BF16_IMPLS = {"avx512_bf16": 1, "portable": 0}
 
@@ -158,6 +161,9 @@ def load(path: Path) -> ctypes.CDLL:
                        _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int, *extra]
     lib.loraplex_skinny_impls.restype = ctypes.c_int
     lib.loraplex_skinny_impls.argtypes = []
+    if hasattr(lib, "loraplex_skinny_amx"):  # a build of an older revision may lack it
+        lib.loraplex_skinny_amx.restype = ctypes.c_int
+        lib.loraplex_skinny_amx.argtypes = [ctypes.c_int]
     if hasattr(lib, "decode_layers"):  # a build of an older revision may lack it
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float]
@@ -172,10 +178,12 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get(_ENV_SWITCH, "1") == "0":
         return None
     try:
-        return load(build())
+        lib = load(build())
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
         return None
+    _set_skinny_amx(lib, _amx_wanted())
+    return lib
 
 
 def available() -> bool:
@@ -397,6 +405,36 @@ def _skinny_impls() -> int:
         return 0
     impls = int(lib.loraplex_skinny_impls())
     return impls if "avx512_bf16" in flags else impls & ~_SKINNY_BF16
+
+
+def _amx_wanted() -> bool:
+    """``LORAPLEX_CPU_AMX``: "auto" (the default) uses AMX where the CPU reports it, "0"
+    never; ValueError else."""
+    choice = os.environ.get(_ENV_AMX, "auto")
+    if choice not in ("auto", "0"):
+        raise ValueError(f"{_ENV_AMX} must be auto or 0, not {choice!r}")
+    return choice == "auto" and {"amx_tile", "amx_bf16"} <= set(_cpu_signature().split())
+
+
+def _set_skinny_amx(lib: ctypes.CDLL, enable: bool) -> bool:
+    if not hasattr(lib, "loraplex_skinny_amx"):
+        return False
+    return bool(lib.loraplex_skinny_amx(1 if enable else 0))
+
+
+def skinny_amx(enable: bool | None = None) -> bool:
+    """Whether the bfloat16 skinny GEMM runs on AMX tiles (csrc/cpu_skinny_amx.c): where
+    the library was built for a CPU with AMX-BF16, the CPU reports it and Linux granted
+    the process its tile state; on by default there (``LORAPLEX_CPU_AMX``). ``enable``
+    turns it on (where it can be) or off first: benchmarks compare the two kernels in
+    one process, and tests run both."""
+    lib = _library()
+    if lib is None:
+        return False
+    if enable is not None:
+        return _set_skinny_amx(lib, enable and {"amx_tile", "amx_bf16"}
+                               <= set(_cpu_signature().split()))
+    return bool(hasattr(lib, "loraplex_skinny_amx") and lib.loraplex_skinny_amx(-1))
 
 
 def _skinny_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -305,8 +305,23 @@ static inline __attribute__((always_inline)) void group_bf16(
         const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;                 \
         SKINNY_RANGE(GROUP)                                                             \
     }
-#define SKINNY_PARALLEL(GROUP)                                                            \
-    _Pragma("omp parallel num_threads(num_threads)") SKINNY_THREAD(GROUP)
+#define SKINNY_PARALLEL(THREAD)                                                           \
+    _Pragma("omp parallel num_threads(num_threads)") THREAD
+
+/* bfloat16: on AMX tiles where `xp` (skinny_amx_buffer) is set, the team packing x first
+ * and the last thread taking the weight rows past the whole 16-row blocks; else the
+ * AVX-512 BF16 (or AVX2) kernel. */
+#define SKINNY_BF16_THREAD                                                                \
+    if (xp) {                                                                           \
+        const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();               \
+        skinny_amx_pack(x, ldx, rows, k, xp, t_, nt_);                                  \
+        _Pragma("omp barrier")                                                          \
+        const int64_t done_ = skinny_amx_share(xp, w, bias, out, ldo, rows, n, k, t_, nt_); \
+        if (t_ == nt_ - 1) {                                                            \
+            const int64_t g0 = done_ / NB, g1 = (n + NB - 1) / NB;                      \
+            SKINNY_RANGE(group_bf16)                                                    \
+        }                                                                               \
+    } else SKINNY_THREAD(group_bf16)
 
 /* Values per step of k, by dtype (only spreads the prefetches): VEC is set to one of them
  * before each function. */
@@ -326,7 +341,7 @@ int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *
                       int num_threads)
 {
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
-    SKINNY_PARALLEL(group_f32)
+    SKINNY_PARALLEL(SKINNY_THREAD(group_f32))
     return 0;
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
@@ -343,7 +358,8 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
                        int num_threads)
 {
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
-    SKINNY_PARALLEL(group_bf16)
+    uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k);
+    SKINNY_PARALLEL(SKINNY_BF16_THREAD)
     return 0;
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
@@ -356,7 +372,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
  * parallel region: a decode step's projection wakes the team once, not twice (between
  * regions libgomp's idle threads sleep after a short spin, loraplex/openmp.py, and waking
  * them took about as long as a decode step's LoRA). Returns as lora_segments_*. */
-#define SKINNY_LORA(GROUP, PREPARE, TEAM, IMPL)                                             \
+#define SKINNY_LORA(THREAD, PREPARE, TEAM, IMPL)                                             \
     struct lora_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,         \
                           num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,   \
                           max_slices, IMPL, num_threads, 0, 0, NULL};                   \
@@ -365,7 +381,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     int failed = 0;                                                                     \
     _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")               \
     {                                                                                   \
-        SKINNY_THREAD(GROUP)                                                            \
+        THREAD                                                                          \
         _Pragma("omp barrier")                                                          \
         failed |= TEAM(&c);                                                             \
     }                                                                                   \
@@ -385,7 +401,7 @@ int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bi
                     SKINNY_LORA_ARGS)
 {
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
-    SKINNY_LORA(group_f32, lora_f32_prepare, lora_f32_team, 0)
+    SKINNY_LORA(SKINNY_THREAD(group_f32), lora_f32_prepare, lora_f32_team, 0)
 #else
     SKINNY_LORA_UNUSED;
     return -2;
@@ -399,7 +415,8 @@ int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
                      SKINNY_LORA_ARGS, int impl)
 {
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
-    SKINNY_LORA(group_bf16, lora_bf16_prepare, lora_bf16_team, impl)
+    uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k);
+    SKINNY_LORA(SKINNY_BF16_THREAD, lora_bf16_prepare, lora_bf16_team, impl)
 #else
     SKINNY_LORA_UNUSED;
     (void)impl;

@@ -56,6 +56,16 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
                        bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                        int num_threads);
 
+/* the bfloat16 skinny GEMM on AMX tiles (cpu_skinny_amx.c): where skinny_amx_buffer gives
+ * a buffer, the team packs x into it (skinny_amx_pack, each thread its share), passes a
+ * barrier, and each thread multiplies its share of the whole 16-row weight blocks
+ * (skinny_amx_share, which returns where they end) */
+uint32_t *skinny_amx_buffer(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k);
+void skinny_amx_pack(const bf16 *x, int64_t ldx, int64_t rows, int64_t k, uint32_t *xp,
+                     int t, int nt);
+int64_t skinny_amx_share(const uint32_t *xp, const bf16 *w, const bf16 *bias, bf16 *out,
+                         int64_t ldo, int64_t rows, int64_t n, int64_t k, int t, int nt);
+
 /* the LoRA arguments of skinny_lora_*: segments (first token, length, slot) and the
  * projection's slot tables, as lora_segments_* take them */
 #define SKINNY_LORA_ARGS                                                                  \

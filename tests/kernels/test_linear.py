@@ -4,6 +4,7 @@ against float64 and the plain ``F.linear``."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -330,3 +331,73 @@ def test_skinny_gemm_avx2_kernels(avx2_library: ctypes.CDLL, dtype: torch.dtype,
         assert status == 0
         if rows:
             _check_skinny(out, x, weight, bias)
+
+
+needs_amx = pytest.mark.skipif(
+    not (cpu_native.can_skinny(torch.bfloat16) and cpu_native.skinny_amx()),
+    reason="the bfloat16 skinny GEMM does not run on AMX tiles here (no AMX-BF16)")
+
+
+@pytest.fixture
+def amx_restored() -> Iterator[None]:
+    """Whatever a test turns, AMX is back as it was after it."""
+    was = cpu_native.skinny_amx()
+    yield
+    cpu_native.skinny_amx(was)
+
+
+@needs_amx
+@pytest.mark.usefixtures("amx_restored")
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 48, 64, 65, 130])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (70, 96), (331, 576), (1000, 64)])
+def test_skinny_gemm_on_amx_tiles(rows: int, n: int, k: int) -> None:
+    """The bf16 skinny GEMM on AMX tiles against float64 rounded to bf16, and against the
+    AVX-512 BF16 kernel (the same float32 sums in another order: equal but for rare last
+    bits): one to nine blocks of 16 rows of x (every tile arrangement: 4 weight blocks per
+    block of x, 2 x 2, 1 x 4, and more blocks of x than 4), weight rows past the last
+    whole 16 (the AVX-512 kernel's), a bias and none, a strided input."""
+    g = torch.Generator().manual_seed(rows * 7919 + n + k)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    for x in (torch.randn(rows, k, generator=g).bfloat16(),
+              torch.randn(rows, 2 * k + 2, generator=g).bfloat16()[:, 2:k + 2]):
+        for b in (bias, None):
+            assert cpu_native.skinny_amx(True)
+            tiles = cpu_native.skinny_linear(x, weight, b)
+            _check_skinny(tiles, x, weight, b)
+            assert not cpu_native.skinny_amx(False)
+            vectors = cpu_native.skinny_linear(x, weight, b)
+            assert (tiles == vectors).double().mean().item() > 0.99
+
+
+@needs_amx
+@pytest.mark.usefixtures("amx_restored")
+def test_skinny_gemm_takes_vectors_where_tiles_do_not_fit() -> None:
+    """k not a multiple of 32, fewer than 16 weight rows, an odd row stride (pairs not
+    32-bit aligned), no rows: the AVX-512 BF16 kernel, bit for bit, with AMX on."""
+    g = torch.Generator().manual_seed(5)
+    cases = [(torch.randn(9, 48, generator=g), torch.randn(40, 48, generator=g)),
+             (torch.randn(9, 64, generator=g), torch.randn(15, 64, generator=g)),
+             (torch.randn(9, 65, generator=g)[:, 1:], torch.randn(40, 64, generator=g)),
+             (torch.randn(0, 64, generator=g), torch.randn(40, 64, generator=g))]
+    for x, w in cases:
+        x, w = x.bfloat16(), w.bfloat16()
+        cpu_native.skinny_amx(True)
+        tiles = cpu_native.skinny_linear(x, w)
+        cpu_native.skinny_amx(False)
+        assert torch.equal(tiles, cpu_native.skinny_linear(x, w))
+        if x.shape[0]:
+            _check_skinny(tiles, x, w, None)
+
+
+def test_amx_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LORAPLEX_CPU_AMX``: auto (AMX where the CPU reports it) or 0; anything else is
+    refused with the variable's name."""
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "0")
+    assert not cpu_native._amx_wanted()
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "auto")
+    flags = set(cpu_native._cpu_signature().split())
+    assert cpu_native._amx_wanted() == ({"amx_tile", "amx_bf16"} <= flags)
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "yes")
+    with pytest.raises(ValueError, match="LORAPLEX_CPU_AMX"):
+        cpu_native._amx_wanted()
