@@ -110,11 +110,18 @@ static inline __attribute__((always_inline)) void values_portable(
 }
 
 #ifdef __AVX512BF16__
-/* two weights as one bf16 pair, broadcast to every lane */
-static inline __m512bh prob_pair(float p0, float p1)
+/* f32_to_bf16 of 16 floats at once, bit for bit (round to nearest even, NaN kept quiet,
+ * denormals kept: vcvtneps2bf16 would flush them), into 16 bf16. */
+static inline __m256i f32_to_bf16_x16(__m512 f)
 {
-    return as_bh(_mm512_set1_epi32((int32_t)((uint32_t)f32_to_bf16(p1) << 16
-                                             | f32_to_bf16(p0))));
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
 /* scores_portable with vdpbf16ps (head_dim a multiple of 32, q in bf16 as given): per K
@@ -160,28 +167,43 @@ static inline __attribute__((always_inline)) void values_avx512(
     float *restrict acc, const bf16 *restrict v, int64_t pos_stride, const float *restrict w,
     int64_t ws, const int64_t nh, int64_t n, const int64_t head_dim)
 {
-    for (int64_t d = 0; d < head_dim; d += 32) {
-        __m512 lo[SCORE_HEADS], hi[SCORE_HEADS];
-        for (int64_t h = 0; h < nh; ++h) {
-            lo[h] = _mm512_loadu_ps(acc + h * head_dim + d);
-            hi[h] = _mm512_loadu_ps(acc + h * head_dim + d + 16);
-        }
-        for (int64_t p = 0; p < n; p += 2) {
-            const int two = p + 1 < n;
-            const __m512i x0 = _mm512_loadu_si512(v + p * pos_stride + d);
-            const __m512i x1 = two ? _mm512_loadu_si512(v + (p + 1) * pos_stride + d)
-                                   : _mm512_setzero_si512();
-            const __m512bh xl = as_bh(_mm512_unpacklo_epi16(x0, x1));
-            const __m512bh xh = as_bh(_mm512_unpackhi_epi16(x0, x1));
-            for (int64_t h = 0; h < nh; ++h) {
-                const __m512bh pair = prob_pair(w[h * ws + p], two ? w[h * ws + p + 1] : 0.0f);
-                lo[h] = _mm512_dpbf16_ps(lo[h], pair, xl);
-                hi[h] = _mm512_dpbf16_ps(hi[h], pair, xh);
+    /* 32 positions at a time: each head's weights rounded to bf16 once, 16 at a time (as
+     * consecutive bf16 they are the pairs the dot products take, a zero past n), not once
+     * per pair and 32 dimensions */
+    for (int64_t p0 = 0; p0 < n; p0 += 32) {
+        const int64_t np = n - p0 < 32 ? n - p0 : 32;
+        int32_t pairs[SCORE_HEADS][16];
+        for (int64_t h = 0; h < nh; ++h)
+            for (int64_t c = 0; c < np; c += 16) {
+                const int64_t left = np - c < 16 ? np - c : 16;
+                const __m512 f = _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1u),
+                                                       w + h * ws + p0 + c);
+                _mm256_storeu_si256((__m256i *)(pairs[h] + c / 2), f32_to_bf16_x16(f));
             }
-        }
-        for (int64_t h = 0; h < nh; ++h) {
-            _mm512_storeu_ps(acc + h * head_dim + d, lo[h]);
-            _mm512_storeu_ps(acc + h * head_dim + d + 16, hi[h]);
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            __m512 lo[SCORE_HEADS], hi[SCORE_HEADS];
+            for (int64_t h = 0; h < nh; ++h) {
+                lo[h] = _mm512_loadu_ps(acc + h * head_dim + d);
+                hi[h] = _mm512_loadu_ps(acc + h * head_dim + d + 16);
+            }
+            for (int64_t p = 0; p < np; p += 2) {
+                const int two = p + 1 < np;
+                const bf16 *restrict vp = v + (p0 + p) * pos_stride + d;
+                const __m512i x0 = _mm512_loadu_si512(vp);
+                const __m512i x1 = two ? _mm512_loadu_si512(vp + pos_stride)
+                                       : _mm512_setzero_si512();
+                const __m512bh xl = as_bh(_mm512_unpacklo_epi16(x0, x1));
+                const __m512bh xh = as_bh(_mm512_unpackhi_epi16(x0, x1));
+                for (int64_t h = 0; h < nh; ++h) {
+                    const __m512bh pair = as_bh(_mm512_set1_epi32(pairs[h][p / 2]));
+                    lo[h] = _mm512_dpbf16_ps(lo[h], pair, xl);
+                    hi[h] = _mm512_dpbf16_ps(hi[h], pair, xh);
+                }
+            }
+            for (int64_t h = 0; h < nh; ++h) {
+                _mm512_storeu_ps(acc + h * head_dim + d, lo[h]);
+                _mm512_storeu_ps(acc + h * head_dim + d + 16, hi[h]);
+            }
         }
     }
 }

@@ -133,6 +133,13 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
 #if TILE_COLUMNS != 64
 #error "the AVX-512 BF16 LoRA tiles are 64 wide, as the tiled layout's"
 #endif
+/* Pair-rows ahead that the shrink and expand loops prefetch. Their weights are contiguous
+ * runs read once per decode step (each adapter's, so from memory), and a decode step's
+ * items are a token or two each: without it a thread waited on every line. Past a run's
+ * end it prefetches whatever follows (a prefetch never faults). */
+#ifndef LORA_PREFETCH_ROWS
+#define LORA_PREFETCH_ROWS 16
+#endif
 /* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
  * inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks, read in order), the
  * 4 x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). */
@@ -149,6 +156,10 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict block = at + in2 * k0 * 2;
     for (int64_t i2 = 0; i2 < in2; ++i2) {
         const bf16 *restrict a = block + i2 * (16 * nv) * 2;
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j)
+            _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * 16 * nv * 2 + 32 * j),
+                         _MM_HINT_T0);
         __m512bh av[4];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
@@ -209,6 +220,9 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
                     for (int64_t j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
                 for (int64_t k2 = k2b; k2 < k2e; ++k2) {
                     const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
+                    for (int j = 0; j < 4; ++j)
+                        _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j),
+                                     _MM_HINT_T0);
                     const __m512bh b0 = as_bh(_mm512_loadu_si512(b)),
                                    b1 = as_bh(_mm512_loadu_si512(b + 32)),
                                    b2 = as_bh(_mm512_loadu_si512(b + 64)),
@@ -256,7 +270,9 @@ int lora_bf16_prepare(struct lora_call *c)
                                           LORA_ITEM_TOKENS, c->num_threads);
     c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, size,
                               &c->num_groups);
-    return c->work ? 0 : -1;
+    if (!c->work) return -1;
+    c->item_rows = lora_item_rows(c->work, c->num_groups, LORA_TOKENS);
+    return 0;
 }
 
 /* One thread's share of a prepared call, inside a parallel region (its work items are
@@ -266,14 +282,15 @@ int lora_bf16_team(const struct lora_call *c)
 {
     const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
     int failed = 0;
-    /* per work item, LORA_ITEM_TOKENS rows at most: y: fp32 [., R] (portable) or bf16
-     * (vector); xf: [., w] fp32; xh: [., w] bf16 */
-    float *y = malloc(sizeof(float) * (size_t)(LORA_ITEM_TOKENS * c->max_rank));
-    float *xf = calloc((size_t)(LORA_ITEM_TOKENS * w), sizeof(float));
-    bf16 *xh = calloc((size_t)(LORA_ITEM_TOKENS * w), sizeof(bf16));
+    /* per work item, c->item_rows rows at most, each written before it is read: y: fp32
+     * [., R] (portable) or bf16 (vector); xf: [., w] fp32 (portable only); xh: [., w] bf16 */
+    const int portable = c->impl != BF16_AVX512;
+    float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
+    float *xf = portable ? malloc(sizeof(float) * (size_t)(c->item_rows * w)) : NULL;
+    bf16 *xh = malloc(sizeof(bf16) * (size_t)(c->item_rows * w));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < c->num_groups; ++g) {
-        if (!y || !xf || !xh) {
+        if (!y || (portable && !xf) || !xh) {
             failed = 1;
             continue;
         }
@@ -283,10 +300,11 @@ int lora_bf16_team(const struct lora_call *c)
         const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
         const int64_t padded = (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
         for (int64_t j = 0; j < padded; ++j) { /* rows past nt stay zero */
-            if (j < nt)
+            if (j < nt) {
                 memcpy(xh + j * w, (const bf16 *)c->x + (t + j) * c->x_stride,
                        sizeof(bf16) * (size_t)c->in_features);
-            else
+                if (w > c->in_features) xh[j * w + w - 1] = 0; /* an odd width's pad */
+            } else
                 memset(xh + j * w, 0, sizeof(bf16) * (size_t)w);
         }
 #ifdef __AVX512BF16__

@@ -165,7 +165,9 @@ int lora_f32_prepare(struct lora_call *c)
                                           LORA_ITEM_TOKENS, c->num_threads);
     c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, size,
                               &c->num_groups);
-    return c->work ? 0 : -1;
+    if (!c->work) return -1;
+    c->item_rows = lora_item_rows(c->work, c->num_groups, LORA_TOKENS);
+    return 0;
 }
 
 /* One thread's share of a prepared call, inside a parallel region (an orphaned `omp for`
@@ -174,8 +176,9 @@ int lora_f32_team(const struct lora_call *c)
 {
     const int64_t in = c->in_features;
     int failed = 0;
-    float *y = malloc(sizeof(float) * (size_t)(LORA_ITEM_TOKENS * c->max_rank));
-    float *xb = calloc((size_t)(LORA_ITEM_TOKENS * in), sizeof(float));
+    /* every row an item reads is written first (its tokens, then zeros) */
+    float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
+    float *xb = malloc(sizeof(float) * (size_t)(c->item_rows * in));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < c->num_groups; ++w) {
         if (!y || !xb) {

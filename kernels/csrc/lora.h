@@ -24,10 +24,23 @@ struct lora_call {
     int64_t max_slices;
     int impl; /* bf16 only */
     int num_threads; /* the team's size (lora_threads may run it smaller) */
-    /* set by lora_*_prepare: the largest rank, the work items (free them) */
+    /* set by lora_*_prepare: the largest rank, the work items (free them), the most
+     * tokens an item has, rounded up to whole groups of LORA_TOKENS (the rows of a
+     * thread's scratch buffers: a decode step's items have 1-4 tokens, and buffers sized
+     * for LORA_ITEM_TOKENS were hundreds of KiB zeroed per thread and projection) */
     int64_t max_rank, num_groups;
     int64_t *work;
+    int64_t item_rows;
 };
+
+/* Rows of scratch a prepared call's items need: their most tokens in whole groups. */
+static inline int64_t lora_item_rows(const int64_t *work, int64_t num_groups, int64_t group)
+{
+    int64_t most = 1;
+    for (int64_t g = 0; g < num_groups; ++g)
+        if (work[3 * g + 1] > most) most = work[3 * g + 1];
+    return (most + group - 1) / group * group;
+}
 
 /* The team size for a prepared call: a lone work item runs on the calling thread (waking
  * another costs more than it saves). */
