@@ -43,14 +43,19 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is often empty)
     and the vector instruction set torch runs there, e.g. "AMD EPYC (AVX2)": the same
-    model name has come with and without AVX-512, which moves every result."""
+    model name has come with and without AVX-512, which moves every result. ", AMX" where
+    the CPU has AMX-BF16 tiles (torch does not say; the bf16 GEMMs run on them)."""
     import torch
 
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), set[str]()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                   cpu)
+        flags = set(next((ln.split(":", 1)[1].split() for ln in lines
+                          if ln.startswith("flags")), []))
     except OSError:
         pass
-    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()})"
+    amx = ", AMX" if "amx_bf16" in flags else ""
+    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()}{amx})"
