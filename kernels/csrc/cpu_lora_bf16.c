@@ -140,12 +140,13 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
 #ifndef LORA_PREFETCH_ROWS
 #define LORA_PREFETCH_ROWS 16
 #endif
-/* The shrink of 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, a constant where it is
- * inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks, read in order), the
- * 4 x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). */
+/* The shrink of nt <= 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4; both constants where
+ * it is inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks, read in order),
+ * the nt x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). A
+ * decode step's groups have a token or two: only those are multiplied. */
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
-    const int nv, bf16 *restrict yb)
+    const int nv, const int nt, bf16 *restrict yb)
 {
     const int64_t w = 2 * in2;
     __m512 c[LORA_TOKENS][4];
@@ -164,18 +165,73 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
 #pragma GCC unroll 4
-        for (int t = 0; t < LORA_TOKENS; ++t) {
+        for (int t = 0; t < nt; ++t) {
             const __m512bh xp = pair_at(xb + t * w + 2 * i2);
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < LORA_TOKENS; ++t)
+    for (int t = 0; t < nt; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j)
             _mm256_storeu_si256((__m256i *)(yb + t * r + k0 + 16 * j),
                                 (__m256i)_mm512_cvtneps_pbh(c[t][j]));
+}
+
+/* One group's shrink over every block of ranks (r a multiple of 16), its nt tokens a
+ * constant where it is inlined. */
+static inline __attribute__((always_inline)) void shrink_group_avx512(
+    const bf16 *restrict xg, int64_t in2, const bf16 *restrict at, int64_t r, const int nt,
+    bf16 *restrict yg)
+{
+    int64_t k0 = 0;
+    for (; k0 + 64 <= r; k0 += 64) shrink_ranks_avx512(xg, in2, at, r, k0, 4, nt, yg);
+    switch ((r - k0) / 16) {
+    case 3: shrink_ranks_avx512(xg, in2, at, r, k0, 3, nt, yg); break;
+    case 2: shrink_ranks_avx512(xg, in2, at, r, k0, 2, nt, yg); break;
+    case 1: shrink_ranks_avx512(xg, in2, at, r, k0, 1, nt, yg); break;
+    default: break;
+    }
+}
+
+/* The expand of nt <= 4 tokens (a constant where it is inlined) into one tile of 64
+ * columns, over the pair-rows k2b .. k2e of the tile's block ([k2e - k2b, 64, 2], read in
+ * order): og[t * out_stride + o] = bf16(og + yg[t] . B^T[ranks, o]). */
+static inline __attribute__((always_inline)) void expand_tile_avx512(
+    const bf16 *restrict yg, int64_t r, const bf16 *restrict tile, int64_t k2b, int64_t k2e,
+    bf16 *restrict og, int64_t out_stride, const int nt)
+{
+    __m512 c[LORA_TOKENS][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+    for (int64_t k2 = k2b; k2 < k2e; ++k2) {
+        const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+            _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j), _MM_HINT_T0);
+        const __m512bh b0 = as_bh(_mm512_loadu_si512(b)), b1 = as_bh(_mm512_loadu_si512(b + 32)),
+                       b2 = as_bh(_mm512_loadu_si512(b + 64)),
+                       b3 = as_bh(_mm512_loadu_si512(b + 96));
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; ++t) {
+            const __m512bh yp = pair_at(yg + t * r + 2 * k2);
+            c[t][0] = _mm512_dpbf16_ps(c[t][0], yp, b0);
+            c[t][1] = _mm512_dpbf16_ps(c[t][1], yp, b1);
+            c[t][2] = _mm512_dpbf16_ps(c[t][2], yp, b2);
+            c[t][3] = _mm512_dpbf16_ps(c[t][3], yp, b3);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            bf16 *ot = og + t * out_stride + 16 * j;
+            const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
+            _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
 }
 
 /* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to a multiple of 4 rows
@@ -187,19 +243,16 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
                                bf16 *restrict yb)
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
-    int64_t k0 = 0;
-    for (; k0 + 64 <= r; k0 += 64)
-        for (int64_t g = 0; g < groups; ++g)
-            shrink_ranks_avx512(xb + g * LORA_TOKENS * w, in2, at, r, k0, 4,
-                                yb + g * LORA_TOKENS * r);
     for (int64_t g = 0; g < groups; ++g) {
         const bf16 *restrict xg = xb + g * LORA_TOKENS * w;
         bf16 *restrict yg = yb + g * LORA_TOKENS * r;
-        switch ((r - k0) / 16) { /* r is a multiple of 16 */
-        case 3: shrink_ranks_avx512(xg, in2, at, r, k0, 3, yg); break;
-        case 2: shrink_ranks_avx512(xg, in2, at, r, k0, 2, yg); break;
-        case 1: shrink_ranks_avx512(xg, in2, at, r, k0, 1, yg); break;
-        default: break;
+        const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
+                                                            : LORA_TOKENS;
+        switch (ng) {
+        case 1: shrink_group_avx512(xg, in2, at, r, 1, yg); break;
+        case 2: shrink_group_avx512(xg, in2, at, r, 2, yg); break;
+        case 3: shrink_group_avx512(xg, in2, at, r, 3, yg); break;
+        default: shrink_group_avx512(xg, in2, at, r, 4, yg); break;
         }
     }
     const bf16 *restrict bs = bt; /* the slice's tiles */
@@ -212,35 +265,15 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
             for (int64_t g = 0; g < groups; ++g) { /* the tile from cache after the first */
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
-                bf16 *restrict og = out + g * LORA_TOKENS * out_stride;
+                bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
                 const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
                                                                     : LORA_TOKENS;
-                __m512 c[LORA_TOKENS][4];
-                for (int64_t t = 0; t < LORA_TOKENS; ++t)
-                    for (int64_t j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
-                for (int64_t k2 = k2b; k2 < k2e; ++k2) {
-                    const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
-                    for (int j = 0; j < 4; ++j)
-                        _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j),
-                                     _MM_HINT_T0);
-                    const __m512bh b0 = as_bh(_mm512_loadu_si512(b)),
-                                   b1 = as_bh(_mm512_loadu_si512(b + 32)),
-                                   b2 = as_bh(_mm512_loadu_si512(b + 64)),
-                                   b3 = as_bh(_mm512_loadu_si512(b + 96));
-                    for (int64_t t = 0; t < LORA_TOKENS; ++t) {
-                        const __m512bh yp = pair_at(yg + t * r + 2 * k2);
-                        c[t][0] = _mm512_dpbf16_ps(c[t][0], yp, b0);
-                        c[t][1] = _mm512_dpbf16_ps(c[t][1], yp, b1);
-                        c[t][2] = _mm512_dpbf16_ps(c[t][2], yp, b2);
-                        c[t][3] = _mm512_dpbf16_ps(c[t][3], yp, b3);
-                    }
+                switch (ng) {
+                case 1: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 1); break;
+                case 2: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 2); break;
+                case 3: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 3); break;
+                default: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 4); break;
                 }
-                for (int64_t t = 0; t < ng; ++t)
-                    for (int64_t j = 0; j < 4; ++j) {
-                        bf16 *ot = og + t * out_stride + o0 + 16 * j;
-                        const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
-                        _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
-                    }
             }
         }
         const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
