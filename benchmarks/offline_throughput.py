@@ -33,7 +33,6 @@ machine, minutes apart) and the report gives the median, each round's kept
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -284,12 +283,7 @@ def run_loraplex(args: argparse.Namespace, dtype: str, model_dir: str,
         system.warm_host_cache(len(adapter_paths))
         _loraplex_runs(args, dtype, system, subset, workload, record, subset_only)
     finally:
-        system.llm.close()
-        # An engine's objects refer to one another, so they go only when the cycle
-        # collector runs: without this the rounds kept every engine's KV cache and host
-        # adapters, and a 3-round run with vLLM beside it was OOM-killed at 16 GB.
-        del system
-        gc.collect()
+        system.llm.close()  # frees the engine (a round's engines once outlived it: 16 GB)
 
 
 def _loraplex_runs(args: argparse.Namespace, dtype: str, system: LoraplexSystem,

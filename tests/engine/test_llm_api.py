@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,22 @@ def test_the_engine_checks_its_kv_cache_when_it_goes_idle(
     assert [r.getMessage() for r in caplog.records] == [
         "KV cache self-check failed with the engine idle: blocks still held with no "
         "request left"]
+
+
+def test_close_frees_the_engine_without_the_cycle_collector(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path]) -> None:
+    """After ``close()`` nothing of ours keeps the engine alive: dropping the LLM frees its
+    model, KV cache and host adapters at once, not whenever the cycle collector runs."""
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(str(tiny_llama_dir), max_loras=2, max_lora_rank=16, num_kv_blocks=32,
+                  progress=False)
+        llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3),
+                     LoRARequest("r4", str(llama_adapters["r4"])))
+        engine = weakref.ref(llm.engine)
+        llm.close()
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()
