@@ -182,7 +182,7 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
         return None
-    _set_skinny_amx(lib, _amx_wanted())
+    _set_skinny_amx(lib, amx_choice() == "auto")
     return lib
 
 
@@ -407,33 +407,37 @@ def _skinny_impls() -> int:
     return impls if "avx512_bf16" in flags else impls & ~_SKINNY_BF16
 
 
-def _amx_wanted() -> bool:
-    """``LORAPLEX_CPU_AMX``: "auto" (the default) uses AMX where the CPU reports it, "0"
-    never; ValueError else."""
+def amx_choice() -> str:
+    """``LORAPLEX_CPU_AMX``: "auto" (the default: AMX where the CPU reports it) or "0"
+    (never); ValueError else. Applied when the library loads and by each model runner
+    (``skinny_amx``)."""
     choice = os.environ.get(_ENV_AMX, "auto")
     if choice not in ("auto", "0"):
         raise ValueError(f"{_ENV_AMX} must be auto or 0, not {choice!r}")
-    return choice == "auto" and {"amx_tile", "amx_bf16"} <= set(_cpu_signature().split())
+    return choice
+
+
+def _cpu_has_amx() -> bool:
+    return {"amx_tile", "amx_bf16"} <= set(_cpu_signature().split())
 
 
 def _set_skinny_amx(lib: ctypes.CDLL, enable: bool) -> bool:
     if not hasattr(lib, "loraplex_skinny_amx"):
         return False
-    return bool(lib.loraplex_skinny_amx(1 if enable else 0))
+    return bool(lib.loraplex_skinny_amx(1 if enable and _cpu_has_amx() else 0))
 
 
 def skinny_amx(enable: bool | None = None) -> bool:
     """Whether the bfloat16 skinny GEMM runs on AMX tiles (csrc/cpu_skinny_amx.c): where
     the library was built for a CPU with AMX-BF16, the CPU reports it and Linux granted
-    the process its tile state; on by default there (``LORAPLEX_CPU_AMX``). ``enable``
-    turns it on (where it can be) or off first: benchmarks compare the two kernels in
-    one process, and tests run both."""
+    the process its tile state. ``enable`` turns it on (where it can be) or off first, for
+    the whole process: a model runner applies ``LORAPLEX_CPU_AMX``, benchmarks compare the
+    two kernels in one process, and tests run both."""
     lib = _library()
     if lib is None:
         return False
     if enable is not None:
-        return _set_skinny_amx(lib, enable and {"amx_tile", "amx_bf16"}
-                               <= set(_cpu_signature().split()))
+        return _set_skinny_amx(lib, enable)
     return bool(hasattr(lib, "loraplex_skinny_amx") and lib.loraplex_skinny_amx(-1))
 
 

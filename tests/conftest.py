@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,14 @@ def tiny_qwen2_draft_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPath
     from loraplex.model.truncate import save_first_layers
 
     return save_first_layers(tiny_qwen2_dir, tmp_path_factory.mktemp("qwen2_draft"), 1)
+
+
+@pytest.fixture
+def amx_restored() -> Iterator[None]:
+    """Whatever a test turns, the skinny GEMM's AMX is back as it was after it (it is
+    process-wide)."""
+    from loraplex_kernels import cpu_native
+
+    was = cpu_native.skinny_amx()
+    yield
+    cpu_native.skinny_amx(was)

@@ -98,9 +98,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kernel_backend = kernel_backend
         try:
-            # refuse a bad LORAPLEX_CPU_GEMM or LORAPLEX_CPU_BF16 before loading anything
+            # refuse a bad LORAPLEX_CPU_GEMM, _BF16 or _AMX before loading anything
             cpu_gemm_choice()
             cpu_native.bf16_impl()
+            amx = cpu_native.amx_choice()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.model, self.args = load_model(
@@ -109,6 +110,7 @@ class ModelRunner:
         self.model.pack_weights()
         if self.device.type == "cpu":
             keep_freed_memory()  # every step allocates its activations anew
+            cpu_native.skinny_amx(amx == "auto")  # bf16 decode GEMMs on AMX tiles
             if self.dtype == torch.bfloat16 and "avx512_bf16" not in cpu_native.bf16_impls():
                 logging.getLogger("loraplex").warning(
                     "bfloat16 runs without AVX512_BF16 kernels here (the CPU lacks the "

@@ -4,7 +4,6 @@ against float64 and the plain ``F.linear``."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -338,14 +337,6 @@ needs_amx = pytest.mark.skipif(
     reason="the bfloat16 skinny GEMM does not run on AMX tiles here (no AMX-BF16)")
 
 
-@pytest.fixture
-def amx_restored() -> Iterator[None]:
-    """Whatever a test turns, AMX is back as it was after it."""
-    was = cpu_native.skinny_amx()
-    yield
-    cpu_native.skinny_amx(was)
-
-
 @needs_amx
 @pytest.mark.usefixtures("amx_restored")
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 48, 64, 65, 130])
@@ -394,10 +385,9 @@ def test_amx_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``LORAPLEX_CPU_AMX``: auto (AMX where the CPU reports it) or 0; anything else is
     refused with the variable's name."""
     monkeypatch.setenv("LORAPLEX_CPU_AMX", "0")
-    assert not cpu_native._amx_wanted()
+    assert cpu_native.amx_choice() == "0"
     monkeypatch.setenv("LORAPLEX_CPU_AMX", "auto")
-    flags = set(cpu_native._cpu_signature().split())
-    assert cpu_native._amx_wanted() == ({"amx_tile", "amx_bf16"} <= flags)
+    assert cpu_native.amx_choice() == "auto"
     monkeypatch.setenv("LORAPLEX_CPU_AMX", "yes")
     with pytest.raises(ValueError, match="LORAPLEX_CPU_AMX"):
-        cpu_native._amx_wanted()
+        cpu_native.amx_choice()

@@ -13,6 +13,7 @@ from loraplex.errors import ConfigError, ModelLoadError
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
 from loraplex.model.sampler import SamplingRow
 from loraplex.testing import runner_logits
+from loraplex_kernels import cpu_native
 
 LORA = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
 
@@ -80,3 +81,23 @@ def test_unsupported_architectures_are_named(tiny_llama_dir: Path, tmp_path: Pat
     with pytest.raises(ModelLoadError, match="yarn"):
         ModelRunner(ModelConfig(str(model)), CacheConfig(num_kv_blocks=4), LORA,
                     progress=False)
+
+
+@pytest.mark.usefixtures("amx_restored")
+def test_amx_setting_is_applied_by_the_runner_and_a_bad_one_refused(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LORAPLEX_CPU_AMX`` is read when a runner is built (the library may have loaded
+    long before): 0 turns the tiles off, auto back on where the CPU has them; anything
+    else is refused before the model loads."""
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "0")
+    ModelRunner(ModelConfig(str(tiny_llama_dir), dtype="bfloat16"),
+                CacheConfig(num_kv_blocks=4), LORA, progress=False)
+    assert not cpu_native.skinny_amx()
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "auto")
+    ModelRunner(ModelConfig(str(tiny_llama_dir), dtype="bfloat16"),
+                CacheConfig(num_kv_blocks=4), LORA, progress=False)
+    assert cpu_native.skinny_amx() == cpu_native.skinny_amx(True)
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "yes")
+    with pytest.raises(ConfigError, match="LORAPLEX_CPU_AMX must be auto or 0"):
+        ModelRunner(ModelConfig(str(tiny_llama_dir), dtype="bfloat16"),
+                    CacheConfig(num_kv_blocks=4), LORA, progress=False)
