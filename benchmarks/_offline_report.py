@@ -29,7 +29,15 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     # ratios, so they can differ a little from the bars' quotients
     subset = [sorted(rs, key=lambda r: r.seconds)[(len(rs) - 1) // 2] for rs in rounds.values()]
     sweep_dtype = next((r.dtype for r in results if r.workload == "full"), "float32")
-    full = list(sweep_runs(results, sweep_dtype).values())
+    # per adapter count, its median pass over the sweep (--sweep-rounds)
+    passes = sorted({r.round for r in results if r.workload == "sweep"
+                     and r.dtype == sweep_dtype}) or [0]
+    by_count: dict[int, list[RunResult]] = {}
+    for k in passes:
+        for n, r in sweep_runs(results, sweep_dtype, k).items():
+            by_count.setdefault(n, []).append(r)
+    full = [sorted(rs, key=lambda r: r.seconds)[(len(rs) - 1) // 2]
+            for _, rs in sorted(by_count.items())]
     if len(full) < 2:
         full = []  # no sweep: the full-workload run alone is not one
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[max(1, len(subset)),
@@ -73,8 +81,9 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
             ax.annotate(f"{r.tokens_per_s:.0f}", (bar.get_x() + bar.get_width() / 2,
                                                   bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
+        median = f", median of {len(passes)} passes" if len(passes) > 1 else ""
         ax.set_title(f"loraplex {sweep_dtype}, adapter sweep (first {full[0].num_requests} "
-                     "requests)",
+                     f"requests{median})",
                      fontsize=10)
         ax.margins(y=0.15)
         ax.tick_params(axis="x", labelsize=8)

@@ -113,14 +113,11 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
                                          for s in by_round.values() if key in s)
         for key in first}
     for d in DTYPES:
-        sweep = sweep_runs(results, d)
-        if 0 in sweep and args.num_adapters in sweep:
-            ratios[f"mixed_over_base_only_{d}"] = (sweep[args.num_adapters].tokens_per_s
-                                                   / sweep[0].tokens_per_s)
-        for n, r in sweep.items():
-            if n and n != args.num_adapters and args.num_adapters in sweep:
-                ratios[f"adapters_{n}_over_{args.num_adapters}_{d}"] = (
-                    r.tokens_per_s / sweep[args.num_adapters].tokens_per_s)
+        passes = sorted({r.round for r in results if r.workload == "sweep" and r.dtype == d})
+        for sweep in (sweep_runs(results, d, k) for k in passes or [0]):
+            for key, value in sweep_ratios(sweep, args.num_adapters, d).items():
+                ratios_by_round.setdefault(key, []).append(value)
+                ratios[key] = statistics.median(ratios_by_round[key])
         full = next((r for r in results if r.workload == "full" and r.dtype == d), None)
         if ("c", d) in first and full is not None:
             ratios[f"c_full_over_c_subset_{d}"] = full.tokens_per_s / first["c", d].tokens_per_s
@@ -132,6 +129,7 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         "machine": machine_info(),
         "runs_order": [f"{s}:{d}" for s, d in args.runs],
         "rounds": len(by_round),
+        "sweep_rounds": getattr(args, "sweep_rounds", 1),
         "workload": {**asdict(spec), "peer_requests": args.peer_requests,
                      "length_distribution": "log-uniform", "greedy": True, "ignore_eos": True},
         "hf_batch_size": args.hf_batch_size,
@@ -198,13 +196,31 @@ def subset_agreement(subset: dict[tuple[str, str], RunResult],
     return agree
 
 
-def sweep_runs(results: list[RunResult], dtype: str) -> dict[int, RunResult]:
-    """(c) in ``dtype`` by adapter count on the sweep workload; the full run counts when it
-    is the same."""
-    sweep = {r.num_adapters: r for r in results if r.workload == "sweep" and r.dtype == dtype}
+def sweep_runs(results: list[RunResult], dtype: str, sweep_round: int = 0,
+               ) -> dict[int, RunResult]:
+    """(c) in ``dtype`` by adapter count on the sweep workload, in one pass over it
+    (``--sweep-rounds``); the full run counts when it is the same."""
+    sweep = {r.num_adapters: r for r in results
+             if r.workload == "sweep" and r.dtype == dtype and r.round == sweep_round}
     full = next((r for r in results if r.workload == "full" and r.dtype == dtype), None)
     if full is not None and full.num_adapters not in sweep and \
             all(r.num_requests == full.num_requests for r in sweep.values()):
         sweep[full.num_adapters] = full
     return dict(sorted(sweep.items()))
+
+
+def sweep_ratios(sweep: dict[int, RunResult], num_adapters: int, dtype: str,
+                 ) -> dict[str, float]:
+    """One pass's throughput ratios: ``num_adapters`` over base only, each other count over
+    ``num_adapters``."""
+    ratios: dict[str, float] = {}
+    if num_adapters not in sweep:
+        return ratios
+    mixed = sweep[num_adapters].tokens_per_s
+    if 0 in sweep:
+        ratios[f"mixed_over_base_only_{dtype}"] = mixed / sweep[0].tokens_per_s
+    for n, r in sweep.items():
+        if n and n != num_adapters:
+            ratios[f"adapters_{n}_over_{num_adapters}_{dtype}"] = r.tokens_per_s / mixed
+    return ratios
 

@@ -125,6 +125,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="adapter counts for (c) on the sweep workload ('' to skip)")
     p.add_argument("--sweep-requests", type=int, default=64,
                    help="first K requests: the workload of the adapter sweep (0: all)")
+    p.add_argument("--sweep-rounds", type=int, default=1,
+                   help="passes over the adapter sweep (its order reversed every other "
+                        "pass); its ratios are taken within a pass, the median reported")
     p.add_argument("--peer-only", action="store_true",
                    help="(c) runs the peer subset only: no full workload, no adapter sweep")
     p.add_argument("--no-base-only", action="store_true",
@@ -162,6 +165,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--systems names no system")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1; got {args.rounds}")
+    if args.sweep_rounds < 1:
+        p.error(f"--sweep-rounds must be at least 1; got {args.sweep_rounds}")
     args.systems = sorted({s for s, _ in args.runs})
     if "v" in args.systems and os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
         # measured: one of this process's idle OpenMP threads spun on one of the two cores
@@ -211,10 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def record(name: str, system: str, dtype: str, items: Sequence[WorkItem],
                num_adapters: int, seconds: float, outs: list[list[int]],
                extra: dict[str, Any] | None = None,
-               workload_name: str = "peer subset") -> RunResult:
+               workload_name: str = "peer subset", sweep_round: int = 0) -> RunResult:
         name = f"{name} [{dtype}]"
         if args.rounds > 1 and workload_name == "peer subset":
             name += f" #{round_no + 1}"
+        if args.sweep_rounds > 1 and workload_name == "sweep":
+            name += f" #{sweep_round + 1}"
         check_lengths(name, items, outs)
         floor = compute_floor_seconds(shapes, floors[dtype], num_prompt_tokens(items),
                                       num_output_tokens(items))
@@ -223,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "fraction_of_compute_floor": round(floor / seconds, 3)}
         r = RunResult(name, system, dtype, workload_name, len(items),
                       num_adapters, num_output_tokens(items), num_prompt_tokens(items), seconds,
-                      extra, round_no if workload_name == "peer subset" else 0)
+                      extra, round_no if workload_name == "peer subset" else sweep_round)
         results.append(r)
         outputs[name] = outs
         log(f"{name}: {r.num_output_tokens} tokens in {seconds:.1f}s = "
@@ -303,15 +310,18 @@ def _loraplex_runs(args: argparse.Namespace, dtype: str, system: LoraplexSystem,
            args.num_adapters, secs, outs, extra, "full")
     sweep_items = workload[:args.sweep_requests] if args.sweep_requests else workload
     counts = list(args.adapter_sweep) + ([] if args.no_base_only else [0])
-    for n in counts:
-        if sweep_items is workload and n == args.num_adapters:
-            continue  # that is the full run above
-        items = with_adapters(sweep_items, n, args.zipf, args.seed)
-        what = "base model only" if n == 0 else f"{n} adapters"
-        log(f"(c) sweep, {what}: {len(items)} requests")
-        secs, outs, extra = system.generate(items)
-        record(f"(c) loraplex, {what}", "c", dtype, items, n, secs, outs, extra, "sweep")
-
+    for sweep_round in range(args.sweep_rounds):
+        for n in counts if sweep_round % 2 == 0 else counts[::-1]:
+            if sweep_items is workload and n == args.num_adapters and sweep_round == 0:
+                continue  # that is the full run above
+            items = with_adapters(sweep_items, n, args.zipf, args.seed)
+            what = "base model only" if n == 0 else f"{n} adapters"
+            passes = f", pass {sweep_round + 1} of {args.sweep_rounds}" \
+                if args.sweep_rounds > 1 else ""
+            log(f"(c) sweep, {what}: {len(items)} requests{passes}")
+            secs, outs, extra = system.generate(items)
+            record(f"(c) loraplex, {what}", "c", dtype, items, n, secs, outs, extra, "sweep",
+                   sweep_round)
 
 
 if __name__ == "__main__":

@@ -140,18 +140,21 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
 #ifndef LORA_PREFETCH_ROWS
 #define LORA_PREFETCH_ROWS 16
 #endif
-/* The shrink of nt <= 4 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4; both constants where
- * it is inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks, read in order),
- * the nt x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). A
- * decode step's groups have a token or two: only those are multiplied. */
+/* The shrink of nt <= 8 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, nt * nv <= 24; both
+ * constants where it is inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks,
+ * read in order), the nt x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] .
+ * A^T[:, k]). A decode step's groups have a token or two: only those are multiplied. A
+ * prefill's take two groups at once where the ranks are few (below 64): with 4 tokens x 1
+ * or 2 vectors the sums' dependency chains, not the loads, set the pace. */
+#define SHRINK_MAX_TOKENS 8
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
     const int nv, const int nt, bf16 *restrict yb)
 {
     const int64_t w = 2 * in2;
-    __m512 c[LORA_TOKENS][4];
-#pragma GCC unroll 4
-    for (int t = 0; t < LORA_TOKENS; ++t)
+    __m512 c[SHRINK_MAX_TOKENS][4];
+#pragma GCC unroll 8
+    for (int t = 0; t < SHRINK_MAX_TOKENS; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
     const bf16 *restrict block = at + in2 * k0 * 2;
@@ -164,14 +167,14 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
         __m512bh av[4];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
             const __m512bh xp = pair_at(xb + t * w + 2 * i2);
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < nt; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j)
@@ -180,13 +183,18 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
 }
 
 /* One group's shrink over every block of ranks (r a multiple of 16), its nt tokens a
- * constant where it is inlined. */
+ * constant where it is inlined; nt up to 8 (two groups), the blocks of 64 ranks then 4
+ * tokens at a time. */
 static inline __attribute__((always_inline)) void shrink_group_avx512(
     const bf16 *restrict xg, int64_t in2, const bf16 *restrict at, int64_t r, const int nt,
     bf16 *restrict yg)
 {
     int64_t k0 = 0;
-    for (; k0 + 64 <= r; k0 += 64) shrink_ranks_avx512(xg, in2, at, r, k0, 4, nt, yg);
+    for (; k0 + 64 <= r; k0 += 64) {
+        shrink_ranks_avx512(xg, in2, at, r, k0, 4, nt < 4 ? nt : 4, yg);
+        if (nt > 4)
+            shrink_ranks_avx512(xg + 4 * 2 * in2, in2, at, r, k0, 4, nt - 4, yg + 4 * r);
+    }
     switch ((r - k0) / 16) {
     case 3: shrink_ranks_avx512(xg, in2, at, r, k0, 3, nt, yg); break;
     case 2: shrink_ranks_avx512(xg, in2, at, r, k0, 2, nt, yg); break;
@@ -248,6 +256,11 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
         bf16 *restrict yg = yb + g * LORA_TOKENS * r;
         const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
                                                             : LORA_TOKENS;
+        if (ng == LORA_TOKENS && nt - g * LORA_TOKENS >= 2 * LORA_TOKENS) {
+            shrink_group_avx512(xg, in2, at, r, 2 * LORA_TOKENS, yg); /* this group and the next */
+            ++g;
+            continue;
+        }
         switch (ng) {
         case 1: shrink_group_avx512(xg, in2, at, r, 1, yg); break;
         case 2: shrink_group_avx512(xg, in2, at, r, 2, yg); break;

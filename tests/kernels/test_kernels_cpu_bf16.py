@@ -170,3 +170,26 @@ def test_implementations_agree_on_lora() -> None:
 
 def test_add_lora_partial_targets(impl: str) -> None:
     check_partial_targets(BF16)
+
+
+@pytest.mark.parametrize("ranks", [(8, 64), (16, 40)], ids=["ranks-8-64", "ranks-16-40"])
+def test_a_tokens_lora_does_not_depend_on_its_segment(ranks: tuple[int, int],
+                                                      impl: str) -> None:
+    """A prefill's long segment is shrunk 8 tokens at a time where the ranks are few, a
+    decode step's tokens one to four at a time: each token's sums run in the same order
+    either way, so its output is the same bit for bit as when it is a segment of its own."""
+    runs = [0] * 21 + [1] * 13  # whole pairs of groups, a part group; both slots' ranks
+    case = SGMVCase("segments", tuple(runs), ranks, 96, (96, 48, 80))
+    inp = make_sgmv_inputs(case, BF16, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    whole = ops.SGMVMeta.build(case.token_slots, case.slot_ranks).short_segments
+    assert whole is not None and whole.shape[1] == 2
+    alone = torch.tensor([list(range(len(runs))), [1] * len(runs), runs], dtype=torch.int64)
+    out0 = torch.randn(len(runs), 224).to(BF16)
+    outs = []
+    for segments in (whole, alone):
+        out = out0.clone()
+        cpu_native.add_lora(out, inp.x, segments, slots)
+        outs.append(out)
+    assert not torch.equal(outs[0], out0)
+    assert torch.equal(outs[0], outs[1])
