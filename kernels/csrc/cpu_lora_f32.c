@@ -24,19 +24,25 @@
  *   B: per slice (ranks kb..ke, columns lo..hi), one after another, per tile of
  *      wt = min(TILE_COLUMNS, hi - o0) columns from o0, B^T[kb:ke, o0:o0 + wt] as [ke - kb, wt]
  *      (tile o0 at the slice's start + (o0 - lo) * (ke - kb)).
- * xb: a work item's x rows, zero-padded to a multiple of 4 [LORA_ITEM_TOKENS, in] at most;
- * y: as many rows of r; slices: num_slices x (first rank, end rank, first column, end
- * column). */
+ * x: a work item's rows, read in place; y: [LORA_ITEM_TOKENS, r] at most; slices:
+ * num_slices x (first rank, end rank, first column, end column). A group of fewer than 4
+ * tokens (a decode step's are one or two) multiplies only its own. */
 #define LORA_TOKENS 4
 
-/* The shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a constant
- * where it is inlined), from the block of A^T at k0 (rows of VL * nv ranks, read in order),
- * the 4 x nv vectors of sums in registers. y[t * r + k] = xb[t] . A^T[:, k]. */
+/* The shrink of nt <= 4 tokens (x rows ldx apart) for ranks k0 .. k0 + VL * nv
+ * (nv <= TILE_VECTORS; both constants where it is inlined), from the block of A^T at k0
+ * (rows of VL * nv ranks, read in order), the nt x nv vectors of sums in registers.
+ * y[t * r + k] = x[t] . A^T[:, k]. Only the group's own tokens are multiplied: a decode
+ * step's groups have a token or two. */
 static inline __attribute__((always_inline)) void shrink_ranks(
-    const float *restrict xb, int64_t in_features, const float *restrict at, int64_t r,
-    int64_t k0, const int nv, float *restrict y)
+    const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
+    int64_t r, int64_t k0, const int nv, const int nt, float *restrict y)
 {
-    vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    vf c[LORA_TOKENS][TILE_VECTORS];
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) c[t][j] = (vf){0};
     const float *restrict block = at + in_features * k0;
     for (int64_t i = 0; i < in_features; ++i) {
         const float *restrict a = block + i * (VL * nv);
@@ -44,72 +50,116 @@ static inline __attribute__((always_inline)) void shrink_ranks(
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = loadv(a + VL * j);
 #pragma GCC unroll 4
-        for (int t = 0; t < LORA_TOKENS; ++t) {
-            const float v = xb[t * in_features + i];
+        for (int t = 0; t < nt; ++t) {
+            const float v = x[t * ldx + i];
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] += v * av[j];
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < LORA_TOKENS; ++t)
+    for (int t = 0; t < nt; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + VL * j, &c[t][j], sizeof(vf));
 }
 
-/* The expand of 4 tokens into TILE_COLUMNS columns from o0, over ranks kb .. ke, from the
- * tile's block `bt` ([ke - kb, TILE_COLUMNS], read in order):
- * out[t, o0 + o] += y[t] . B^T[kb:ke, o0 + o], the 4 x TILE_VECTORS vectors of sums in
- * registers. */
-static inline void expand_tile(const float *restrict y, int64_t r, const float *restrict bt,
-                               int64_t kb, int64_t ke, int64_t o0,
-                               float *restrict out, int64_t out_stride, int64_t nt)
+/* One group's shrink over every tile of ranks (r a multiple of 16), its nt tokens a
+ * constant where it is inlined. */
+static inline __attribute__((always_inline)) void shrink_group(
+    const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
+    int64_t r, const int nt, float *restrict y)
 {
-    vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    int64_t k0 = 0;
+    for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
+        shrink_ranks(x, ldx, in_features, at, r, k0, TILE_VECTORS, nt, y);
+#if TILE_VECTORS > 3
+    switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
+    case 3: shrink_ranks(x, ldx, in_features, at, r, k0, 3, nt, y); break;
+    case 2: shrink_ranks(x, ldx, in_features, at, r, k0, 2, nt, y); break;
+    case 1: shrink_ranks(x, ldx, in_features, at, r, k0, 1, nt, y); break;
+    default: break;
+    }
+#endif
+}
+
+/* The expand of nt <= 4 tokens (a constant where it is inlined) into TILE_COLUMNS columns,
+ * over ranks kb .. ke, from the tile's block `bt` ([ke - kb, TILE_COLUMNS], read in
+ * order): og[t * out_stride + o] += y[t] . B^T[kb:ke, o], the nt x TILE_VECTORS vectors of
+ * sums in registers. */
+static inline __attribute__((always_inline)) void expand_tile(
+    const float *restrict y, int64_t r, const float *restrict bt, int64_t kb, int64_t ke,
+    float *restrict og, int64_t out_stride, const int nt)
+{
+    vf c[LORA_TOKENS][TILE_VECTORS];
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_VECTORS; ++j) c[t][j] = (vf){0};
     for (int64_t k = kb; k < ke; ++k) {
         const float *restrict b = bt + (k - kb) * TILE_COLUMNS;
         vf bv[TILE_VECTORS];
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_VECTORS; ++j) bv[j] = loadv(b + VL * j);
 #pragma GCC unroll 4
-        for (int t = 0; t < LORA_TOKENS; ++t) {
+        for (int t = 0; t < nt; ++t) {
             const float v = y[t * r + k];
 #pragma GCC unroll 4
             for (int j = 0; j < TILE_VECTORS; ++j) c[t][j] += v * bv[j];
         }
     }
-    for (int64_t t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_VECTORS; ++j) {
-            float *o = out + t * out_stride + o0 + VL * j;
+            float *o = og + t * out_stride + VL * j;
             vf sum = loadv(o) + c[t][j];
             memcpy(o, &sum, sizeof sum);
         }
 }
 
+/* GROUP_CALL(n): a call with the group's token count `ng` (1-4) as the constant n. */
+#define BY_TOKENS(GROUP_CALL)                                                             \
+    switch (ng) {                                                                       \
+    case 1: GROUP_CALL(1); break;                                                       \
+    case 2: GROUP_CALL(2); break;                                                       \
+    case 3: GROUP_CALL(3); break;                                                       \
+    default: GROUP_CALL(4); break;                                                      \
+    }
+
 /* Up to LORA_ITEM_TOKENS consecutive tokens of one slot (lora.h), in groups of 4: each
  * tile of weights is read from memory once and then, from cache, for every group, so a
  * slot with many tokens in the step (one adapter's whole batch) reads its weights once,
- * not once per 4 tokens. xb: [groups * 4, in], rows past nt zero; y: [groups * 4, r]. */
-static void lora_tokens(const float *restrict xb, float *restrict out, int64_t out_stride,
-                        int64_t nt, int64_t in_features,
+ * not once per 4 tokens. x: the tokens' rows, ldx apart, read in place; y: [groups * 4,
+ * r], each group's first rows (its tokens') written and read. */
+static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict out,
+                        int64_t out_stride, int64_t nt, int64_t in_features,
                         const float *restrict at, const float *restrict bt, int64_t r,
                         const int64_t *restrict slices, int64_t num_slices, float *restrict y)
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS;
-#define SHRINK(X, Y, K0, NV) shrink_ranks(X, in_features, at, r, K0, NV, Y)
-    LORA_SHRINK_GROUPS(SHRINK, xb, LORA_TOKENS * in_features, y, r, groups);
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
+                                                            : LORA_TOKENS;
+        const float *restrict xg = x + g * LORA_TOKENS * ldx;
+        float *restrict yg = y + g * LORA_TOKENS * r;
+#define SHRINK(N) shrink_group(xg, ldx, in_features, at, r, N, yg)
+        BY_TOKENS(SHRINK)
 #undef SHRINK
+    }
     const float *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
         const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
         const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
         int64_t o0 = lo;
         for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
-            for (int64_t g = 0; g < groups; ++g) {
-                const int64_t t0 = g * LORA_TOKENS;
-                expand_tile(y + t0 * r, r, bs + (o0 - lo) * (ke - kb), kb, ke, o0,
-                            out + t0 * out_stride, out_stride,
-                            nt - t0 < LORA_TOKENS ? nt - t0 : LORA_TOKENS);
+            for (int64_t g = 0; g < groups; ++g) { /* the tile from cache after the first */
+                const float *restrict tile = bs + (o0 - lo) * (ke - kb);
+                const float *restrict yg = y + g * LORA_TOKENS * r;
+                float *restrict og = out + g * LORA_TOKENS * out_stride + o0;
+                const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
+                                                                    : LORA_TOKENS;
+#define EXPAND(N) expand_tile(yg, r, tile, kb, ke, og, out_stride, N)
+                BY_TOKENS(EXPAND)
+#undef EXPAND
             }
         const float *restrict b = bs + (o0 - lo) * (ke - kb); /* the last tile [ke - kb, wt] */
         const int64_t wt = hi - o0;
@@ -174,31 +224,22 @@ int lora_f32_prepare(struct lora_call *c)
  * that every thread of the team must reach). 1 where scratch memory failed, else 0. */
 int lora_f32_team(const struct lora_call *c)
 {
-    const int64_t in = c->in_features;
     int failed = 0;
-    /* every row an item reads is written first (its tokens, then zeros) */
+    /* each group's rows of its tokens are written before they are read */
     float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
-    float *xb = malloc(sizeof(float) * (size_t)(c->item_rows * in));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < c->num_groups; ++w) {
-        if (!y || !xb) {
+        if (!y) {
             failed = 1;
             continue;
         }
         const int64_t t = c->work[3 * w], nt = c->work[3 * w + 1], slot = c->work[3 * w + 2];
-        const int64_t padded = (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
-        for (int64_t j = 0; j < padded; ++j)
-            if (j < nt)
-                memcpy(xb + j * in, (const float *)c->x + (t + j) * c->x_stride,
-                       sizeof(float) * (size_t)in);
-            else
-                memset(xb + j * in, 0, sizeof(float) * (size_t)in);
-        lora_tokens(xb, (float *)c->out + t * c->out_stride, c->out_stride, nt, in,
+        lora_tokens((const float *)c->x + t * c->x_stride, c->x_stride,
+                    (float *)c->out + t * c->out_stride, c->out_stride, nt, c->in_features,
                     (const float *)(intptr_t)c->at_ptrs[slot],
                     (const float *)(intptr_t)c->bt_ptrs[slot], c->ranks[slot],
                     c->slice_table + slot * c->max_slices * 4, c->num_slices[slot], y);
     }
     free(y);
-    free(xb);
     return failed;
 }

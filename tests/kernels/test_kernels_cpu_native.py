@@ -7,6 +7,8 @@ is loaded once per process.
 
 from __future__ import annotations
 
+import copy
+import ctypes
 import os
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from kernel_cases import (
 )
 
 from loraplex_kernels import cpu_native, ops
+from loraplex_kernels.lora_slots import tiled_layout
 from loraplex_kernels.meta import SGMVMeta
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(),
@@ -167,6 +170,52 @@ def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hid
 
 def test_add_lora_partial_targets() -> None:
     check_partial_targets(torch.float32)
+
+
+@pytest.mark.skipif("avx512f" not in cpu_native._cpu_signature().split()
+                    or not {"avx2", "fma"} <= set(cpu_native._cpu_signature().split()),
+                    reason="needs AVX-512 and AVX2 with FMA: the two builds compared")
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 11)), min_size=1, max_size=6),
+    ranks=st.lists(st.sampled_from([1, 8, 16, 33, 64]), min_size=4, max_size=4),
+    hidden=st.integers(1, 80),
+    widths=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+)
+def test_add_lora_avx2_build_matches(avx2_lora_library: ctypes.CDLL, runs: list[tuple[int, int]],
+                                     ranks: list[int], hidden: int, widths: list[int]) -> None:
+    """The float32 LoRA kernel as an AVX2-only CPU gets it (tiles of 16 columns, 8-float
+    vectors) gives this machine's AVX-512 build's outputs to float32 rounding (the two
+    builds' tails of columns past whole tiles round apart by an ulp). Groups of 1-4 tokens
+    (each multiplies only its own), ranks past whole tiles, odd widths."""
+    slots_of = sorted(s for s, n in runs for _ in range(n))
+    case = SGMVCase("avx2", tuple(slots_of), tuple(ranks), hidden, tuple(widths))
+    inp = make_sgmv_inputs(case, torch.float32, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    segments = SGMVMeta.build(case.token_slots, case.slot_ranks).short_segments
+    assert segments is not None
+    tile = cpu_native.lora_tile_of(avx2_lora_library)
+    assert tile == 16 and cpu_native.lora_tile(torch.float32) == 64
+    other = copy.copy(slots)  # the same weights in the AVX2 build's tiled layout
+    other.at_ptrs, other.bt_ptrs = slots.at_ptrs.clone(), slots.bt_ptrs.clone()
+    keep = []
+    for s, pair in enumerate(slots.weights):
+        if pair is not None:
+            at, bt = tiled_layout(pair[0], pair[1], slots.slices[s], tile)
+            keep.append((at, bt))
+            other.at_ptrs[s], other.bt_ptrs[s] = at.data_ptr(), bt.data_ptr()
+    out0 = torch.randn(len(slots_of), inp.slice_offsets[-1])
+    here, avx2 = out0.clone(), out0.clone()
+    cpu_native.add_lora(here, inp.x, segments, slots)
+    cpu_native.add_lora(avx2, inp.x, segments, other, lib=avx2_lora_library)
+    assert not torch.equal(here, out0) or not any(s >= 0 for s in slots_of)
+    torch.testing.assert_close(avx2, here, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def avx2_lora_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return cpu_native.load(cpu_native.build(directory=tmp_path_factory.mktemp("avx2"),
+                                            flags=["-mno-avx512f"]))
 
 
 @pytest.mark.skipif(not cpu_native.can_skinny(torch.float32),
