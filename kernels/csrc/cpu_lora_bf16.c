@@ -257,7 +257,8 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
         const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
                                                             : LORA_TOKENS;
         if (ng == LORA_TOKENS && nt - g * LORA_TOKENS >= 2 * LORA_TOKENS) {
-            shrink_group_avx512(xg, in2, at, r, 2 * LORA_TOKENS, yg); /* this group and the next */
+            /* this group and the next */
+            shrink_group_avx512(xg, in2, at, r, 2 * LORA_TOKENS, yg);
             ++g;
             continue;
         }
