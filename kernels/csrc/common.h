@@ -122,6 +122,21 @@ static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
         }                                                                               \
     } while (0)
 
+/* The tokens of group g (of LORA_TOKENS, defined by the kernel's file) among a work
+ * item's nt: LORA_TOKENS but for a last, part group. */
+#define LORA_GROUP_TOKENS(NT, G)                                                          \
+    ((NT) - (G) * LORA_TOKENS < LORA_TOKENS ? (NT) - (G) * LORA_TOKENS : LORA_TOKENS)
+
+/* GROUP_CALL(n) with a group's token count NG (1-4) as the constant n, so that a kernel
+ * inlined for it multiplies only those tokens (a decode step's groups have one or two). */
+#define LORA_BY_TOKENS(NG, GROUP_CALL)                                                    \
+    switch (NG) {                                                                       \
+    case 1: GROUP_CALL(1); break;                                                       \
+    case 2: GROUP_CALL(2); break;                                                       \
+    case 3: GROUP_CALL(3); break;                                                       \
+    default: GROUP_CALL(4); break;                                                      \
+    }
+
 /* The tokens per LoRA work item: `most` (a multiple of `group`), halved while that leaves
  * fewer items than `want` (the team's threads), down to `group`. */
 static inline int64_t lora_item_tokens(const int64_t *seg_len, int64_t num_segs,

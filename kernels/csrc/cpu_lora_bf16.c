@@ -111,8 +111,7 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
             for (int64_t g = 0; g < groups; ++g) {
                 const int64_t t0 = g * LORA_TOKENS;
                 expand_pairs(y + t0 * r, r, bs + (o0 - lo) * np * 2, k2b, k2e, o0,
-                             out + t0 * out_stride, out_stride,
-                             nt - t0 < LORA_TOKENS ? nt - t0 : LORA_TOKENS);
+                             out + t0 * out_stride, out_stride, LORA_GROUP_TOKENS(nt, g));
             }
         const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
         const int64_t wt = hi - o0;
@@ -254,20 +253,15 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
     for (int64_t g = 0; g < groups; ++g) {
         const bf16 *restrict xg = xb + g * LORA_TOKENS * w;
         bf16 *restrict yg = yb + g * LORA_TOKENS * r;
-        const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
-                                                            : LORA_TOKENS;
-        if (ng == LORA_TOKENS && nt - g * LORA_TOKENS >= 2 * LORA_TOKENS) {
+        if (nt - g * LORA_TOKENS >= 2 * LORA_TOKENS) {
             /* this group and the next */
             shrink_group_avx512(xg, in2, at, r, 2 * LORA_TOKENS, yg);
             ++g;
             continue;
         }
-        switch (ng) {
-        case 1: shrink_group_avx512(xg, in2, at, r, 1, yg); break;
-        case 2: shrink_group_avx512(xg, in2, at, r, 2, yg); break;
-        case 3: shrink_group_avx512(xg, in2, at, r, 3, yg); break;
-        default: shrink_group_avx512(xg, in2, at, r, 4, yg); break;
-        }
+#define SHRINK(N) shrink_group_avx512(xg, in2, at, r, N, yg)
+        LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), SHRINK)
+#undef SHRINK
     }
     const bf16 *restrict bs = bt; /* the slice's tiles */
     for (int64_t s = 0; s < num_slices; ++s) {
@@ -280,14 +274,9 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
                 bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
-                const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
-                                                                    : LORA_TOKENS;
-                switch (ng) {
-                case 1: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 1); break;
-                case 2: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 2); break;
-                case 3: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 3); break;
-                default: expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, 4); break;
-                }
+#define EXPAND(N) expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, N)
+                LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), EXPAND)
+#undef EXPAND
             }
         }
         const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */

@@ -116,15 +116,6 @@ static inline __attribute__((always_inline)) void expand_tile(
         }
 }
 
-/* GROUP_CALL(n): a call with the group's token count `ng` (1-4) as the constant n. */
-#define BY_TOKENS(GROUP_CALL)                                                             \
-    switch (ng) {                                                                       \
-    case 1: GROUP_CALL(1); break;                                                       \
-    case 2: GROUP_CALL(2); break;                                                       \
-    case 3: GROUP_CALL(3); break;                                                       \
-    default: GROUP_CALL(4); break;                                                      \
-    }
-
 /* Up to LORA_ITEM_TOKENS consecutive tokens of one slot (lora.h), in groups of 4: each
  * tile of weights is read from memory once and then, from cache, for every group, so a
  * slot with many tokens in the step (one adapter's whole batch) reads its weights once,
@@ -137,12 +128,11 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS;
     for (int64_t g = 0; g < groups; ++g) {
-        const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
-                                                            : LORA_TOKENS;
+        const int64_t ng = LORA_GROUP_TOKENS(nt, g);
         const float *restrict xg = x + g * LORA_TOKENS * ldx;
         float *restrict yg = y + g * LORA_TOKENS * r;
 #define SHRINK(N) shrink_group(xg, ldx, in_features, at, r, N, yg)
-        BY_TOKENS(SHRINK)
+        LORA_BY_TOKENS(ng, SHRINK)
 #undef SHRINK
     }
     const float *restrict bs = bt; /* the slice's tiles */
@@ -155,10 +145,9 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
                 const float *restrict tile = bs + (o0 - lo) * (ke - kb);
                 const float *restrict yg = y + g * LORA_TOKENS * r;
                 float *restrict og = out + g * LORA_TOKENS * out_stride + o0;
-                const int64_t ng = nt - g * LORA_TOKENS < LORA_TOKENS ? nt - g * LORA_TOKENS
-                                                                    : LORA_TOKENS;
+                const int64_t ng = LORA_GROUP_TOKENS(nt, g);
 #define EXPAND(N) expand_tile(yg, r, tile, kb, ke, og, out_stride, N)
-                BY_TOKENS(EXPAND)
+                LORA_BY_TOKENS(ng, EXPAND)
 #undef EXPAND
             }
         const float *restrict b = bs + (o0 - lo) * (ke - kb); /* the last tile [ke - kb, wt] */
