@@ -112,15 +112,17 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         ":".join(key): statistics.median(s[key].extra["fraction_of_compute_floor"]
                                          for s in by_round.values() if key in s)
         for key in first}
+    by_pass: dict[str, list[float]] = {}  # the sweep's ratios, one per pass
     for d in DTYPES:
         passes = sorted({r.round for r in results if r.workload == "sweep" and r.dtype == d})
         for sweep in (sweep_runs(results, d, k) for k in passes or [0]):
             for key, value in sweep_ratios(sweep, args.num_adapters, d).items():
-                ratios_by_round.setdefault(key, []).append(value)
-                ratios[key] = statistics.median(ratios_by_round[key])
+                by_pass.setdefault(key, []).append(value)
         full = next((r for r in results if r.workload == "full" and r.dtype == d), None)
         if ("c", d) in first and full is not None:
             ratios[f"c_full_over_c_subset_{d}"] = full.tokens_per_s / first["c", d].tokens_per_s
+    ratios_by_round.update(by_pass)
+    ratios.update({key: statistics.median(values) for key, values in by_pass.items()})
     return {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
