@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,3 +88,16 @@ def amx_restored() -> Iterator[None]:
     was = cpu_native.skinny_amx()
     yield
     cpu_native.skinny_amx(was)
+
+
+@pytest.fixture(scope="session")
+def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The native library built with AVX-512 turned off: the AVX2 kernels, on any CPU that
+    has AVX2 and FMA (the build an AVX2-only CPU gets, tested on AVX-512 machines too)."""
+    from loraplex_kernels import cpu_native
+
+    flags = set(cpu_native._cpu_signature().split())
+    if not {"avx2", "fma"} <= flags or cpu_native._compiler() is None:
+        pytest.skip("no AVX2 with FMA here, or no C compiler")
+    return cpu_native.load(cpu_native.build(directory=tmp_path_factory.mktemp("avx2"),
+                                            flags=["-mno-avx512f"]))

@@ -182,7 +182,7 @@ def test_add_lora_partial_targets() -> None:
     hidden=st.integers(1, 80),
     widths=st.lists(st.integers(1, 150), min_size=1, max_size=3),
 )
-def test_add_lora_avx2_build_matches(avx2_lora_library: ctypes.CDLL, runs: list[tuple[int, int]],
+def test_add_lora_avx2_build_matches(avx2_library: ctypes.CDLL, runs: list[tuple[int, int]],
                                      ranks: list[int], hidden: int, widths: list[int]) -> None:
     """The float32 LoRA kernel as an AVX2-only CPU gets it (tiles of 16 columns, 8-float
     vectors) gives this machine's AVX-512 build's outputs to float32 rounding (the two
@@ -194,7 +194,7 @@ def test_add_lora_avx2_build_matches(avx2_lora_library: ctypes.CDLL, runs: list[
     slots = lora_slots(case, inp, "per_slot")
     segments = SGMVMeta.build(case.token_slots, case.slot_ranks).short_segments
     assert segments is not None
-    tile = cpu_native.lora_tile_of(avx2_lora_library)
+    tile = cpu_native.lora_tile_of(avx2_library)
     assert tile == 16 and cpu_native.lora_tile(torch.float32) == 64
     other = copy.copy(slots)  # the same weights in the AVX2 build's tiled layout
     other.at_ptrs, other.bt_ptrs = slots.at_ptrs.clone(), slots.bt_ptrs.clone()
@@ -207,15 +207,10 @@ def test_add_lora_avx2_build_matches(avx2_lora_library: ctypes.CDLL, runs: list[
     out0 = torch.randn(len(slots_of), inp.slice_offsets[-1])
     here, avx2 = out0.clone(), out0.clone()
     cpu_native.add_lora(here, inp.x, segments, slots)
-    cpu_native.add_lora(avx2, inp.x, segments, other, lib=avx2_lora_library)
+    cpu_native.add_lora(avx2, inp.x, segments, other, lib=avx2_library)
     assert not torch.equal(here, out0) or not any(s >= 0 for s in slots_of)
     torch.testing.assert_close(avx2, here, rtol=1e-5, atol=1e-5)
 
-
-@pytest.fixture(scope="module")
-def avx2_lora_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    return cpu_native.load(cpu_native.build(directory=tmp_path_factory.mktemp("avx2"),
-                                            flags=["-mno-avx512f"]))
 
 
 @pytest.mark.skipif(not cpu_native.can_skinny(torch.float32),

@@ -296,17 +296,6 @@ def test_skinny_gemm_random_shapes(rows: int, n: int, k: int, bf16: bool, with_b
     torch.testing.assert_close(got.double(), expected.double(), **tol)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The native library built with AVX-512 turned off: the AVX2 kernels, on any CPU that
-    has AVX2 and FMA (the build an AVX2-only CPU gets, tested on AVX-512 machines too)."""
-    flags = set(cpu_native._cpu_signature().split())
-    if not {"avx2", "fma"} <= flags or cpu_native._compiler() is None:
-        pytest.skip("no AVX2 with FMA here, or no C compiler")
-    return cpu_native.load(cpu_native.build(directory=tmp_path_factory.mktemp("avx2"),
-                                            flags=["-mno-avx512f"]))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "n", "k"), [
     (1, 331, 272), (2, 9, 17), (3, 5, 7), (7, 64, 100), (13, 4, 8), (64, 70, 33),
