@@ -17,6 +17,7 @@
  */
 #include "bf16.h"
 #include "common.h"
+#include "kernels.h"
 #include "lora.h"
 
 /* ---- LoRA segments ---------------------------------------------------------------- */
@@ -241,6 +242,149 @@ static inline __attribute__((always_inline)) void expand_tile_avx512(
         }
 }
 
+/* The slice's last (hi - lo) % 64 columns, wt of them from o0 (og = out + o0), for nt
+ * tokens: the last tile b is [k2e - k2b, wt, 2]. */
+static void expand_last_columns(const bf16 *restrict yb, int64_t r, const bf16 *restrict b,
+                                int64_t k2b, int64_t k2e, int64_t wt, bf16 *restrict og,
+                                int64_t out_stride, int64_t nt)
+{
+    for (int64_t t = 0; t < nt; ++t)
+        for (int64_t o = 0; o < wt; ++o) {
+            float acc = 0.0f;
+            for (int64_t k = 2 * k2b; k < 2 * k2e; ++k)
+                acc += bf16_to_f32(yb[t * r + k])
+                       * bf16_to_f32(b[((k / 2 - k2b) * wt + o) * 2 + k % 2]);
+            bf16 *ot = og + t * out_stride + o;
+            *ot = f32_to_bf16(bf16_to_f32(*ot) + acc);
+        }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* A long segment's whole blocks of 16 tokens on AMX tiles (where cpu_skinny_amx.c has
+ * them turned on): TDPBF16PS multiplies 16 tokens by 16 ranks (the shrink) or 16 columns
+ * (the expand) over 32 summed values at once, where vdpbf16ps does one token's 16. The
+ * weights' pair-interleaved tiles are the B operand as they lie: a shrink tile is 16
+ * pair-rows of A^T's block at 16 of its columns (row stride 4 * its width), an expand
+ * tile np pair-rows of B^T's 64-column tile at 16 of them (row stride 256 bytes). The A
+ * operand is 16 rows of xb (the shrink) or of yb at a slice's pairs (the expand). Sums in
+ * float32, rounded where the vector kernel rounds (the shrink's output, out); the order of
+ * the additions is the hardware's, so it differs from the vector kernel's in the last
+ * bits. */
+#define LORA_AMX 1
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* C in tmm0-3 (16 x 16 float32); tmm4 an A operand of 16 rows of `pairs` pairs (at most
+ * 16), tmm5-7 B operands of `pairs` rows of 16 pairs. */
+static void amx_configure(int pairs)
+{
+    struct amx_config cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; ++i) {
+        cfg.colsb[i] = (uint16_t)(i == 4 ? 4 * pairs : 64);
+        cfg.rows[i] = (uint8_t)(i < 5 ? 16 : pairs);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* C tile T rounded to bf16 into 16 rows of 16 values at dst (row stride ld). */
+#define AMX_STORE_Y(T, dst, ld)                                                           \
+    do {                                                                                \
+        _tile_stored(T, cbuf, 64);                                                      \
+        for (int i_ = 0; i_ < 16; ++i_)                                                 \
+            _mm256_storeu_si256((__m256i *)((dst) + i_ * (ld)),                         \
+                                (__m256i)_mm512_cvtneps_pbh(                    \
+                                    _mm512_load_ps(cbuf + 16 * i_)));                   \
+    } while (0)
+/* C tile T added to 16 rows of 16 bf16 values at dst (row stride ld), rounded once. */
+#define AMX_ADD_OUT(T, dst, ld)                                                           \
+    do {                                                                                \
+        _tile_stored(T, cbuf, 64);                                                      \
+        for (int i_ = 0; i_ < 16; ++i_) {                                               \
+            bf16 *o_ = (dst) + i_ * (ld);                                               \
+            const __m512 s_ = _mm512_add_ps(load_bf16x16(o_),                           \
+                                            _mm512_load_ps(cbuf + 16 * i_));            \
+            _mm256_storeu_si256((__m256i *)o_, (__m256i)_mm512_cvtneps_pbh(s_));         \
+        }                                                                               \
+    } while (0)
+
+/* Whether an item of nt tokens takes the tiles: a whole block of 16 at least, x's rows a
+ * whole number of 32-value steps (they are read in place), and no slice of more than 16 pairs (32
+ * ranks), whose expand would need two steps summed before out is rounded. */
+static int amx_takes(int64_t nt, int64_t in, const int64_t *restrict slices,
+                     int64_t num_slices)
+{
+    if (nt < 16 || in % 32 != 0 || !skinny_amx_enabled()) return 0;
+    for (int64_t s = 0; s < num_slices; ++s)
+        if ((slices[4 * s + 1] + 1) / 2 - slices[4 * s] / 2 > 16
+            || slices[4 * s + 1] <= slices[4 * s])
+            return 0;
+    return 1;
+}
+
+/* nt (a multiple of 16) tokens of one slot where amx_takes, as lora_tokens_avx512, but x
+ * read in place: rows of w values (a multiple of 32) at a stride of ldx. */
+static void lora_blocks_amx(const bf16 *restrict x, int64_t ldx, bf16 *restrict out,
+                            int64_t out_stride, int64_t nt, int64_t w, const bf16 *restrict at,
+                            const bf16 *restrict bt, int64_t r, const int64_t *restrict slices,
+                            int64_t num_slices, bf16 *restrict yb)
+{
+    float cbuf[256] __attribute__((aligned(64)));
+    const int64_t in2 = w / 2;
+    int pairs = 16;
+    amx_configure(pairs);
+    for (int64_t t0 = 0; t0 < nt; t0 += 16) /* the shrink: yb = bf16(xb . A^T) */
+        for (int64_t k0 = 0; k0 < r; k0 += 64) {
+            const int64_t wb = r - k0 < 64 ? r - k0 : 64, nv = wb / 16;
+            const bf16 *restrict block = at + in2 * k0 * 2;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t p = 0; p < w; p += 32) {
+                const bf16 *restrict a = block + p * wb; /* pair-row p / 2 */
+                _tile_loadd(4, x + t0 * ldx + p, ldx * 2);
+                _tile_loadd(5, a, wb * 4); _tile_dpbf16ps(0, 4, 5);
+                if (nv > 1) { _tile_loadd(6, a + 32, wb * 4); _tile_dpbf16ps(1, 4, 6); }
+                if (nv > 2) { _tile_loadd(7, a + 64, wb * 4); _tile_dpbf16ps(2, 4, 7); }
+                if (nv > 3) { _tile_loadd(5, a + 96, wb * 4); _tile_dpbf16ps(3, 4, 5); }
+            }
+            bf16 *restrict y = yb + t0 * r + k0;
+            AMX_STORE_Y(0, y, r);
+            if (nv > 1) AMX_STORE_Y(1, y + 16, r);
+            if (nv > 2) AMX_STORE_Y(2, y + 32, r);
+            if (nv > 3) AMX_STORE_Y(3, y + 48, r);
+        }
+    const bf16 *restrict bs = bt; /* the slice's tiles */
+    for (int64_t s = 0; s < num_slices; ++s) { /* the expand: out = bf16(out + yb . B^T) */
+        const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
+        const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3], np = k2e - k2b;
+        if (np != pairs) amx_configure(pairs = (int)np);
+        for (int64_t t0 = 0; t0 < nt; t0 += 16) {
+            _tile_loadd(4, yb + t0 * r + 2 * k2b, r * 2);
+            for (int64_t o0 = lo; o0 + 64 <= hi; o0 += 64) {
+                const bf16 *restrict b = bs + (o0 - lo) * np * 2;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                _tile_loadd(5, b, 256); _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, b + 32, 256); _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, b + 64, 256); _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, b + 96, 256); _tile_dpbf16ps(3, 4, 5);
+                bf16 *restrict og = out + t0 * out_stride + o0;
+                AMX_ADD_OUT(0, og, out_stride);
+                AMX_ADD_OUT(1, og + 16, out_stride);
+                AMX_ADD_OUT(2, og + 32, out_stride);
+                AMX_ADD_OUT(3, og + 48, out_stride);
+            }
+        }
+        const int64_t o0 = lo + (hi - lo) / 64 * 64;
+        expand_last_columns(yb, r, bs + (o0 - lo) * np * 2, k2b, k2e, hi - o0, out + o0,
+                            out_stride, nt);
+        bs += (hi - lo) * np * 2;
+    }
+    _tile_release();
+}
+#endif
+
 /* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to a multiple of 4 rows
  * of in2 * 2; yb: [groups * 4, r] bf16. */
 static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
@@ -279,17 +423,8 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
 #undef EXPAND
             }
         }
-        const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
-        const int64_t wt = hi - o0;
-        for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % 64 columns */
-            for (int64_t o = 0; o < wt; ++o) {
-                float acc = 0.0f;
-                for (int64_t k = 2 * k2b; k < 2 * k2e; ++k)
-                    acc += bf16_to_f32(yb[t * r + k])
-                           * bf16_to_f32(b[((k / 2 - k2b) * wt + o) * 2 + k % 2]);
-                bf16 *ot = out + t * out_stride + o0 + o;
-                *ot = f32_to_bf16(bf16_to_f32(*ot) + acc);
-            }
+        expand_last_columns(yb, r, bs + (o0 - lo) * np * 2, k2b, k2e, hi - o0,
+                            out + o0, out_stride, nt);
         bs += (hi - lo) * np * 2;
     }
 }
@@ -330,10 +465,24 @@ int lora_bf16_team(const struct lora_call *c)
             failed = 1;
             continue;
         }
-        const int64_t t = c->work[3 * g], nt = c->work[3 * g + 1], slot = c->work[3 * g + 2];
+        int64_t t = c->work[3 * g], nt = c->work[3 * g + 1];
+        const int64_t slot = c->work[3 * g + 2];
         const bf16 *at = (const bf16 *)(intptr_t)c->at_ptrs[slot];
         const bf16 *bt = (const bf16 *)(intptr_t)c->bt_ptrs[slot];
         const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
+#ifdef LORA_AMX
+        if (c->impl == BF16_AVX512 && amx_takes(nt, c->in_features, slices,
+                                                c->num_slices[slot])) {
+            const int64_t done = nt / 16 * 16; /* whole blocks of 16 on tiles, x in place */
+            lora_blocks_amx((const bf16 *)c->x + t * c->x_stride, c->x_stride,
+                            (bf16 *)c->out + t * c->out_stride, c->out_stride, done,
+                            c->in_features, at, bt, c->ranks[slot], slices,
+                            c->num_slices[slot], (bf16 *)y);
+            t += done;
+            nt -= done;
+            if (nt == 0) continue;
+        }
+#endif
         const int64_t padded = (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
         for (int64_t j = 0; j < padded; ++j) { /* rows past nt stay zero */
             if (j < nt) {

@@ -59,6 +59,8 @@ int loraplex_skinny_amx(int enable)
 #endif
 }
 
+int skinny_amx_enabled(void) { return use_amx; }
+
 /* The calling thread's buffer for x packed as pairs (skinny_amx_pack), or NULL where this
  * GEMM does not take tiles: AMX off, no whole 16-row weight block, k not a multiple of 32,
  * x's rows not 4-byte aligned (pairs are read as 32-bit values), or no memory. */

@@ -59,7 +59,9 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
 /* the bfloat16 skinny GEMM on AMX tiles (cpu_skinny_amx.c): where skinny_amx_buffer gives
  * a buffer, the team packs x into it (skinny_amx_pack, each thread its share), passes a
  * barrier, and each thread multiplies its share of the whole 16-row weight blocks
- * (skinny_amx_share, which returns where they end) */
+ * (skinny_amx_share, which returns where they end); skinny_amx_enabled: whether tiles are
+ * on (the LoRA kernel's long segments take them too, cpu_lora_bf16.c) */
+int skinny_amx_enabled(void);
 uint32_t *skinny_amx_buffer(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k);
 void skinny_amx_pack(const bf16 *x, int64_t ldx, int64_t rows, int64_t k, uint32_t *xp,
                      int t, int nt);

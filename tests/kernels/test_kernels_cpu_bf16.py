@@ -193,3 +193,38 @@ def test_a_tokens_lora_does_not_depend_on_its_segment(ranks: tuple[int, int],
         outs.append(out)
     assert not torch.equal(outs[0], out0)
     assert torch.equal(outs[0], outs[1])
+
+
+needs_amx = pytest.mark.skipif(not cpu_native.skinny_amx(),
+                               reason="no AMX tiles here (AMX-BF16 absent or turned off)")
+
+
+@needs_amx
+@pytest.mark.usefixtures("amx_restored")
+@pytest.mark.parametrize(("hidden", "widths"), [(96, (64, 24, 130)), (576, (576, 192, 192)),
+                                                (80, (64, 64))],
+                         ids=["tiles-tail-columns", "tiles-demo-qkv", "vectors-in-80"])
+def test_long_segments_on_amx_tiles(hidden: int, widths: tuple[int, ...]) -> None:
+    """Segments of 16 tokens or more take AMX tiles in whole blocks of 16 (the rest of a
+    segment vectors): part blocks (17, 31, 33 tokens), one block, ranks 8-32 (one tile
+    step of pairs in the expand) and 64 (more: vectors), output columns past whole
+    64-column tiles, inputs not a multiple of 32 (vectors), against float64 like every
+    implementation; against the vector kernel (AMX off) equal but for rare last bits."""
+    runs = [(0, 17), (1, 16), (-1, 3), (2, 33), (3, 31), (1, 5)]
+    slots = tuple(sorted(s for s, n in runs for _ in range(n)))
+    case = SGMVCase("amx", slots, (8, 16, 32, 64), hidden, widths)
+    check_add_lora(case, BF16, "cpu", "cpu")
+    inp = make_sgmv_inputs(case, BF16, "cpu")
+    weights = lora_slots(case, inp, "per_slot")
+    segments = ops.SGMVMeta.build(case.token_slots, case.slot_ranks).short_segments
+    assert segments is not None
+    out0 = torch.randn(len(slots), sum(widths)).to(BF16)
+    outs = []
+    for amx in (True, False):
+        cpu_native.skinny_amx(amx)
+        out = out0.clone()
+        cpu_native.add_lora(out, inp.x, segments, weights)
+        outs.append(out)
+    assert (outs[0] == outs[1]).double().mean().item() > 0.99
+    if hidden == 576:  # long sums: the tiles' order of additions shows in some last bit
+        assert not torch.equal(outs[0], outs[1])
