@@ -190,3 +190,57 @@ def test_close_frees_the_engine_without_the_cycle_collector(
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_an_adapter_folder_is_hashed_again_only_when_its_files_change(
+        llm: LLM, tmp_path: Path, llama_adapters: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate() keeps a folder's digest while its files are as they were, so a run of
+    many calls reads no weights file to hash it; a file written since, even to the same
+    size, is hashed again and served as the new adapter it is."""
+    import safetensors
+    import safetensors.torch
+
+    from loraplex import adapter_format
+
+    hashed: list[str] = []
+    real = adapter_format.file_sha256
+
+    def counting(path: str | Path) -> bytes:
+        hashed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(adapter_format, "file_sha256", counting)
+    folder = tmp_path / "tenant-adapter"
+    shutil.copytree(llama_adapters["r4"], folder)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(path: Path, name: str = "a") -> list[int]:
+        return list(llm.generate([PROMPT], params, LoRARequest(name, str(path)))[0]
+                    .outputs[0].token_ids)
+
+    first = run(folder)
+    assert sorted(hashed) == ["adapter_config.json", "adapter_model.safetensors"]
+    hashed.clear()
+    assert run(folder) == first
+    assert hashed == []
+    # the same file, its values doubled: same size, new content
+    weights = folder / "adapter_model.safetensors"
+    with safetensors.safe_open(str(weights), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+    size = weights.stat().st_size
+    safetensors.torch.save_file({k: v * 2 for k, v in tensors.items()}, str(weights), metadata)
+    assert weights.stat().st_size == size
+    doubled = run(folder)
+    assert len(hashed) == 2
+    fresh = tmp_path / "doubled-elsewhere"
+    shutil.copytree(folder, fresh)
+    assert run(fresh, "b") == doubled
+    # another adapter saved over the folder
+    shutil.rmtree(folder)
+    shutil.copytree(llama_adapters["r8qv"], folder)
+    assert run(folder) == run(llama_adapters["r8qv"], "c")
+    assert len({tuple(first), tuple(doubled), tuple(run(folder))}) == 3
+    shutil.rmtree(folder)
+    with pytest.raises(AdapterError, match="missing adapter_model.safetensors"):
+        run(folder)
