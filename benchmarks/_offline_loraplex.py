@@ -32,9 +32,10 @@ class LoraplexSystem:
         self.num_runs = 0
 
     def warm_host_cache(self, num_adapters: int) -> None:
-        """Reads adapters from disk into the host cache (the HF peers load theirs up front)."""
+        """Reads adapters from disk into the host cache (the HF peers load theirs up front),
+        hashing each folder once, as a long-running process would."""
         for lr in self.loras[:num_adapters]:
-            self.llm.engine.adapters.load_now(lr.to_ref())
+            self.llm.add_lora(lr)
 
     def generate(self, items: Sequence[WorkItem], profile: Path | None = None,
                  ) -> tuple[float, list[list[int]], dict[str, Any]]:

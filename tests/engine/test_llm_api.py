@@ -195,9 +195,9 @@ def test_close_frees_the_engine_without_the_cycle_collector(
 def test_an_adapter_folder_is_hashed_again_only_when_its_files_change(
         llm: LLM, tmp_path: Path, llama_adapters: dict[str, Path],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """generate() keeps a folder's digest while its files are as they were, so a run of
-    many calls reads no weights file to hash it; a file written since, even to the same
-    size, is hashed again and served as the new adapter it is."""
+    """An LLM keeps a folder's digest (add_lora, generate) while its files are as they
+    were, so a run of many calls reads no weights file to hash it; a file written since,
+    even to the same size, is hashed again and served as the new adapter it is."""
     import safetensors
     import safetensors.torch
 
@@ -219,9 +219,12 @@ def test_an_adapter_folder_is_hashed_again_only_when_its_files_change(
         return list(llm.generate([PROMPT], params, LoRARequest(name, str(path)))[0]
                     .outputs[0].token_ids)
 
-    first = run(folder)
+    ref = llm.add_lora(LoRARequest("a", str(folder)))  # read ahead of the first generation
     assert sorted(hashed) == ["adapter_config.json", "adapter_model.safetensors"]
     hashed.clear()
+    first = run(folder)
+    assert hashed == []
+    assert ref == llm.add_lora(LoRARequest("a", str(folder)))
     assert run(folder) == first
     assert hashed == []
     # the same file, its values doubled: same size, new content
