@@ -228,3 +228,32 @@ def test_long_segments_on_amx_tiles(hidden: int, widths: tuple[int, ...]) -> Non
     assert (outs[0] == outs[1]).double().mean().item() > 0.99
     if hidden == 576:  # long sums: the tiles' order of additions shows in some last bit
         assert not torch.equal(outs[0], outs[1])
+
+
+@needs_amx
+@pytest.mark.usefixtures("amx_restored")
+def test_fused_gemm_and_lora_with_segments_on_amx_tiles() -> None:
+    """A small prefill beside decode rows (under 64 rows: the skinny GEMM and the LoRA in
+    one native call): the GEMM's tiles, then the LoRA's for the 16-token blocks, in one
+    parallel region, as the two calls apart give, and against float64 like every LoRA."""
+    runs = [(0, 21), (1, 2), (-1, 3), (2, 17), (3, 1)]
+    slots_of = tuple(s for s, n in runs for _ in range(n))
+    case = SGMVCase("mixed-step", slots_of, (8, 16, 32, 16), 64, (64, 32, 32))
+    check_add_lora(case, BF16, "cpu", "cpu")
+    inp = make_sgmv_inputs(case, BF16, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(128, 64, generator=g).to(BF16)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "skinny"
+    meta = ops.SGMVMeta.build(case.token_slots, case.slot_ranks)
+    assert meta.short_segments is not None
+    with torch_threads(2):
+        apart = cpu_native.skinny_linear(inp.x, weight)
+        cpu_native.add_lora(apart, inp.x, meta.short_segments, slots)
+        fused = ops.linear_lora(inp.x, torch.empty(0), None, packed, slots, inp.scales, meta)
+    assert torch.equal(fused, apart)
+    cpu_native.skinny_amx(False)
+    vectors = cpu_native.skinny_linear(inp.x, weight)
+    cpu_native.add_lora(vectors, inp.x, meta.short_segments, slots)
+    assert (fused == vectors).double().mean().item() > 0.99
