@@ -296,7 +296,7 @@ static void amx_configure(int pairs)
         _tile_stored(T, cbuf, 64);                                                      \
         for (int i_ = 0; i_ < 16; ++i_)                                                 \
             _mm256_storeu_si256((__m256i *)((dst) + i_ * (ld)),                         \
-                                (__m256i)_mm512_cvtneps_pbh(                    \
+                                (__m256i)_mm512_cvtneps_pbh(                            \
                                     _mm512_load_ps(cbuf + 16 * i_)));                   \
     } while (0)
 /* C tile T added to 16 rows of 16 bf16 values at dst (row stride ld), rounded once. */
@@ -312,8 +312,8 @@ static void amx_configure(int pairs)
     } while (0)
 
 /* Whether an item of nt tokens takes the tiles: a whole block of 16 at least, x's rows a
- * whole number of 32-value steps (they are read in place), and no slice of more than 16 pairs (32
- * ranks), whose expand would need two steps summed before out is rounded. */
+ * whole number of 32-value steps (they are read in place), and every slice 1-16 pairs
+ * (up to 32 ranks: more would need two tile steps summed before out is rounded). */
 static int amx_takes(int64_t nt, int64_t in, const int64_t *restrict slices,
                      int64_t num_slices)
 {
