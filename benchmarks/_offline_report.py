@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from _log import log_clock as log
-from _offline_results import RunResult, sweep_runs
+from _offline_results import RunResult, sweep_passes, sweep_runs
 from _output import pyplot, save_figure, write_json
 
 
@@ -30,8 +30,7 @@ def plot(results: list[RunResult], report: dict[str, Any], path: Path) -> None:
     subset = [sorted(rs, key=lambda r: r.seconds)[(len(rs) - 1) // 2] for rs in rounds.values()]
     sweep_dtype = next((r.dtype for r in results if r.workload == "full"), "float32")
     # per adapter count, its median pass over the sweep (--sweep-rounds)
-    passes = sorted({r.round for r in results if r.workload == "sweep"
-                     and r.dtype == sweep_dtype}) or [0]
+    passes = sweep_passes(results, sweep_dtype)
     by_count: dict[int, list[RunResult]] = {}
     for k in passes:
         for n, r in sweep_runs(results, sweep_dtype, k).items():

@@ -114,8 +114,7 @@ def summarise(results: list[RunResult], outputs: dict[str, list[list[int]]],
         for key in first}
     by_pass: dict[str, list[float]] = {}  # the sweep's ratios, one per pass
     for d in DTYPES:
-        passes = sorted({r.round for r in results if r.workload == "sweep" and r.dtype == d})
-        for sweep in (sweep_runs(results, d, k) for k in passes or [0]):
+        for sweep in (sweep_runs(results, d, k) for k in sweep_passes(results, d)):
             for key, value in sweep_ratios(sweep, args.num_adapters, d).items():
                 by_pass.setdefault(key, []).append(value)
         full = next((r for r in results if r.workload == "full" and r.dtype == d), None)
@@ -196,6 +195,12 @@ def subset_agreement(subset: dict[tuple[str, str], RunResult],
             agree[f"{system}_bfloat16_vs_{system}_float32_whole"] = agreement(
                 outs(system, "float32"), outs(system, "bfloat16"), prefix=1 << 30)
     return agree
+
+
+def sweep_passes(results: list[RunResult], dtype: str) -> list[int]:
+    """The passes over the adapter sweep in ``dtype`` (``--sweep-rounds``; [0] for none)."""
+    return sorted({r.round for r in results
+                   if r.workload == "sweep" and r.dtype == dtype}) or [0]
 
 
 def sweep_runs(results: list[RunResult], dtype: str, sweep_round: int = 0,
