@@ -172,12 +172,16 @@ def test_add_lora_partial_targets(impl: str) -> None:
     check_partial_targets(BF16)
 
 
+@pytest.mark.usefixtures("amx_restored")
 @pytest.mark.parametrize("ranks", [(8, 64), (16, 40)], ids=["ranks-8-64", "ranks-16-40"])
 def test_a_tokens_lora_does_not_depend_on_its_segment(ranks: tuple[int, int],
                                                       impl: str) -> None:
     """A prefill's long segment is shrunk 8 tokens at a time where the ranks are few, a
     decode step's tokens one to four at a time: each token's sums run in the same order
-    either way, so its output is the same bit for bit as when it is a segment of its own."""
+    either way, so its output is the same bit for bit as when it is a segment of its own.
+    The vector kernels' property: with AMX on, a segment's blocks of 16 take tiles, whose
+    order of additions is the hardware's (test_long_segments_on_amx_tiles)."""
+    cpu_native.skinny_amx(False)
     runs = [0] * 21 + [1] * 13  # whole pairs of groups, a part group; both slots' ranks
     case = SGMVCase("segments", tuple(runs), ranks, 96, (96, 48, 80))
     inp = make_sgmv_inputs(case, BF16, "cpu")
