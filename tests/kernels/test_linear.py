@@ -212,7 +212,7 @@ def _check_skinny(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     pytest.param(torch.float32, marks=pytest.mark.skipif(
         not KINDS["skinny"], reason="no skinny GEMM here (neither AVX-512 nor AVX2 with FMA)")),
     pytest.param(torch.bfloat16, marks=needs_skinny_bf16)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 65, 300])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 21, 29, 64, 65, 300])
 def test_skinny_gemm_reads_the_plain_weight(dtype: torch.dtype, rows: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``LORAPLEX_CPU_GEMM=skinny``: no copy; batches of up to 64 rows through the native
@@ -319,6 +319,29 @@ def test_skinny_gemm_avx2_kernels(avx2_library: ctypes.CDLL, dtype: torch.dtype,
         assert status == 0
         if rows:
             _check_skinny(out, x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_gemm_avx2_rows_in_lanes(avx2_library: ctypes.CDLL, dtype: torch.dtype) -> None:
+    """The AVX2 build from 16 rows (float32) or 8 (bfloat16): x transposed so that rows
+    lie in vector lanes, passes of up to 3 vectors of rows (24), a last part vector of 5-7
+    rows, 1-4 rows past whole vectors through the dot-product groups. Every row count up
+    to the skinny GEMM's 64, outputs not a multiple of the 12 a group takes, inputs not of
+    8, a row stride wider than the row, with and without a bias."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 29, 37
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    fn = avx2_library.skinny_linear_f32 if dtype == torch.float32 \
+        else avx2_library.skinny_linear_bf16
+    for rows in range(1, ops.SKINNY_MAX_ROWS + 1):
+        x = torch.randn(rows, k + 3, generator=g).to(dtype)[:, :k]  # row stride k + 3
+        for b in (None, bias):
+            out = torch.full((rows, n), float("nan"), dtype=dtype)
+            assert fn(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                      None if b is None else b.data_ptr(), out.data_ptr(), n, rows, n, k,
+                      2) == 0
+            _check_skinny(out, x, weight, b)
 
 
 needs_amx = pytest.mark.skipif(
