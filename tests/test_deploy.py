@@ -369,6 +369,34 @@ def test_dockerfile_extras_build_argument_installs_pinned_extras() -> None:
     assert _args(stage).get("EXTRAS") == ""  # the default image: no extras
     run = next(rest for word, rest in stage if word == "RUN" and "$EXTRAS" in rest)
     assert "-c constraints.txt" in run
+
+
+def test_dockerfile_installs_every_dependency_at_its_pin() -> None:
+    """Every pip install of the image's dependencies reads constraints.txt (an unpinned one
+    took a newer transformers, whose new dependency broke the Ray replicas); the build
+    tools, torch (its own index, pinned by version) and the project itself (--no-deps)
+    aside."""
+    stage = _last_stage(_dockerfile_instructions())
+    installs = [rest for word, rest in stage if word == "RUN" and "pip install" in rest]
+    unpinned = [run for run in installs
+                if "-c constraints.txt" not in run
+                and "--upgrade pip setuptools wheel" not in run
+                and "torch==${TORCH_VERSION}" not in run
+                and "--no-deps -e ." not in run]
+    assert len(installs) >= 4 and unpinned == []
+    copied = [rest for word, rest in stage if word == "COPY"]
+    first_install = next(i for i, (word, rest) in enumerate(stage)
+                         if word == "RUN" and "-c constraints.txt" in rest)
+    assert any("constraints.txt" in rest for word, rest in stage[:first_install]
+               if word == "COPY"), copied
+
+
+def test_dockerfile_runs_outside_the_checkout() -> None:
+    """The checkout's kernels/ folder must not be importable as `kernels` (a PyPI package's
+    name) from a process's working directory: the image's last WORKDIR is its state folder."""
+    stage = _last_stage(_dockerfile_instructions())
+    workdirs = [rest for word, rest in stage if word == "WORKDIR"]
+    assert workdirs[0] == "/app" and workdirs[-1] == "$LORAPLEX_HOME"
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     assert "ray" in extras

@@ -412,7 +412,7 @@ class RayEngineBackend:
                         name=ray_config.app_name, route_prefix=None)
                 except RuntimeError as exc:
                     raise ConfigError(f"the engine replicas did not start: "
-                                      f"{_replica_failure(exc)}") from None
+                                      f"{_replica_failure(exc, ray_config.app_name)}") from None
             served = handle.describe.remote().result(timeout_s=120)
             mismatch = description_mismatch(expected, served)
             if mismatch is not None:
@@ -554,12 +554,23 @@ class RayEngineBackend:
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
 
-def _replica_failure(exc: BaseException) -> str:
+def _replica_failure(exc: BaseException, app_name: str) -> str:
     """The one line that says why a deployment failed: our own error from a replica's
-    constructor when there is one."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    constructor when there is one, else Serve's first line with the last exception its
+    deployments report (Serve's own message names only the deployment)."""
+    text = str(exc)
+    with contextlib.suppress(Exception):  # the controller gone too: Serve's message alone
+        app = serve.status().applications.get(app_name) if ray.is_initialized() else None
+        if app is not None:
+            text += "\n" + "\n".join(d.message for d in app.deployments.values())
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     for cls in _ERRORS:
         match = re.search(rf"loraplex\.errors\.{cls}: (.+)", text)
         if match:
             return match.group(1).strip()
+    raised = re.findall(r"^\s*((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception)): (.+)$", text,
+                        re.MULTILINE)
+    if raised:
+        kind, message = raised[-1]
+        return f"{_first_line(exc)} ({kind.rpartition('.')[2]}: {message.strip()})"
     return _first_line(exc)

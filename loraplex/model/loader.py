@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from loraplex.errors import ModelLoadError
 from loraplex.model.args import ModelArgs
@@ -23,7 +26,15 @@ def load_hf_config(model_dir: str | Path) -> Any:
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: no config.json (expected a HuggingFace model folder)")
-    return AutoConfig.from_pretrained(str(path))
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:  # not JSON, no or an unknown model_type
+        raise ModelLoadError(f"{path / 'config.json'}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -98,11 +109,23 @@ def _target(model: LlamaModel, name: str) -> torch.Tensor | None:
     raise ModelLoadError(f"unexpected weight {name}")
 
 
+@contextlib.contextmanager
+def _shard(path: Path) -> Iterator[Any]:
+    """A safetensors shard, open; ModelLoadError in one line when it is not one (truncated,
+    not safetensors at all, unreadable)."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{path}: not a readable safetensors file: "
+                             f"{_first_line(exc)}") from None
+    with handle:
+        yield handle
+
+
 def load_model(model_dir: str | Path, dtype: str, device: torch.device, num_slots: int,
                max_rank: int, max_positions: int | None = None,
                progress: bool = True) -> tuple[LlamaModel, ModelArgs]:
     """Builds the model and fills it from the folder's safetensors shards."""
-    from safetensors import safe_open
     from tqdm import tqdm
 
     config = load_hf_config(model_dir)
@@ -115,18 +138,22 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, num_slot
     expected = {id(p) for p in model.parameters()}
     names: list[tuple[Path, str]] = []
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with _shard(f) as handle:
             names.extend((f, k) for k in handle.keys())  # noqa: SIM118
     bar = tqdm(total=len(names), desc=f"loading {Path(model_dir).name}", unit="tensor",
                disable=not progress, file=sys.stderr)
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with _shard(f) as handle:
             for name in handle.keys():  # noqa: SIM118
                 dst = _target(model, name)
                 bar.update(1)
                 if dst is None:
                     continue
-                src = handle.get_tensor(name)
+                try:
+                    src = handle.get_tensor(name)
+                except (SafetensorError, OSError) as exc:
+                    raise ModelLoadError(f"{f}: cannot read {name}: "
+                                         f"{_first_line(exc)}") from None
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ModelLoadError(f"{name}: shape {tuple(src.shape)} does not match "
                                          f"the config's {tuple(dst.shape)}")

@@ -101,3 +101,36 @@ def test_amx_setting_is_applied_by_the_runner_and_a_bad_one_refused(
     with pytest.raises(ConfigError, match="LORAPLEX_CPU_AMX must be auto or 0"):
         ModelRunner(ModelConfig(str(tiny_llama_dir), dtype="bfloat16"),
                     CacheConfig(num_kv_blocks=4), LORA, progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty"])
+def test_a_damaged_weights_file_is_one_line_naming_it(tiny_llama_dir: Path, tmp_path: Path,
+                                                      damage: str) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[: len(data) // 2],
+                         "not safetensors": b"\x80\x04 a pickle, say" * 64,
+                         "empty": b""}[damage])
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file") as info:
+        ModelRunner(ModelConfig(str(model)), CacheConfig(num_kv_blocks=4), LORA,
+                    progress=False)
+    assert str(info.value).startswith(f"{weights}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ("{not json", "not a valid JSON file"),
+    ('{"model_type": "no-such-architecture"}', "no-such-architecture"),
+    ("{}", "model_type"),
+])
+def test_a_bad_config_is_one_line_naming_it(tiny_llama_dir: Path, tmp_path: Path,
+                                            config: str, expected: str) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match=expected) as info:
+        ModelRunner(ModelConfig(str(model)), CacheConfig(num_kv_blocks=4), LORA,
+                    progress=False)
+    assert str(info.value).startswith(f"{model / 'config.json'}: ")
+    assert "\n" not in str(info.value)
