@@ -26,7 +26,13 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.config import LoRAConfig, RegistryConfig
-from loraplex.errors import AdapterError, InvalidRequestError, LoraplexError, ModelLoadError
+from loraplex.errors import (
+    AdapterError,
+    InvalidRequestError,
+    LoraplexError,
+    ModelLoadError,
+    first_line,
+)
 from loraplex.registry import db, service, upload
 from loraplex.registry.db import transaction
 from loraplex.registry.names import check_adapter_name
@@ -133,8 +139,7 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[], None]) -> None
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return first_line(getattr(exc, "orig", None) or exc)
 
 
 def _guarded(handler: Handler) -> Handler:

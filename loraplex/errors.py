@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line for the CLI or a log: its first line, terminal
+    colours stripped, or its type's name when it has no message."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
 
 class LoraplexError(Exception):
     """Base of every error loraplex raises on purpose."""

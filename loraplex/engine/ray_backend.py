@@ -65,6 +65,7 @@ from loraplex.errors import (
     LoraplexError,
     ModelLoadError,
     PromptTooLongError,
+    first_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ def connect_ray(ray_config: RayConfig) -> bool:
         ray.init(address=address, configure_logging=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
-                          f"{_first_line(exc)}") from None
+                          f"{first_line(exc)}") from None
     return False
 
 
@@ -361,11 +362,6 @@ def _check_reachable(address: str) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot reach the Ray cluster at {address}: "
                           f"{exc.strerror or exc}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -504,7 +500,7 @@ class RayEngineBackend:
                 if isinstance(cause, LoraplexError):
                     raise cause from None
                 logger.warning("request %s: engine replica failed (attempt %d): %s",
-                               request_id, attempt + 1, _first_line(exc))
+                               request_id, attempt + 1, first_line(exc))
                 if received or attempt == 1:
                     raise EngineDeadError("the engine replica serving this request "
                                           "failed") from None
@@ -549,7 +545,7 @@ class RayEngineBackend:
                 raise
             except Exception as exc:
                 if self._healthy:
-                    logger.warning("engine replicas unreachable: %s", _first_line(exc))
+                    logger.warning("engine replicas unreachable: %s", first_line(exc))
                 self._healthy = False
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
@@ -572,5 +568,5 @@ def _replica_failure(exc: BaseException, app_name: str) -> str:
                         re.MULTILINE)
     if raised:
         kind, message = raised[-1]
-        return f"{_first_line(exc)} ({kind.rpartition('.')[2]}: {message.strip()})"
-    return _first_line(exc)
+        return f"{first_line(exc)} ({kind.rpartition('.')[2]}: {message.strip()})"
+    return first_line(exc)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.errors import ModelLoadError
+from loraplex.errors import ModelLoadError, first_line
 from loraplex.model.args import ModelArgs
 from loraplex.model.llama import LlamaModel
 
@@ -29,12 +29,7 @@ def load_hf_config(model_dir: str | Path) -> Any:
     try:
         return AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError) as exc:  # not JSON, no or an unknown model_type
-        raise ModelLoadError(f"{path / 'config.json'}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        raise ModelLoadError(f"{path}: unreadable config.json ({first_line(exc)})") from None
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -117,7 +112,7 @@ def _shard(path: Path) -> Iterator[Any]:
         handle = safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as exc:
         raise ModelLoadError(f"{path}: not a readable safetensors file: "
-                             f"{_first_line(exc)}") from None
+                             f"{first_line(exc)}") from None
     with handle:
         yield handle
 
@@ -153,7 +148,7 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, num_slot
                     src = handle.get_tensor(name)
                 except (SafetensorError, OSError) as exc:
                     raise ModelLoadError(f"{f}: cannot read {name}: "
-                                         f"{_first_line(exc)}") from None
+                                         f"{first_line(exc)}") from None
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ModelLoadError(f"{name}: shape {tuple(src.shape)} does not match "
                                          f"the config's {tuple(dst.shape)}")
