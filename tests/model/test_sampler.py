@@ -36,9 +36,18 @@ def _counts(row: SamplingRow, draws: int = 4000) -> list[int]:
     return counts
 
 
-def test_greedy_is_argmax() -> None:
-    logits = torch.randn(6, 50)
-    out = sample(logits, [SamplingRow()] * 6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    """argmax's own choice on ties (the first), NaN (taken) and rows all -inf, at a real
+    vocabulary's width."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-2, 3, (12, 49152), generator=gen).float()  # many ties
+    logits[3, torch.rand(49152, generator=gen) < 0.001] = float("nan")
+    logits[5, :] = float("-inf")
+    logits[7, torch.rand(49152, generator=gen) < 0.5] = float("-inf")
+    logits[9] = torch.randn(49152, generator=gen)
+    logits = logits.to(dtype)
+    out = sample(logits, [SamplingRow()] * 12)
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
 
 
