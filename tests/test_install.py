@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import subprocess
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -40,7 +41,11 @@ def _pyproject() -> dict:
 def test_every_installed_package_matches_its_pin() -> None:
     pins = _pins()
     drift = []
-    for dist in importlib.metadata.distributions():
+    # What pip installed into this environment's site-packages, not whatever sys.path
+    # shows now: `import ray` (a test may have done it) adds Ray's vendored copies
+    # (ray/thirdparty_files: colorama, psutil), which are Ray's files, not installs.
+    site = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    for dist in importlib.metadata.distributions(path=sorted(site)):
         name = canonicalize_name(dist.metadata["Name"])
         if name in ("loraplex", "pip", "setuptools", "wheel"):
             continue
