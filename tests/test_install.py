@@ -9,11 +9,13 @@ range.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import sysconfig
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -34,28 +36,27 @@ def _pins() -> dict[str, str]:
     return pins
 
 
+def _pins_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pins", ROOT / "scripts/compose-test/pins.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def test_every_installed_package_matches_its_pin() -> None:
-    pins = _pins()
-    drift = []
     # What pip installed into this environment's site-packages, not whatever sys.path
     # shows now: `import ray` (a test may have done it) adds Ray's vendored copies
     # (ray/thirdparty_files: colorama, psutil), which are Ray's files, not installs.
     site = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    for dist in importlib.metadata.distributions(path=sorted(site)):
-        name = canonicalize_name(dist.metadata["Name"])
-        if name in ("loraplex", "pip", "setuptools", "wheel"):
-            continue
-        pinned = pins.get(name)
-        # A local label (+cpu) is the platform's build of the pinned release.
-        installed = dist.version.split("+", 1)[0]
-        if pinned is None:
-            drift.append(f"{name}=={dist.version} is installed but not in constraints.txt")
-        elif installed != pinned:
-            drift.append(f"{name}: installed {dist.version}, constraints.txt pins {pinned}")
+    installed = {dist.metadata["Name"]: dist.version
+                 for dist in importlib.metadata.distributions(path=sorted(site))}
+    # The compose test's rule for its images (scripts/compose-test/pins.py), applied here.
+    drift = _pins_script().drift(installed, _pins())
     assert drift == []
 
 
