@@ -24,13 +24,15 @@
 
 #define LORA_TOKENS 4
 
-/* The portable shrink of 4 tokens for ranks k0 .. k0 + VL * nv (nv <= TILE_VECTORS, a
- * constant where it is inlined), cpu_lora_f32.c's tile over the pair-interleaved layout:
- * a pair-row of A^T's tile is widened in registers (load_pairs). y[t * r + k] =
- * bf16-rounded xb[t] . A^T[:, k]. */
+/* The portable shrink of nt <= 4 tokens for ranks k0 .. k0 + VL * nv (nt, and nv <=
+ * TILE_VECTORS, constants where it is inlined), cpu_lora_f32.c's tile over the
+ * pair-interleaved layout: a pair-row of A^T's tile is widened in registers (load_pairs).
+ * y[t * r + k] = bf16-rounded xb[t] . A^T[:, k]. Only the group's own tokens are
+ * multiplied: a decode step's groups have a token or two, and four tokens' FMAs for one
+ * made this kernel compute-bound (9 GB/s of weights on the AVX2 EPYC). */
 static inline __attribute__((always_inline)) void shrink_pairs(
     const float *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
-    const int nv, float *restrict y)
+    const int nv, const int nt, float *restrict y)
 {
     const int64_t w = 2 * in2;
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
@@ -41,14 +43,14 @@ static inline __attribute__((always_inline)) void shrink_pairs(
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) load_pairs(a + 2 * VL * j, &even[j], &odd[j]);
 #pragma GCC unroll 4
-        for (int t = 0; t < LORA_TOKENS; ++t) {
+        for (int t = 0; t < nt; ++t) {
             const float xa = xb[t * w + 2 * i2], xc = xb[t * w + 2 * i2 + 1];
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] += xa * even[j] + xc * odd[j];
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < LORA_TOKENS; ++t)
+    for (int t = 0; t < nt; ++t)
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) {
             float *restrict yt = y + t * r + k0 + VL * j;
@@ -58,12 +60,12 @@ static inline __attribute__((always_inline)) void shrink_pairs(
         }
 }
 
-/* The portable expand of 4 tokens into TILE_COLUMNS columns from o0, over the pair-rows
- * k2b .. k2e, from the tile's block `bt` ([k2e - k2b, TILE_COLUMNS, 2], read in order):
- * out[t, o0 + o] = bf16(out + y[t] . B^T[ranks, o0 + o]). */
-static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *restrict bt,
-                                int64_t k2b, int64_t k2e, int64_t o0,
-                                bf16 *restrict out, int64_t out_stride, int64_t nt)
+/* The portable expand of nt <= 4 tokens (a constant where it is inlined) into TILE_COLUMNS
+ * columns from o0, over the pair-rows k2b .. k2e, from the tile's block `bt` ([k2e - k2b,
+ * TILE_COLUMNS, 2], read in order): out[t, o0 + o] = bf16(out + y[t] . B^T[ranks, o0 + o]). */
+static inline __attribute__((always_inline)) void expand_pairs(
+    const float *restrict y, int64_t r, const bf16 *restrict bt, int64_t k2b, int64_t k2e,
+    int64_t o0, bf16 *restrict out, int64_t out_stride, const int nt)
 {
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
     for (int64_t k2 = k2b; k2 < k2e; ++k2) {
@@ -72,13 +74,14 @@ static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_VECTORS; ++j) load_pairs(b + 2 * VL * j, &even[j], &odd[j]);
 #pragma GCC unroll 4
-        for (int t = 0; t < LORA_TOKENS; ++t) {
+        for (int t = 0; t < nt; ++t) {
             const float ya = y[t * r + 2 * k2], yc = y[t * r + 2 * k2 + 1];
 #pragma GCC unroll 4
             for (int j = 0; j < TILE_VECTORS; ++j) c[t][j] += ya * even[j] + yc * odd[j];
         }
     }
-    for (int64_t t = 0; t < nt; ++t) {
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; ++t) {
         float sums[TILE_COLUMNS];
         memcpy(sums, c[t], sizeof sums);
         bf16 *restrict ot = out + t * out_stride + o0;
@@ -90,7 +93,7 @@ static inline void expand_pairs(const float *restrict y, int64_t r, const bf16 *
 
 /* Up to LORA_ITEM_TOKENS consecutive tokens of one slot in groups of 4 (cpu_lora_f32.c's
  * lora_tokens), weights in the tiled pair-interleaved layout. xb: the tokens' rows widened
- * to fp32, zero-padded to a multiple of 4 rows of in2 * 2; y: [groups * 4, r], the shrink's
+ * to fp32, nt rows of in2 * 2; y: [groups * 4, r], the shrink's
  * output, rounded to bf16 values. */
 static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
                                  int64_t out_stride, int64_t nt, int64_t in2,
@@ -99,7 +102,14 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
                                  float *restrict y)
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
-#define SHRINK(X, Y, K0, NV) shrink_pairs(X, in2, at, r, K0, NV, Y)
+    /* a group's tokens (1-4) as a constant: its rows are those from X on */
+#define SHRINK(X, Y, K0, NV)                                                              \
+    switch (LORA_GROUP_TOKENS(nt, ((X) - xb) / (LORA_TOKENS * w))) {                    \
+    case 1: shrink_pairs(X, in2, at, r, K0, NV, 1, Y); break;                           \
+    case 2: shrink_pairs(X, in2, at, r, K0, NV, 2, Y); break;                           \
+    case 3: shrink_pairs(X, in2, at, r, K0, NV, 3, Y); break;                           \
+    default: shrink_pairs(X, in2, at, r, K0, NV, 4, Y); break;                          \
+    }
     LORA_SHRINK_GROUPS(SHRINK, xb, LORA_TOKENS * w, y, r, groups);
 #undef SHRINK
     const bf16 *restrict bs = bt; /* the slice's tiles */
@@ -111,8 +121,10 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
         for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
             for (int64_t g = 0; g < groups; ++g) {
                 const int64_t t0 = g * LORA_TOKENS;
-                expand_pairs(y + t0 * r, r, bs + (o0 - lo) * np * 2, k2b, k2e, o0,
-                             out + t0 * out_stride, out_stride, LORA_GROUP_TOKENS(nt, g));
+#define EXPAND(N) expand_pairs(y + t0 * r, r, bs + (o0 - lo) * np * 2, k2b, k2e, o0, \
+                                 out + t0 * out_stride, out_stride, N)
+                LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), EXPAND)
+#undef EXPAND
             }
         const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
         const int64_t wt = hi - o0;
@@ -500,7 +512,7 @@ int lora_bf16_team(const struct lora_call *c)
             continue;
         }
 #endif
-        for (int64_t i = 0; i < padded * w; ++i) xf[i] = bf16_to_f32(xh[i]);
+        for (int64_t i = 0; i < nt * w; ++i) xf[i] = bf16_to_f32(xh[i]); /* rows read */
         lora_tokens_portable(xf, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
                              at, bt, c->ranks[slot], slices, c->num_slices[slot],
                              y);
