@@ -161,11 +161,32 @@ static inline __attribute__((always_inline)) void scores_avx2(
 #endif
 
 /* acc[h * head_dim + d] += sum_p w[h * ws + p] * v[p * pos_stride + d] for the nh heads
- * of one KV head: each V row read once for all of them, four rows per acc update. */
+ * of one KV head. At head_dim 64 (the demo model's) a head's 64 sums stay in registers
+ * for the whole block, its V rows read from L1 after the first head: 1.17x the whole
+ * kernel on the AVX2 EPYC against loading and storing them every four rows, as other
+ * head sizes still do (docs/benchmarks.md, "Decode attention on CPU"). */
 static inline __attribute__((always_inline)) void values_f32(
     float *restrict acc, const float *restrict v, int64_t pos_stride, const float *restrict w,
     int64_t ws, int64_t nh, int64_t n, const int64_t head_dim)
 {
+    if (head_dim == 64) { /* a head's 64 sums in registers for the whole block */
+        for (int64_t h = 0; h < nh; ++h) {
+            vf a[64 / VL];
+            float *restrict ah = acc + h * 64;
+#pragma GCC unroll 16
+            for (int j = 0; j < 64 / VL; ++j) a[j] = loadv(ah + VL * j);
+            const float *restrict wh = w + h * ws;
+            for (int64_t p = 0; p < n; ++p) {
+                const float pr = wh[p];
+                const float *restrict vp = v + p * pos_stride;
+#pragma GCC unroll 16
+                for (int j = 0; j < 64 / VL; ++j) a[j] += pr * loadv(vp + VL * j);
+            }
+#pragma GCC unroll 16
+            for (int j = 0; j < 64 / VL; ++j) memcpy(ah + VL * j, &a[j], sizeof(vf));
+        }
+        return;
+    }
     int64_t p = 0;
     for (; p + 4 <= n; p += 4) {
         const float *restrict v0 = v + p * pos_stride, *restrict v1 = v0 + pos_stride,
