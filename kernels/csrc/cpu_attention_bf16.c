@@ -212,13 +212,14 @@ static inline __attribute__((always_inline)) void values_avx512(
 /* Positions [begin, end) of one sequence (begin on a block boundary), every head, into
  * the running state m, l [heads], acc [heads * head_dim] (started here; lanes permuted
  * as values_avx512 says when `vector`). Scratch: w [SCORE_HEADS * block_size], qf [heads *
- * head_dim] (the portable scores' queries). */
+ * head_dim] (the portable scores' queries), kvf [2 * block_size * head_dim] (a block's K
+ * and V rows of one KV head, widened, for the portable path on AVX2). */
 static inline __attribute__((always_inline)) void decode_range(
     const bf16 *restrict q, int64_t q_head_stride,
     const bf16 *restrict k_cache, const bf16 *restrict v_cache, const int32_t *restrict table,
     int64_t begin, int64_t end, int64_t kv_heads, int64_t group, const int64_t head_dim,
     int64_t block_size, float scale, int vector, float *restrict m, float *restrict l,
-    float *restrict acc, float *restrict w, float *restrict qf)
+    float *restrict acc, float *restrict w, float *restrict qf, float *restrict kvf)
 {
     const int64_t heads = kv_heads * group;
     const int64_t pos_stride = kv_heads * head_dim;
@@ -270,6 +271,33 @@ static inline __attribute__((always_inline)) void decode_range(
                         values_avx512(a, vb, pos_stride, w, block_size, 3, n, head_dim);
                     else
                         values_avx512(a, vb, pos_stride, w, block_size, nh, n, head_dim);
+                    continue;
+                }
+#endif
+#ifdef SCORES_AVX2
+                if (head_dim % 8 == 0) {
+                    /* the block's rows of this KV head widened once, for every head of the
+                     * group: cpu_attention_f32.c's AVX2 scores and values on them, the
+                     * weights rounded to bf16 in between (values_portable's weight_bf16) */
+                    float *restrict kf = kvf, *restrict vf_ = kvf + block_size * head_dim;
+                    if (g0 == 0)
+                        for (int64_t p = 0; p < n; ++p)
+                            for (int64_t d = 0; d < head_dim; ++d) {
+                                kf[p * head_dim + d] = bf16_to_f32(kb[p * pos_stride + d]);
+                                vf_[p * head_dim + d] = bf16_to_f32(vb[p * pos_stride + d]);
+                            }
+                    if (nh == 3)
+                        scores_avx2(qf + h0 * head_dim, head_dim, 3, kf, head_dim, n, head_dim,
+                                    scale, w, block_size);
+                    else
+                        scores_avx2(qf + h0 * head_dim, head_dim, nh, kf, head_dim, n,
+                                    head_dim, scale, w, block_size);
+                    online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
+                    scale_rows(a, nh, head_dim, corr);
+                    for (int64_t h = 0; h < nh; ++h)
+                        for (int64_t p = 0; p < n; ++p)
+                            w[h * block_size + p] = weight_bf16(w[h * block_size + p]);
+                    values_f32(a, vf_, head_dim, w, block_size, nh, n, head_dim);
                     continue;
                 }
 #endif
@@ -333,9 +361,10 @@ int paged_decode_attention_bf16(
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        /* state, w, qf */
+        /* state, w, qf, the portable AVX2 path's widened K and V rows of a block */
         float *own = malloc(sizeof(float) * (size_t)(state + SCORE_HEADS * block_size
-                                                     + num_heads * head_dim));
+                                                     + num_heads * head_dim
+                                                     + 2 * block_size * head_dim));
         const int ok = own && (!split || parts);
         /* every thread must reach the worksharing loops, even one without scratch */
 #pragma omp for schedule(dynamic, 1)
@@ -353,14 +382,15 @@ int paged_decode_attention_bf16(
             float *l = whole ? own + num_heads : ls + j * num_heads;
             float *acc = whole ? own + 2 * num_heads : accs + j * num_heads * head_dim;
             float *w = own + state, *qf = w + SCORE_HEADS * block_size;
+            float *kvf = qf + num_heads * head_dim;
             if (head_dim == 64)
                 decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
                              num_kv_heads, group, 64, block_size, scale, vector, m, l, acc, w,
-                             qf);
+                             qf, kvf);
             else
                 decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
                              num_kv_heads, group, head_dim, block_size, scale, vector, m, l,
-                             acc, w, qf);
+                             acc, w, qf, kvf);
             if (whole)
                 write_out(acc, l, num_heads, head_dim, vector, out + row * o_row_stride,
                           o_head_stride);

@@ -12,7 +12,7 @@
 #define LORAPLEX_DECODE_ATTENTION_H
 #include "common.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -183,5 +183,122 @@ static inline __m512 reduce16(__m512 u0, __m512 u1, __m512 u2, __m512 u3)
 }
 
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SCORES_AVX2 1
+
+/* Four vectors of 8 partial sums -> their 4 whole sums, in order. */
+static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* cpu_attention_f32.c's scores_portable with head_dim a multiple of 8, for AVX2 (16
+ * ymm): 4 positions x up to 3 heads of FMA chains with the 8 dimension lanes kept apart
+ * (12 ymm), reduced 4 positions at once; more heads take another pass over the K rows (from L1). The portable
+ * loop reduced every (head, position) dot product on its own and ran at a quarter of
+ * this. The portable bfloat16 kernel runs it on a block's rows widened to float32. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const float *restrict q, int64_t q_head_stride, const int64_t nh,
+    const float *restrict k, int64_t pos_stride, int64_t n, const int64_t head_dim,
+    float scale, float *restrict w, int64_t ws)
+{
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (int64_t h0 = 0; h0 < nh; h0 += 3) {
+        const int64_t hn = nh - h0 < 3 ? nh - h0 : 3;
+        const float *restrict qh = q + h0 * q_head_stride;
+        for (int64_t p0 = 0; p0 < n; p0 += 4) {
+            const int64_t m = n - p0 < 4 ? n - p0 : 4;
+            /* rows past n repeat the last one (their sums are dropped): constant trip
+             * counts, so the 12 sums stay in registers */
+            const float *restrict kr[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) kr[j] = k + (p0 + (j < m ? j : m - 1)) * pos_stride;
+            __m256 t[3][4];
+#pragma GCC unroll 3
+            for (int h = 0; h < 3; ++h)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) t[h][j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 8) {
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) {
+                    const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+#pragma GCC unroll 3
+                    for (int h = 0; h < 3; ++h)
+                        if (h < hn)
+                            t[h][j] = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(qh + h * q_head_stride + d), kv, t[h][j]);
+                }
+            }
+#pragma GCC unroll 3
+            for (int h = 0; h < 3; ++h) {
+                if (h >= hn) break;
+                const __m128 sc = _mm_mul_ps(hsum4_avx2(t[h][0], t[h][1], t[h][2], t[h][3]),
+                                             vscale);
+                float *restrict wh = w + (h0 + h) * ws + p0;
+                if (m == 4) {
+                    _mm_storeu_ps(wh, sc);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sc);
+                    for (int64_t j = 0; j < m; ++j) wh[j] = tmp[j];
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* acc[h * head_dim + d] += sum_p w[h * ws + p] * v[p * pos_stride + d] for the nh heads
+ * of one KV head. At head_dim 64 (the demo model's) a head's 64 sums stay in registers
+ * for the whole block, its V rows read from L1 after the first head: 1.17x the whole
+ * kernel on the AVX2 EPYC against loading and storing them every four rows, as other
+ * head sizes still do (docs/benchmarks.md, "Decode attention on CPU"). */
+static inline __attribute__((always_inline)) void values_f32(
+    float *restrict acc, const float *restrict v, int64_t pos_stride, const float *restrict w,
+    int64_t ws, int64_t nh, int64_t n, const int64_t head_dim)
+{
+    if (head_dim == 64) { /* a head's 64 sums in registers for the whole block */
+        for (int64_t h = 0; h < nh; ++h) {
+            vf a[64 / VL];
+            float *restrict ah = acc + h * 64;
+#pragma GCC unroll 16
+            for (int j = 0; j < 64 / VL; ++j) a[j] = loadv(ah + VL * j);
+            const float *restrict wh = w + h * ws;
+            for (int64_t p = 0; p < n; ++p) {
+                const float pr = wh[p];
+                const float *restrict vp = v + p * pos_stride;
+#pragma GCC unroll 16
+                for (int j = 0; j < 64 / VL; ++j) a[j] += pr * loadv(vp + VL * j);
+            }
+#pragma GCC unroll 16
+            for (int j = 0; j < 64 / VL; ++j) memcpy(ah + VL * j, &a[j], sizeof(vf));
+        }
+        return;
+    }
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4) {
+        const float *restrict v0 = v + p * pos_stride, *restrict v1 = v0 + pos_stride,
+                    *restrict v2 = v1 + pos_stride, *restrict v3 = v2 + pos_stride;
+        for (int64_t h = 0; h < nh; ++h) {
+            const float *restrict wh = w + h * ws + p;
+            const float p0 = wh[0], p1 = wh[1], p2 = wh[2], p3 = wh[3];
+            float *restrict a = acc + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d)
+                a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+        }
+    }
+    for (; p < n; ++p)
+        for (int64_t h = 0; h < nh; ++h) {
+            const float *restrict vp = v + p * pos_stride;
+            const float pr = w[h * ws + p];
+            float *restrict a = acc + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += pr * vp[d];
+        }
+}
+
 
 #endif
