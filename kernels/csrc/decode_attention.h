@@ -196,9 +196,10 @@ static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d)
 
 /* cpu_attention_f32.c's scores_portable with head_dim a multiple of 8, for AVX2 (16
  * ymm): 4 positions x up to 3 heads of FMA chains with the 8 dimension lanes kept apart
- * (12 ymm), reduced 4 positions at once; more heads take another pass over the K rows (from L1). The portable
- * loop reduced every (head, position) dot product on its own and ran at a quarter of
- * this. The portable bfloat16 kernel runs it on a block's rows widened to float32. */
+ * (12 ymm), reduced 4 positions at once; more heads take another pass over the K rows
+ * (from L1). The portable loop reduced every (head, position) dot product on its own and
+ * ran at a quarter of this. The portable bfloat16 kernel runs it on a block's rows
+ * widened to float32. */
 static inline __attribute__((always_inline)) void scores_avx2(
     const float *restrict q, int64_t q_head_stride, const int64_t nh,
     const float *restrict k, int64_t pos_stride, int64_t n, const int64_t head_dim,
