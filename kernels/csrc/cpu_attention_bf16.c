@@ -277,8 +277,8 @@ static inline __attribute__((always_inline)) void decode_range(
 #ifdef SCORES_AVX2
                 if (head_dim % 8 == 0) {
                     /* the block's rows of this KV head widened once, for every head of the
-                     * group: cpu_attention_f32.c's AVX2 scores and values on them, the
-                     * weights rounded to bf16 in between (values_portable's weight_bf16) */
+                     * group: the float32 kernel's AVX2 scores and values (decode_attention.h)
+                     * on them, the weights rounded to bf16 in between (weight_bf16) */
                     float *restrict kf = kvf, *restrict vf_ = kvf + block_size * head_dim;
                     if (g0 == 0)
                         for (int64_t p = 0; p < n; ++p)

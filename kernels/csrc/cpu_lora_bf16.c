@@ -495,8 +495,11 @@ int lora_bf16_team(const struct lora_call *c)
             if (nt == 0) continue;
         }
 #endif
-        const int64_t padded = (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
-        for (int64_t j = 0; j < padded; ++j) { /* rows past nt stay zero */
+        /* the AVX-512 kernel reads whole groups of 4 rows, those past nt zero; the
+         * portable one reads the group's own rows only */
+        const int64_t padded = portable ? nt
+                                        : (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
+        for (int64_t j = 0; j < padded; ++j) {
             if (j < nt) {
                 memcpy(xh + j * w, (const bf16 *)c->x + (t + j) * c->x_stride,
                        sizeof(bf16) * (size_t)c->in_features);

@@ -260,7 +260,7 @@ static inline __attribute__((always_inline)) void values_f32(
     float *restrict acc, const float *restrict v, int64_t pos_stride, const float *restrict w,
     int64_t ws, int64_t nh, int64_t n, const int64_t head_dim)
 {
-    if (head_dim == 64) { /* a head's 64 sums in registers for the whole block */
+    if (head_dim == 64) {
         for (int64_t h = 0; h < nh; ++h) {
             vf a[64 / VL];
             float *restrict ah = acc + h * 64;
@@ -300,6 +300,5 @@ static inline __attribute__((always_inline)) void values_f32(
             for (int64_t d = 0; d < head_dim; ++d) a[d] += pr * vp[d];
         }
 }
-
 
 #endif
