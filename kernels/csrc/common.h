@@ -137,6 +137,14 @@ static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
     default: GROUP_CALL(4); break;                                                      \
     }
 
+/* The expand's order, in every LoRA kernel: group after group of a work item's tokens,
+ * each along all of a slice's tiles, so that a group's rows of out are read and written in
+ * order. Tile after tile, each through all groups (the earlier order), touched every row of
+ * the item per tile, strided by the output's width: a prefill's 32-token items waited on
+ * those rows (1.1-1.3x in bfloat16, 1.2-1.4x in float32 for whole prefill segments). A
+ * slice's tiles are a few KiB to tens of KiB and stay in cache for the groups after the
+ * first. */
+
 /* The tokens per LoRA work item: `most` (a multiple of `group`), halved while that leaves
  * fewer items than `want` (the team's threads), down to `group`. */
 static inline int64_t lora_item_tokens(const int64_t *seg_len, int64_t num_segs,

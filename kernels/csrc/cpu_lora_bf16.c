@@ -117,15 +117,17 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
         /* the pairs holding the slice's ranks; a pair's other row is zero here */
         const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
         const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3], np = k2e - k2b;
-        int64_t o0 = lo;
-        for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
-            for (int64_t g = 0; g < groups; ++g) {
+        /* group after group along the whole tiles (common.h: the expand's order) */
+        const int64_t full = lo + (hi - lo) / TILE_COLUMNS * TILE_COLUMNS;
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t o0 = lo; o0 < full; o0 += TILE_COLUMNS) {
                 const int64_t t0 = g * LORA_TOKENS;
 #define EXPAND(N) expand_pairs(y + t0 * r, r, bs + (o0 - lo) * np * 2, k2b, k2e, o0, \
                                  out + t0 * out_stride, out_stride, N)
                 LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), EXPAND)
 #undef EXPAND
             }
+        const int64_t o0 = full;
         const bf16 *restrict b = bs + (o0 - lo) * np * 2; /* the last tile [np, wt, 2] */
         const int64_t wt = hi - o0;
         for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */
@@ -160,10 +162,9 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
  * or 2 vectors the sums' dependency chains, not the loads, set the pace. */
 #define SHRINK_MAX_TOKENS 8
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
-    const bf16 *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
-    const int nv, const int nt, bf16 *restrict yb)
+    const bf16 *restrict xb, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
+    int64_t k0, const int nv, const int nt, bf16 *restrict yb)
 {
-    const int64_t w = 2 * in2;
     __m512 c[SHRINK_MAX_TOKENS][4];
 #pragma GCC unroll 8
     for (int t = 0; t < SHRINK_MAX_TOKENS; ++t)
@@ -181,7 +182,7 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
         for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
-            const __m512bh xp = pair_at(xb + t * w + 2 * i2);
+            const __m512bh xp = pair_at(xb + t * ldx + 2 * i2);
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
         }
@@ -198,19 +199,19 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
  * constant where it is inlined; nt up to 8 (two groups), the blocks of 64 ranks then 4
  * tokens at a time. */
 static inline __attribute__((always_inline)) void shrink_group_avx512(
-    const bf16 *restrict xg, int64_t in2, const bf16 *restrict at, int64_t r, const int nt,
-    bf16 *restrict yg)
+    const bf16 *restrict xg, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
+    const int nt, bf16 *restrict yg)
 {
     int64_t k0 = 0;
     for (; k0 + 64 <= r; k0 += 64) {
-        shrink_ranks_avx512(xg, in2, at, r, k0, 4, nt < 4 ? nt : 4, yg);
+        shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 4, nt < 4 ? nt : 4, yg);
         if (nt > 4)
-            shrink_ranks_avx512(xg + 4 * 2 * in2, in2, at, r, k0, 4, nt - 4, yg + 4 * r);
+            shrink_ranks_avx512(xg + 4 * ldx, ldx, in2, at, r, k0, 4, nt - 4, yg + 4 * r);
     }
     switch ((r - k0) / 16) {
-    case 3: shrink_ranks_avx512(xg, in2, at, r, k0, 3, nt, yg); break;
-    case 2: shrink_ranks_avx512(xg, in2, at, r, k0, 2, nt, yg); break;
-    case 1: shrink_ranks_avx512(xg, in2, at, r, k0, 1, nt, yg); break;
+    case 3: shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 3, nt, yg); break;
+    case 2: shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 2, nt, yg); break;
+    case 1: shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 1, nt, yg); break;
     default: break;
     }
 }
@@ -397,25 +398,25 @@ static void lora_blocks_amx(const bf16 *restrict x, int64_t ldx, bf16 *restrict 
 }
 #endif
 
-/* The same with vdpbf16ps. xb: the tokens' bf16 rows, zero-padded to a multiple of 4 rows
- * of in2 * 2; yb: [groups * 4, r] bf16. */
-static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
+/* The same with vdpbf16ps. xb: the tokens' bf16 rows (nt of them, at a stride of ldx), each
+ * in2 pairs; yb: [groups * 4, r] bf16. */
+static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restrict out,
                                int64_t out_stride, int64_t nt, int64_t in2,
                                const bf16 *restrict at, const bf16 *restrict bt, int64_t r,
                                const int64_t *restrict slices, int64_t num_slices,
                                bf16 *restrict yb)
 {
-    const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
+    const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS;
     for (int64_t g = 0; g < groups; ++g) {
-        const bf16 *restrict xg = xb + g * LORA_TOKENS * w;
+        const bf16 *restrict xg = xb + g * LORA_TOKENS * ldx;
         bf16 *restrict yg = yb + g * LORA_TOKENS * r;
         if (nt - g * LORA_TOKENS >= 2 * LORA_TOKENS) {
             /* this group and the next */
-            shrink_group_avx512(xg, in2, at, r, 2 * LORA_TOKENS, yg);
+            shrink_group_avx512(xg, ldx, in2, at, r, 2 * LORA_TOKENS, yg);
             ++g;
             continue;
         }
-#define SHRINK(N) shrink_group_avx512(xg, in2, at, r, N, yg)
+#define SHRINK(N) shrink_group_avx512(xg, ldx, in2, at, r, N, yg)
         LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), SHRINK)
 #undef SHRINK
     }
@@ -424,9 +425,10 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
         /* the pairs holding the slice's ranks; a pair's other row is zero here */
         const int64_t k2b = slices[4 * s] / 2, k2e = (slices[4 * s + 1] + 1) / 2;
         const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3], np = k2e - k2b;
-        int64_t o0 = lo;
-        for (; o0 + 64 <= hi; o0 += 64) {
-            for (int64_t g = 0; g < groups; ++g) { /* the tile from cache after the first */
+        /* group after group along the whole tiles (common.h: the expand's order) */
+        const int64_t full = lo + (hi - lo) / 64 * 64;
+        for (int64_t g = 0; g < groups; ++g) {
+            for (int64_t o0 = lo; o0 < full; o0 += 64) {
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
                 bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
@@ -435,8 +437,8 @@ static void lora_tokens_avx512(const bf16 *restrict xb, bf16 *restrict out,
 #undef EXPAND
             }
         }
-        expand_last_columns(yb, r, bs + (o0 - lo) * np * 2, k2b, k2e, hi - o0,
-                            out + o0, out_stride, nt);
+        expand_last_columns(yb, r, bs + (full - lo) * np * 2, k2b, k2e, hi - full,
+                            out + full, out_stride, nt);
         bs += (hi - lo) * np * 2;
     }
 }
@@ -466,7 +468,8 @@ int lora_bf16_team(const struct lora_call *c)
     const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
     int failed = 0;
     /* per work item, c->item_rows rows at most, each written before it is read: y: fp32
-     * [., R] (portable) or bf16 (vector); xf: [., w] fp32 (portable only); xh: [., w] bf16 */
+     * [., R] (portable) or bf16 (vector); xf: [., w] fp32 (portable only); xh: [., w] bf16
+     * (x's rows where they are not read in place) */
     const int portable = c->impl != BF16_AVX512;
     float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
     float *xf = portable ? malloc(sizeof(float) * (size_t)(c->item_rows * w)) : NULL;
@@ -495,23 +498,24 @@ int lora_bf16_team(const struct lora_call *c)
             if (nt == 0) continue;
         }
 #endif
-        /* the AVX-512 kernel reads whole groups of 4 rows, those past nt zero; the
-         * portable one reads the group's own rows only */
-        const int64_t padded = portable ? nt
-                                        : (nt + LORA_TOKENS - 1) / LORA_TOKENS * LORA_TOKENS;
-        for (int64_t j = 0; j < padded; ++j) {
-            if (j < nt) {
-                memcpy(xh + j * w, (const bf16 *)c->x + (t + j) * c->x_stride,
-                       sizeof(bf16) * (size_t)c->in_features);
-                if (w > c->in_features) xh[j * w + w - 1] = 0; /* an odd width's pad */
-            } else
-                memset(xh + j * w, 0, sizeof(bf16) * (size_t)w);
+        /* the tokens' rows: in place where the AVX-512 kernel reads them (an even width:
+         * its pairs never pass a row's end), else copied, an odd width padded with a zero
+         * (copying a prefill item's 32 rows was ~6 % of a bfloat16 prefill's LoRA) */
+        const bf16 *xr = (const bf16 *)c->x + t * c->x_stride;
+        int64_t ldx = c->x_stride;
+        if (portable || w != c->in_features) {
+            for (int64_t j = 0; j < nt; ++j) {
+                memcpy(xh + j * w, xr + j * c->x_stride, sizeof(bf16) * (size_t)c->in_features);
+                if (w > c->in_features) xh[j * w + w - 1] = 0;
+            }
+            xr = xh;
+            ldx = w;
         }
 #ifdef __AVX512BF16__
         if (c->impl == BF16_AVX512) {
-            lora_tokens_avx512(xh, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
-                               at, bt, c->ranks[slot], slices,
-                               c->num_slices[slot], (bf16 *)y);
+            lora_tokens_avx512(xr, ldx, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt,
+                               in2, at, bt, c->ranks[slot], slices, c->num_slices[slot],
+                               (bf16 *)y);
             continue;
         }
 #endif

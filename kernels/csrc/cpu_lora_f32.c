@@ -139,9 +139,10 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
     for (int64_t s = 0; s < num_slices; ++s) {
         const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
         const int64_t lo = slices[4 * s + 2], hi = slices[4 * s + 3];
-        int64_t o0 = lo;
-        for (; o0 + TILE_COLUMNS <= hi; o0 += TILE_COLUMNS)
-            for (int64_t g = 0; g < groups; ++g) { /* the tile from cache after the first */
+        /* group after group along the whole tiles (common.h: the expand's order) */
+        const int64_t full = lo + (hi - lo) / TILE_COLUMNS * TILE_COLUMNS;
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t o0 = lo; o0 < full; o0 += TILE_COLUMNS) {
                 const float *restrict tile = bs + (o0 - lo) * (ke - kb);
                 const float *restrict yg = y + g * LORA_TOKENS * r;
                 float *restrict og = out + g * LORA_TOKENS * out_stride + o0;
@@ -150,6 +151,7 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
                 LORA_BY_TOKENS(ng, EXPAND)
 #undef EXPAND
             }
+        const int64_t o0 = full;
         const float *restrict b = bs + (o0 - lo) * (ke - kb); /* the last tile [ke - kb, wt] */
         const int64_t wt = hi - o0;
         for (int64_t t = 0; t < nt; ++t) /* the slice's last (hi - lo) % TILE_COLUMNS columns */

@@ -168,6 +168,35 @@ def test_implementations_agree_on_lora() -> None:
         torch.testing.assert_close(other, outs[0], atol=2e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("hidden", [70, 71])
+def test_lora_reads_x_rows_at_their_stride(hidden: int, impl: str) -> None:
+    """x and out as column slices of wider buffers, NaN outside them: the AVX-512 kernel
+    reads x's rows in place at an even width (an odd one is copied and padded); the result
+    is the contiguous one's bit for bit, and nothing outside the slices is read or
+    written. Groups of 1-4 tokens and a 32-token item."""
+    runs = [(0, 1), (1, 2), (2, 3), (3, 32), (0, 5)]
+    slots_of = tuple(sorted(s for s, n in runs for _ in range(n)))
+    case = SGMVCase("strided", slots_of, (8, 16, 32, 64), hidden, (64, 24, 24))
+    inp = make_sgmv_inputs(case, BF16, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    segments = ops.SGMVMeta.build(case.token_slots, case.slot_ranks,
+                                  short_segment_len=len(slots_of)).short_segments
+    assert segments is not None
+    n, width = len(slots_of), sum(case.widths)
+    out0 = torch.randn(n, width, generator=torch.Generator().manual_seed(4)).to(BF16)
+    plain = out0.clone()
+    cpu_native.add_lora(plain, inp.x.contiguous(), segments, slots)
+    x_wide = torch.full((n, hidden + 9), float("nan"), dtype=BF16)
+    out_wide = torch.full((n, width + 5), float("nan"), dtype=BF16)
+    x_wide[:, 3:3 + hidden] = inp.x
+    out_wide[:, 2:2 + width] = out0
+    with torch_threads(2):
+        cpu_native.add_lora(out_wide[:, 2:2 + width], x_wide[:, 3:3 + hidden], segments, slots)
+    assert torch.equal(out_wide[:, 2:2 + width], plain)
+    assert out_wide[:, :2].isnan().all() and out_wide[:, 2 + width:].isnan().all()
+    assert not torch.equal(plain, out0)
+
+
 def test_add_lora_partial_targets(impl: str) -> None:
     check_partial_targets(BF16)
 
