@@ -473,10 +473,12 @@ int lora_bf16_team(const struct lora_call *c)
     const int portable = c->impl != BF16_AVX512;
     float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
     float *xf = portable ? malloc(sizeof(float) * (size_t)(c->item_rows * w)) : NULL;
-    bf16 *xh = malloc(sizeof(bf16) * (size_t)(c->item_rows * w));
+    /* x's rows are copied by the portable kernel, and at an odd width */
+    const int copies = portable || w != c->in_features;
+    bf16 *xh = copies ? malloc(sizeof(bf16) * (size_t)(c->item_rows * w)) : NULL;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < c->num_groups; ++g) {
-        if (!y || (portable && !xf) || !xh) {
+        if (!y || (portable && !xf) || (copies && !xh)) {
             failed = 1;
             continue;
         }
@@ -503,7 +505,7 @@ int lora_bf16_team(const struct lora_call *c)
          * (copying a prefill item's 32 rows was ~6 % of a bfloat16 prefill's LoRA) */
         const bf16 *xr = (const bf16 *)c->x + t * c->x_stride;
         int64_t ldx = c->x_stride;
-        if (portable || w != c->in_features) {
+        if (copies) {
             for (int64_t j = 0; j < nt; ++j) {
                 memcpy(xh + j * w, xr + j * c->x_stride, sizeof(bf16) * (size_t)c->in_features);
                 if (w > c->in_features) xh[j * w + w - 1] = 0;
