@@ -44,18 +44,22 @@ def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is often empty)
     and the vector instruction set torch runs there, e.g. "AMD EPYC (AVX2)": the same
     model name has come with and without AVX-512, which moves every result. ", AMX" where
-    the CPU has AMX-BF16 tiles (torch does not say; the bf16 GEMMs run on them)."""
+    the CPU has AMX-BF16 tiles (torch does not say; the bf16 GEMMs run on them), and the
+    CPU's family and model numbers where it gives them: "AMD EPYC" with AVX-512 has been
+    a Zen 4 (family 25) and a Zen 5 (family 26), whose GEMM rates differ twofold."""
     import torch
 
-    cpu, flags = platform.processor(), set[str]()
+    cpu, fields, flags = platform.processor(), dict[str, str](), set[str]()
     try:
         with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                   cpu)
-        flags = set(next((ln.split(":", 1)[1].split() for ln in lines
-                          if ln.startswith("flags")), []))
+            for ln in f.read().split("\n\n", 1)[0].splitlines():  # the first CPU's block
+                key, _, value = ln.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+        cpu = fields.get("model name", cpu)
+        flags = set(fields.get("flags", "").split())
     except OSError:
         pass
     amx = ", AMX" if "amx_bf16" in flags else ""
-    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()}{amx})"
+    family = (f", family {fields['cpu family']} model {fields['model']}"
+              if "cpu family" in fields and "model" in fields else "")
+    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()}{amx}{family})"
