@@ -9,7 +9,7 @@ Each cell is the best of ``--repeats`` rounds, the three GEMMs alternated within
 GB/s counts the weights read once per pass, against the streaming rate of a plain
 ``sum`` over as many bytes measured in the same run.
 
-    python benchmarks/skinny_gemm.py          # ~2 minutes on 2 cores
+    python benchmarks/skinny_gemm.py          # ~1 minute on 2 cores
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from loraplex_kernels import cpu_native, ops  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] per layer
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384)
 Gemm = Callable[[torch.Tensor, torch.Tensor, ops.PackedWeight | None], torch.Tensor]
 
 

@@ -421,10 +421,22 @@ def _cpu_has_amx() -> bool:
     return {"amx_tile", "amx_bf16"} <= set(_cpu_signature().split())
 
 
+# Whether the loaded library's bf16 skinny GEMM is on AMX tiles, as `_set_skinny_amx` last
+# left it: read on every projection (``ops.skinny_max_rows``), so without a ctypes call.
+_amx_on = False
+
+
 def _set_skinny_amx(lib: ctypes.CDLL, enable: bool) -> bool:
+    global _amx_on
     if not hasattr(lib, "loraplex_skinny_amx"):
         return False
-    return bool(lib.loraplex_skinny_amx(1 if enable and _cpu_has_amx() else 0))
+    _amx_on = bool(lib.loraplex_skinny_amx(1 if enable and _cpu_has_amx() else 0))
+    return _amx_on
+
+
+def amx_on() -> bool:
+    """``skinny_amx()`` without the library call (the state it was last set to)."""
+    return _amx_on
 
 
 def skinny_amx(enable: bool | None = None) -> bool:

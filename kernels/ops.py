@@ -133,6 +133,20 @@ _LARGE_ROWS = 512
 # on its tiles, 1.75-1.87x oneDNN's packed AMX GEMM up to 32 rows, 1.24x at 64 and 1.09x at
 # 128 (a 2-core Xeon); the limit stays where the vector kernels set it.
 SKINNY_MAX_ROWS = 64
+# The most rows the bfloat16 skinny GEMM takes where it runs on AMX tiles. There it leads
+# oneDNN on the plain layout (what larger batches take) up to about 384 rows: on a 2-core
+# Xeon with AMX the demo model's 30 layers took 27.3 ms against 36.5 at 128 rows, 40.2
+# against 51.2 at 256, 53.5 against 53.3 at 384 (benchmarks/skinny_gemm.py; its float32
+# kernel falls behind past 64 rows). A step that mixes a short prompt's chunk with the
+# running decodes has such sizes, and so does a decode step of many sequences.
+SKINNY_AMX_MAX_ROWS = 256
+
+
+def skinny_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of ``dtype`` that ``linear`` sends through a "skinny" packed weight's
+    native GEMM (more go to oneDNN)."""
+    return SKINNY_AMX_MAX_ROWS if dtype == torch.bfloat16 and cpu_native.amx_on() \
+        else SKINNY_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -140,7 +154,7 @@ class PackedWeight:
     """A linear weight ready for ``linear`` (``pack_linear_weight``).
 
     ``kind`` "skinny": ``data`` is the plain weight itself, which batches of up to
-    ``SKINNY_MAX_ROWS`` rows multiply through the native skinny GEMM and larger ones
+    ``skinny_max_rows`` rows multiply through the native skinny GEMM and larger ones
     through oneDNN's GEMM on the plain layout, or, for a bfloat16 weight on a CPU without
     bf16 GEMMs (``widen``), through ``large``, its float32 packed copy. ``kind``
     "onednn": ``data`` is oneDNN's packed copy (or, for a shared weight, by default the
@@ -182,7 +196,7 @@ def cpu_gemm_choice() -> str:
       run in one native call (``loraplex.model.native_decode``): the offline workload
       went from 39 s to 26 s in float32.
     - "skinny": the plain weight kept, the native skinny GEMM for batches of up to
-      ``SKINNY_MAX_ROWS`` rows and oneDNN on the plain layout for more; "onednn" where
+      ``skinny_max_rows`` rows and oneDNN on the plain layout for more; "onednn" where
       the CPU lacks the skinny GEMM's instructions.
     - "onednn": oneDNN's packed weights only (plain weights released, a tied
       LM head read in place).
@@ -215,7 +229,7 @@ def pack_linear_weight(weight: torch.Tensor, shared: bool = False) -> PackedWeig
     Where ``cpu_gemm_choice`` picks the skinny GEMM ("auto" on CPUs with AVX-512, and
     AVX512_BF16 for bfloat16, or AVX2 with FMA), no copy is made: the weight itself is
     what both of its GEMMs read; but for a bfloat16 weight on a CPU without bf16 GEMMs
-    (AVX2), whose batches past ``SKINNY_MAX_ROWS`` rows take the widened float32 packed
+    (AVX2), whose batches past ``skinny_max_rows`` rows take the widened float32 packed
     copy (``large``): the plain bf16 weight and that copy are 1.5x the float32 weights.
 
     ``shared``: the plain weight stays in use elsewhere (an LM head tied to the token
@@ -263,7 +277,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     With a oneDNN-packed weight ``weight`` is not read, so its owner may release it."""
     if packed is not None and packed.kind in ("onednn", "skinny"):
         flat = x.reshape(-1, x.shape[-1])
-        if packed.kind == "skinny" and flat.shape[0] <= SKINNY_MAX_ROWS:
+        if packed.kind == "skinny" and flat.shape[0] <= skinny_max_rows(flat.dtype):
             out = cpu_native.skinny_linear(flat, packed.data, bias)
         elif packed.widen:  # a bf16 layer on a CPU without bf16 GEMMs
             out = torch.ops.mkldnn._linear_pointwise(
@@ -287,7 +301,7 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (``cpu_native.skinny_lora``: one parallel region instead of two). Runs per projection
     of every step, so the backend check reads ``is_cpu``, not a device object."""
     if (meta.has_lora and packed is not None and packed.kind == "skinny"
-            and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+            and x.dim() == 2 and x.shape[0] <= skinny_max_rows(x.dtype)
             and slots.layout == "per_slot" and slots.dtype == x.dtype
             and meta.short_segments is not None and not meta.long_segment_ids
             and (x.is_cpu if backend is None else backend == "cpu")):

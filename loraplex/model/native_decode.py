@@ -3,7 +3,7 @@
 
 The layer-by-layer code (``llama.DecoderLayer``) calls the same kernels in the same order;
 what this saves is the Python between them, per layer and step. A step it does not take
-(prefill rows, more than ``SKINNY_MAX_ROWS`` rows, LoRA segments the native kernel does not
+(prefill rows, more rows than ``skinny_max_rows``, LoRA segments the native kernel does not
 run, another backend) goes layer by layer.
 """
 
@@ -17,7 +17,7 @@ from loraplex.model.lora import LoRALinear, LoRAStep
 from loraplex_kernels import cpu_decode, cpu_native
 from loraplex_kernels.lora_slots import LoRASlots
 from loraplex_kernels.meta import AttentionMeta
-from loraplex_kernels.ops import SKINNY_MAX_ROWS, Backend, Rope
+from loraplex_kernels.ops import Backend, Rope, skinny_max_rows
 
 if TYPE_CHECKING:
     from loraplex.model.llama import DecoderLayer, KVCache, LlamaModel
@@ -73,7 +73,7 @@ class NativeDecode:
         if not (x.is_cpu if backend is None else backend == "cpu"):
             return False
         n = x.shape[0]
-        if not 0 < n <= SKINNY_MAX_ROWS or meta.decode_seq_ids.numel() != n:
+        if not 0 < n <= skinny_max_rows(x.dtype) or meta.decode_seq_ids.numel() != n:
             return False
         if lora is None or not lora.meta.has_lora:
             return True

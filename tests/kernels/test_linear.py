@@ -215,8 +215,8 @@ def _check_skinny(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 21, 29, 64, 65, 300])
 def test_skinny_gemm_reads_the_plain_weight(dtype: torch.dtype, rows: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LORAPLEX_CPU_GEMM=skinny``: no copy; batches of up to 64 rows through the native
-    skinny GEMM, more through oneDNN on the same plain weight (a bf16 weight on a CPU
+    """``LORAPLEX_CPU_GEMM=skinny``: no copy; batches of up to 64 rows (256 in bf16 on AMX
+    tiles) through the native skinny GEMM, more through oneDNN on the same plain weight (a bf16 weight on a CPU
     without bf16 GEMMs: on a float32 packed copy). 331 output columns (not a multiple of
     its 4-row groups), 272 inputs (not of its 32-value bf16 vectors), a strided input;
     scaling the weight after packing shows that the paths without a copy read it."""
@@ -391,6 +391,33 @@ def test_skinny_gemm_takes_vectors_where_tiles_do_not_fit() -> None:
         assert torch.equal(tiles, cpu_native.skinny_linear(x, w))
         if x.shape[0]:
             _check_skinny(tiles, x, w, None)
+
+
+@needs_amx
+@pytest.mark.usefixtures("amx_restored")
+@pytest.mark.parametrize("rows", [65, 200, 256, 257])
+def test_bfloat16_batches_take_the_amx_tiles_up_to_their_rows(
+        rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX on, ``linear`` sends a bf16 batch of up to ``SKINNY_AMX_MAX_ROWS`` rows
+    through the skinny GEMM (its tiles lead oneDNN on the plain layout there), a larger one
+    to oneDNN; with AMX off, past ``SKINNY_MAX_ROWS`` to oneDNN. Told apart by their
+    outputs: the same float32 sums added in other orders differ in some last bits."""
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", "skinny")
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(331, 576, generator=g).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "skinny"
+    onednn = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    for amx in (True, False):
+        assert cpu_native.skinny_amx(amx) == amx == cpu_native.amx_on()
+        skinny = cpu_native.skinny_linear(x, weight)
+        assert not torch.equal(skinny, onednn)
+        takes_skinny = rows <= (ops.SKINNY_AMX_MAX_ROWS if amx else ops.SKINNY_MAX_ROWS)
+        assert (rows <= ops.skinny_max_rows(torch.bfloat16)) == takes_skinny
+        got = ops.linear(x, torch.empty(0), None, packed)
+        assert torch.equal(got, skinny if takes_skinny else onednn), amx
+    assert ops.skinny_max_rows(torch.float32) == ops.SKINNY_MAX_ROWS
 
 
 def test_amx_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from loraplex.model.adapter_loader import TargetShapes, load_adapter
 from loraplex.model.runner import BatchInputs, ModelRunner, SeqInput
 from loraplex.model.sampler import SamplingRow
 from loraplex.testing import build_adapter, build_tiny_model, load_reference, runner_logits
-from loraplex_kernels import cpu_decode, cpu_native
+from loraplex_kernels import cpu_decode, cpu_native, ops
 
 NUM_NEW = 8
 GREEDY = SamplingRow()
@@ -165,6 +165,52 @@ def test_native_decode_layers_match_the_layer_by_layer_path(
     assert len(calls) == NUM_NEW - 1
     assert torch.equal(native, layered)
 
+
+
+def _wide_decode_logits(model_dir: Path, adapters: dict[str, Path], rows: int) -> torch.Tensor:
+    """A decode step of ``rows`` sequences (base rows and two adapters' rows, interleaved),
+    after their prompts' prefill: its logits [rows, vocab]."""
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype="bfloat16"),
+                         CacheConfig(num_kv_blocks=rows + 8),
+                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
+                         progress=False)
+    target = TargetShapes.from_model_dir(model_dir)
+    for name, slot in (("r16qv", 0), ("r8", 2)):
+        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
+    rng = random.Random(rows)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 12))] for _ in range(rows)]
+    slots = [(-1, 0, 2)[i % 3] for i in range(rows)]
+    runner_logits(runner, BatchInputs([SeqInput(p, 0, [i], s, [GREEDY])
+                                       for i, (p, s) in enumerate(zip(prompts, slots, strict=True))]))
+    return runner_logits(runner, BatchInputs([
+        SeqInput([rng.randrange(3, 380)], len(p), [i], s, [GREEDY])
+        for i, (p, s) in enumerate(zip(prompts, slots, strict=True))])).float()
+
+
+@pytest.mark.skipif(not (cpu_native.can_skinny(torch.bfloat16) and cpu_native.skinny_amx()),
+                    reason="the bfloat16 skinny GEMM does not run on AMX tiles here")
+@pytest.mark.usefixtures("amx_restored")
+def test_native_decode_layers_take_amx_sized_batches(
+        model_dir: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX tiles the bfloat16 skinny GEMM takes batches of up to SKINNY_AMX_MAX_ROWS rows
+    (ops.skinny_max_rows), and the native decode layers with it: a decode step of 200 rows,
+    with LoRA and base rows, runs in one native call, its logits bit for bit the layer by
+    layer path's; with AMX off the same step goes layer by layer."""
+    monkeypatch.delenv("LORAPLEX_CPU_GEMM", raising=False)
+    rows = 200
+    assert ops.SKINNY_MAX_ROWS < rows <= ops.SKINNY_AMX_MAX_ROWS
+    calls = []
+    run = cpu_decode.run
+    monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(1) or run(*a))
+    native = _wide_decode_logits(model_dir, adapters, rows)
+    assert len(calls) == 1
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    assert torch.equal(native, _wide_decode_logits(model_dir, adapters, rows))
+    assert len(calls) == 1
+    monkeypatch.delenv(cpu_decode.ENV_SWITCH)
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "0")  # each runner applies it
+    _wide_decode_logits(model_dir, adapters, rows)
+    assert len(calls) == 1 and not cpu_native.skinny_amx()
 
 
 def test_bfloat16_without_avx512_bf16_kernels_is_named(
