@@ -130,7 +130,7 @@ static inline __m256i f32_to_bf16_x16(__m512 f)
 static inline __attribute__((always_inline)) void scores_avx512(
     const bf16 *restrict q, int64_t q_head_stride, const int64_t nh, const bf16 *restrict k,
     int64_t pos_stride, int64_t n, const int64_t head_dim, float scale, float *restrict w,
-    int64_t ws)
+    int64_t ws, const bf16 *pf, int64_t pf_n)
 {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
@@ -142,6 +142,8 @@ static inline __attribute__((always_inline)) void scores_avx512(
                 for (int64_t j = 0; j < 4; ++j) t[h][j] = _mm512_setzero_ps();
             for (int64_t j = 0; j < 4 && 4 * c + j < m; ++j) {
                 const bf16 *restrict kr = k + (p0 + 4 * c + j) * pos_stride;
+                if (p0 + 4 * c + j < pf_n)
+                    prefetch_rows(pf + (p0 + 4 * c + j) * pos_stride, 1, 0, head_dim * 2);
                 for (int64_t d = 0; d < head_dim; d += 32) {
                     const __m512bh kv = as_bh(_mm512_loadu_si512(kr + d));
                     for (int64_t h = 0; h < nh; ++h)
@@ -165,7 +167,8 @@ static inline __attribute__((always_inline)) void scores_avx512(
  * An odd last position pairs with zeros. */
 static inline __attribute__((always_inline)) void values_avx512(
     float *restrict acc, const bf16 *restrict v, int64_t pos_stride, const float *restrict w,
-    int64_t ws, const int64_t nh, int64_t n, const int64_t head_dim)
+    int64_t ws, const int64_t nh, int64_t n, const int64_t head_dim, const bf16 *pf,
+    int64_t pf_n)
 {
     /* 32 positions at a time: each head's weights rounded to bf16 once, 16 at a time (as
      * consecutive bf16 they are the pairs the dot products take, a zero past n), not once
@@ -188,6 +191,9 @@ static inline __attribute__((always_inline)) void values_avx512(
             }
             for (int64_t p = 0; p < np; p += 2) {
                 const int two = p + 1 < np;
+                if (d == 0 && p0 + p < pf_n)
+                    prefetch_rows(pf + (p0 + p) * pos_stride, p0 + p + 1 < pf_n ? 2 : 1,
+                                  pos_stride * 2, head_dim * 2);
                 const bf16 *restrict vp = v + (p0 + p) * pos_stride + d;
                 const __m512i x0 = _mm512_loadu_si512(vp);
                 const __m512i x1 = two ? _mm512_loadu_si512(vp + pos_stride)
@@ -246,11 +252,12 @@ static inline __attribute__((always_inline)) void decode_range(
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             const bf16 *restrict kb = k_cache + off + kh * head_dim;
             const bf16 *restrict vb = v_cache + off + kh * head_dim;
-            if (next_n > 0) {
-                prefetch_rows(k_cache + next + kh * head_dim, next_n, pos_stride * 2,
-                              head_dim * 2);
-                prefetch_rows(v_cache + next + kh * head_dim, next_n, pos_stride * 2,
-                              head_dim * 2);
+            /* the block ahead: the vector kernels spread its rows' prefetches over their
+             * own rows' loads (a burst of them stalled on the miss buffers) */
+            const bf16 *pk = k_cache + next + kh * head_dim, *pv = v_cache + next + kh * head_dim;
+            if (next_n > 0 && !vector) {
+                prefetch_rows(pk, next_n, pos_stride * 2, head_dim * 2);
+                prefetch_rows(pv, next_n, pos_stride * 2, head_dim * 2);
             }
             for (int64_t g0 = 0; g0 < group; g0 += SCORE_HEADS) {
                 const int64_t nh = group - g0 < SCORE_HEADS ? group - g0 : SCORE_HEADS;
@@ -259,18 +266,21 @@ static inline __attribute__((always_inline)) void decode_range(
 #ifdef __AVX512BF16__
                 if (vector) {
                     const bf16 *restrict qh = q + h0 * q_head_stride;
+                    const int64_t pf_n = g0 == 0 && next_n > 0 ? next_n : 0;
                     if (nh == 3)
                         scores_avx512(qh, q_head_stride, 3, kb, pos_stride, n, head_dim, scale,
-                                      w, block_size);
+                                      w, block_size, pk, pf_n);
                     else
                         scores_avx512(qh, q_head_stride, nh, kb, pos_stride, n, head_dim,
-                                      scale, w, block_size);
+                                      scale, w, block_size, pk, pf_n);
                     online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
                     scale_rows(a, nh, head_dim, corr);
                     if (nh == 3)
-                        values_avx512(a, vb, pos_stride, w, block_size, 3, n, head_dim);
+                        values_avx512(a, vb, pos_stride, w, block_size, 3, n, head_dim, pv,
+                                      pf_n);
                     else
-                        values_avx512(a, vb, pos_stride, w, block_size, nh, n, head_dim);
+                        values_avx512(a, vb, pos_stride, w, block_size, nh, n, head_dim, pv,
+                                      pf_n);
                     continue;
                 }
 #endif
@@ -297,7 +307,7 @@ static inline __attribute__((always_inline)) void decode_range(
                     for (int64_t h = 0; h < nh; ++h)
                         for (int64_t p = 0; p < n; ++p)
                             w[h * block_size + p] = weight_bf16(w[h * block_size + p]);
-                    values_f32(a, vf_, head_dim, w, block_size, nh, n, head_dim);
+                    values_f32(a, vf_, head_dim, w, block_size, nh, n, head_dim, NULL, 0, 0);
                     continue;
                 }
 #endif

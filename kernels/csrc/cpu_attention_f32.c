@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void scores_portable(
 static inline __attribute__((always_inline)) void scores_avx512(
     const float *restrict q, int64_t q_head_stride, const int64_t nh,
     const float *restrict k, int64_t pos_stride, int64_t n, const int64_t head_dim,
-    float scale, float *restrict w, int64_t ws)
+    float scale, float *restrict w, int64_t ws, const float *pf, int64_t pf_n)
 {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
@@ -75,6 +75,8 @@ static inline __attribute__((always_inline)) void scores_avx512(
                 for (int64_t j = 0; j < 4; ++j) t[h][j] = _mm512_setzero_ps();
             for (int64_t j = 0; j < 4 && 4 * c + j < m; ++j) {
                 const float *restrict kr = k + (p0 + 4 * c + j) * pos_stride;
+                if (p0 + 4 * c + j < pf_n)
+                    prefetch_rows(pf + (p0 + 4 * c + j) * pos_stride, 1, 0, head_dim * 4);
                 for (int64_t d = 0; d < head_dim; d += 16) {
                     const __m512 kv = _mm512_loadu_ps(kr + d);
                     for (int64_t h = 0; h < nh; ++h)
@@ -124,12 +126,17 @@ static inline __attribute__((always_inline)) void decode_range(
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             const float *restrict kb = k_cache + off + kh * head_dim;
             const float *restrict vb = v_cache + off + kh * head_dim;
-            if (next_n > 0) {
-                prefetch_rows(k_cache + next + kh * head_dim, next_n, pos_stride * 4,
-                              head_dim * 4);
-                prefetch_rows(v_cache + next + kh * head_dim, next_n, pos_stride * 4,
-                              head_dim * 4);
-            }
+            /* the block ahead: the AVX-512 scores and the values spread its rows'
+             * prefetches over their own rows' loads (a burst of them stalled on the miss
+             * buffers); the other scores prefetch its K rows at once */
+            const float *pk = k_cache + next + kh * head_dim, *pv = v_cache + next + kh * head_dim;
+            int64_t pf_n = next_n > 0 ? next_n : 0;
+#ifdef __AVX512F__
+            const int spread_k = vector;
+#else
+            const int spread_k = 0;
+#endif
+            if (pf_n > 0 && !spread_k) prefetch_rows(pk, pf_n, pos_stride * 4, head_dim * 4);
             for (int64_t g0 = 0; g0 < group; g0 += SCORE_HEADS) {
                 const int64_t nh = group - g0 < SCORE_HEADS ? group - g0 : SCORE_HEADS;
                 const int64_t h0 = kh * group + g0;
@@ -137,13 +144,13 @@ static inline __attribute__((always_inline)) void decode_range(
 #ifdef __AVX512F__
                 if (vector && nh == SCORE_HEADS)
                     scores_avx512(qh, q_head_stride, SCORE_HEADS, kb, pos_stride, n, head_dim,
-                                  scale, w, block_size);
+                                  scale, w, block_size, pk, pf_n);
                 else if (vector && nh == 3)
                     scores_avx512(qh, q_head_stride, 3, kb, pos_stride, n, head_dim, scale,
-                                  w, block_size);
+                                  w, block_size, pk, pf_n);
                 else if (vector)
                     scores_avx512(qh, q_head_stride, nh, kb, pos_stride, n, head_dim, scale,
-                                  w, block_size);
+                                  w, block_size, pk, pf_n);
                 else
 #elif defined(SCORES_AVX2)
                 if (vector && nh == 3)
@@ -159,7 +166,8 @@ static inline __attribute__((always_inline)) void decode_range(
                 online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
                 scale_rows(acc + h0 * head_dim, nh, head_dim, corr);
                 values_f32(acc + h0 * head_dim, vb, pos_stride, w, block_size, nh, n,
-                           head_dim);
+                           head_dim, pv, pf_n, pos_stride);
+                pf_n = 0; /* the group's next heads: prefetched already */
             }
         }
     }

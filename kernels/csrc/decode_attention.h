@@ -258,8 +258,11 @@ static inline __attribute__((always_inline)) void scores_avx2(
  * head sizes still do (docs/benchmarks.md, "Decode attention on CPU"). */
 static inline __attribute__((always_inline)) void values_f32(
     float *restrict acc, const float *restrict v, int64_t pos_stride, const float *restrict w,
-    int64_t ws, int64_t nh, int64_t n, const int64_t head_dim)
+    int64_t ws, int64_t nh, int64_t n, const int64_t head_dim, const float *pf, int64_t pf_n,
+    int64_t pf_stride)
 {
+    /* the V rows of the block ahead (pf_n of them, pf_stride apart), one per row read here,
+     * for the first head (a burst of them stalled on the miss buffers) */
     if (head_dim == 64) {
         for (int64_t h = 0; h < nh; ++h) {
             vf a[64 / VL];
@@ -268,6 +271,7 @@ static inline __attribute__((always_inline)) void values_f32(
             for (int j = 0; j < 64 / VL; ++j) a[j] = loadv(ah + VL * j);
             const float *restrict wh = w + h * ws;
             for (int64_t p = 0; p < n; ++p) {
+                if (h == 0 && p < pf_n) prefetch_rows(pf + p * pf_stride, 1, 0, 64 * 4);
                 const float pr = wh[p];
                 const float *restrict vp = v + p * pos_stride;
 #pragma GCC unroll 16
@@ -278,6 +282,7 @@ static inline __attribute__((always_inline)) void values_f32(
         }
         return;
     }
+    if (pf_n > 0) prefetch_rows(pf, pf_n, pf_stride * 4, head_dim * 4);
     int64_t p = 0;
     for (; p + 4 <= n; p += 4) {
         const float *restrict v0 = v + p * pos_stride, *restrict v1 = v0 + pos_stride,
