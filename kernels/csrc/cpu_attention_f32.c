@@ -224,8 +224,10 @@ int paged_decode_attention_f32(
     {
         float *own = malloc(sizeof(float) * (size_t)(state + SCORE_HEADS * block_size));
         const int ok = own && (!split || parts);
-        /* every thread must reach the worksharing loops, even one without scratch */
-#pragma omp for schedule(dynamic, 1)
+        /* every thread must reach the worksharing loops, even one without scratch; the
+         * region's end is their barrier, and a merge's the one before it (nowait: a
+         * decode step's attention waits once per layer, not twice) */
+#pragma omp for schedule(dynamic, 1) nowait
         for (int64_t j = 0; j < num_items; ++j) {
             if (!ok) {
                 failed = 1;
@@ -250,8 +252,10 @@ int paged_decode_attention_f32(
             if (whole)
                 write_out(acc, l, num_heads, head_dim, out + row * o_row_stride, o_head_stride);
         }
-        if (split) { /* after the barrier above: every part is done */
-#pragma omp for schedule(dynamic, 1)
+        if (split) { /* the same for every thread */
+#pragma omp barrier
+            /* every part is done */
+#pragma omp for schedule(dynamic, 1) nowait
             for (int64_t j = 0; j < num_items; ++j) {
                 const decode_item it = items[j];
                 if (!ok || it.parts == 1 || it.part != 0) continue;

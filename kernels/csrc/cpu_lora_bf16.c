@@ -476,7 +476,7 @@ int lora_bf16_team(const struct lora_call *c)
     /* x's rows are copied by the portable kernel, and at an odd width */
     const int copies = portable || w != c->in_features;
     bf16 *xh = copies ? malloc(sizeof(bf16) * (size_t)(c->item_rows * w)) : NULL;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait /* the region ends after it (lora.h) */
     for (int64_t g = 0; g < c->num_groups; ++g) {
         if (!y || (portable && !xf) || (copies && !xh)) {
             failed = 1;

@@ -218,7 +218,7 @@ int lora_f32_team(const struct lora_call *c)
     int failed = 0;
     /* each group's rows of its tokens are written before they are read */
     float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait /* the region ends after it (lora.h) */
     for (int64_t w = 0; w < c->num_groups; ++w) {
         if (!y) {
             failed = 1;

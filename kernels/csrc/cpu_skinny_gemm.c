@@ -377,9 +377,16 @@ static inline __attribute__((always_inline)) void xt_group(
 #define SKINNY_BF16_THREAD                                                                \
     if (xp) {                                                                           \
         const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();               \
-        skinny_amx_pack(x, ldx, rows, k, xp, t_, nt_);                                  \
-        _Pragma("omp barrier")                                                          \
-        const int64_t done_ = skinny_amx_share(xp, w, bias, out, ldo, rows, n, k, t_, nt_); \
+        const uint32_t *xs_ = xp;                                                       \
+        if (rows <= SKINNY_AMX_OWN_ROWS) {                                              \
+            uint32_t *own_ = xp + t_ * skinny_amx_packed(rows, k);                      \
+            skinny_amx_pack(x, ldx, rows, k, own_, 0, 1);                               \
+            xs_ = own_;                                                                 \
+        } else {                                                                        \
+            skinny_amx_pack(x, ldx, rows, k, xp, t_, nt_);                              \
+            _Pragma("omp barrier")                                                      \
+        }                                                                               \
+        const int64_t done_ = skinny_amx_share(xs_, w, bias, out, ldo, rows, n, k, t_, nt_); \
         if (t_ == nt_ - 1) {                                                            \
             const int64_t g0 = done_ / NB, g1 = (n + NB - 1) / NB;                      \
             SKINNY_RANGE(group_bf16)                                                    \
@@ -580,7 +587,8 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
                        int num_threads)
 {
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
-    uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k);
+    uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k,
+                                           rows <= SKINNY_AMX_OWN_ROWS ? num_threads : 1);
     SKINNY_PARALLEL(SKINNY_BF16_THREAD)
     return 0;
 #else
@@ -637,7 +645,8 @@ int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
                      SKINNY_LORA_ARGS, int impl)
 {
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
-    uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k);
+    uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k,
+                                           rows <= SKINNY_AMX_OWN_ROWS ? num_threads : 1);
     SKINNY_LORA(SKINNY_BF16_THREAD, lora_bf16_prepare, lora_bf16_team, impl)
 #else
     SKINNY_LORA_UNUSED;

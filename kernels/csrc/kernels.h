@@ -57,12 +57,20 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
                        int num_threads);
 
 /* the bfloat16 skinny GEMM on AMX tiles (cpu_skinny_amx.c): where skinny_amx_buffer gives
- * a buffer, the team packs x into it (skinny_amx_pack, each thread its share), passes a
- * barrier, and each thread multiplies its share of the whole 16-row weight blocks
- * (skinny_amx_share, which returns where they end); skinny_amx_enabled: whether tiles are
- * on (the LoRA kernel's long segments take them too, cpu_lora_bf16.c) */
+ * a buffer (`copies` packed copies of x), the team packs x into it (skinny_amx_pack, each
+ * thread its share, then a barrier; or, up to SKINNY_AMX_OWN_ROWS rows, each thread all of
+ * it into its own copy), and each thread multiplies its share of the whole 16-row weight
+ * blocks (skinny_amx_share, which returns where they end); skinny_amx_enabled: whether
+ * tiles are on (the LoRA kernel's long segments take them too, cpu_lora_bf16.c) */
 int skinny_amx_enabled(void);
-uint32_t *skinny_amx_buffer(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k);
+uint32_t *skinny_amx_buffer(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k,
+                            int copies);
+/* 32-bit pairs of one packed copy of x [rows, k] */
+int64_t skinny_amx_packed(int64_t rows, int64_t k);
+/* Up to this many rows each thread packs x into its own copy, with no barrier after: a
+ * decode step's x is a few KiB, and a barrier's wait, where libgomp's idle thread has
+ * gone to sleep, took longer than packing it twice. */
+#define SKINNY_AMX_OWN_ROWS 64
 void skinny_amx_pack(const bf16 *x, int64_t ldx, int64_t rows, int64_t k, uint32_t *xp,
                      int t, int nt);
 int64_t skinny_amx_share(const uint32_t *xp, const bf16 *w, const bf16 *bias, bf16 *out,

@@ -56,7 +56,9 @@ int loraplex_lora_tile(void);
 /* 0; -1 out of memory; -2 an impl not compiled. */
 int lora_f32_prepare(struct lora_call *c);
 int lora_bf16_prepare(struct lora_call *c);
-/* Every thread of the region calls it once; 1 where scratch memory failed, else 0. */
+/* Every thread of the region calls it once, as the region's last work: its loop has no
+ * barrier after it (nowait), the region's end is that barrier (one wait fewer per
+ * projection of a decode step). 1 where scratch memory failed, else 0. */
 int lora_f32_team(const struct lora_call *c);
 int lora_bf16_team(const struct lora_call *c);
 
