@@ -46,7 +46,7 @@ _SOURCES = [*(_CSRC / f"{kernel}_{dtype}.c" for kernel in ("cpu_attention", "cpu
             _CSRC / "cpu_prefill_attention.c", _CSRC / "cpu_skinny_gemm.c",
             _CSRC / "cpu_skinny_amx.c", _CSRC / "cpu_decode_layers.c"]
 _HEADERS = [_CSRC / "common.h", _CSRC / "bf16.h", _CSRC / "decode_attention.h",
-            _CSRC / "lora.h", _CSRC / "kernels.h"]
+            _CSRC / "lora.h", _CSRC / "kernels.h", _CSRC / "spin_barrier.h"]
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving speed.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"

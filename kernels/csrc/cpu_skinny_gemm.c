@@ -29,6 +29,7 @@
 #include "bf16.h"
 #include "kernels.h"
 #include "lora.h"
+#include "spin_barrier.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -609,10 +610,11 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     const int status = PREPARE(&c);                                                     \
     if (status != 0) return status;                                                     \
     int failed = 0;                                                                     \
+    atomic_int arrived = 0; /* the GEMM's outputs written, before LoRA adds to them */  \
     _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")               \
     {                                                                                   \
         THREAD                                                                          \
-        _Pragma("omp barrier")                                                          \
+        spin_barrier(&arrived, omp_get_num_threads());                                  \
         failed |= TEAM(&c);                                                             \
     }                                                                                   \
     free(c.work);                                                                       \
