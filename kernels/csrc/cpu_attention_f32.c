@@ -183,6 +183,71 @@ static inline void write_out(const float *restrict acc, const float *restrict l,
     }
 }
 
+/* One thread's part of the call's work: its scratch, the items shared out (an `omp for`
+ * that every thread of the team reaches, no barrier after: the region's end, or the
+ * caller's wait, is that barrier; a merge of split sequences keeps its own). 1 where
+ * scratch memory failed, else 0. */
+static int attention_share_f32(
+    const float *query, int64_t q_row_stride, int64_t q_head_stride,
+    const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int64_t *seq_ids, const int64_t *rows,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale,
+    float *out, int64_t o_row_stride, int64_t o_head_stride, int vector, int64_t group,
+    const decode_item *items, int64_t num_items, int split, float *parts)
+{
+    const int64_t state = num_heads * (2 + head_dim);
+    float *ms = parts, *ls = parts + num_items * num_heads, *accs = ls + num_items * num_heads;
+    int failed = 0;
+    float *own = malloc(sizeof(float) * (size_t)(state + SCORE_HEADS * block_size));
+    const int ok = own && (!split || parts);
+    /* every thread must reach the worksharing loops, even one without scratch; the
+     * region's end is their barrier, and a merge's the one before it (nowait: a
+     * decode step's attention waits once per layer, not twice) */
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t j = 0; j < num_items; ++j) {
+        if (!ok) {
+            failed = 1;
+            continue;
+        }
+        const decode_item it = items[j];
+        const int64_t seq = seq_ids[it.seq], row = rows[it.seq];
+        const int32_t *table = block_tables + seq * table_stride;
+        const float *q = query + row * q_row_stride;
+        const int whole = it.parts == 1;
+        float *m = whole ? own : ms + j * num_heads;
+        float *l = whole ? own + num_heads : ls + j * num_heads;
+        float *acc = whole ? own + 2 * num_heads : accs + j * num_heads * head_dim;
+        float *w = own + state;
+        if (head_dim == 64)
+            decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
+                         num_kv_heads, group, 64, block_size, scale, vector, m, l, acc, w);
+        else
+            decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
+                         num_kv_heads, group, head_dim, block_size, scale, vector, m, l,
+                         acc, w);
+        if (whole)
+            write_out(acc, l, num_heads, head_dim, out + row * o_row_stride, o_head_stride);
+    }
+    if (split) { /* the same for every thread */
+#pragma omp barrier
+        /* every part is done */
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t j = 0; j < num_items; ++j) {
+            const decode_item it = items[j];
+            if (!ok || it.parts == 1 || it.part != 0) continue;
+            float *acc = accs + j * num_heads * head_dim;
+            merge_parts(ms + j * num_heads, ls + j * num_heads, acc, it.parts, num_heads,
+                        head_dim);
+            write_out(acc, ls + j * num_heads, num_heads, head_dim,
+                      out + rows[it.seq] * o_row_stride, o_head_stride);
+        }
+    }
+    free(own);
+    return failed;
+}
+
 /* query:  rows of [num_heads, head_dim], row r at query + r * q_row_stride (head stride
  *         q_head_stride, element stride 1)
  * k/v:    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -210,64 +275,27 @@ int paged_decode_attention_f32(
 #endif
     int64_t num_items = 0;
     int split = 0;
+    /* called by every thread of a region (num_threads 0): a sequence per item, none split */
     decode_item *items = decode_items(seq_lens_all, seq_ids, num_seqs, block_size,
-                                      num_threads, &num_items, &split);
+                                      num_threads ? num_threads : 1, &num_items, &split);
     if (!items) return -1;
     /* a split sequence's parts keep their states here until merged: m, l
      * [num_items, heads] and acc [num_items, heads, head_dim] */
     const int64_t state = num_heads * (2 + head_dim);
     float *parts = split ? malloc(sizeof(float) * (size_t)(num_items * state)) : NULL;
-    float *ms = parts, *ls = parts + num_items * num_heads, *accs = ls + num_items * num_heads;
     int failed = split && !parts;
-
+#define SHARE                                                                           \
+    attention_share_f32(query, q_row_stride, q_head_stride, k_cache, v_cache,           \
+        block_tables, table_stride, seq_ids, rows, num_heads, num_kv_heads, head_dim,   \
+        block_size, scale, out, o_row_stride, o_head_stride, vector, group, items,      \
+        num_items, split, parts)
+    if (num_threads == 0) { /* every thread of the caller's region calls it */
+        failed |= SHARE;
+    } else {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *own = malloc(sizeof(float) * (size_t)(state + SCORE_HEADS * block_size));
-        const int ok = own && (!split || parts);
-        /* every thread must reach the worksharing loops, even one without scratch; the
-         * region's end is their barrier, and a merge's the one before it (nowait: a
-         * decode step's attention waits once per layer, not twice) */
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t j = 0; j < num_items; ++j) {
-            if (!ok) {
-                failed = 1;
-                continue;
-            }
-            const decode_item it = items[j];
-            const int64_t seq = seq_ids[it.seq], row = rows[it.seq];
-            const int32_t *table = block_tables + seq * table_stride;
-            const float *q = query + row * q_row_stride;
-            const int whole = it.parts == 1;
-            float *m = whole ? own : ms + j * num_heads;
-            float *l = whole ? own + num_heads : ls + j * num_heads;
-            float *acc = whole ? own + 2 * num_heads : accs + j * num_heads * head_dim;
-            float *w = own + state;
-            if (head_dim == 64)
-                decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
-                             num_kv_heads, group, 64, block_size, scale, vector, m, l, acc, w);
-            else
-                decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
-                             num_kv_heads, group, head_dim, block_size, scale, vector, m, l,
-                             acc, w);
-            if (whole)
-                write_out(acc, l, num_heads, head_dim, out + row * o_row_stride, o_head_stride);
-        }
-        if (split) { /* the same for every thread */
-#pragma omp barrier
-            /* every part is done */
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t j = 0; j < num_items; ++j) {
-                const decode_item it = items[j];
-                if (!ok || it.parts == 1 || it.part != 0) continue;
-                float *acc = accs + j * num_heads * head_dim;
-                merge_parts(ms + j * num_heads, ls + j * num_heads, acc, it.parts, num_heads,
-                            head_dim);
-                write_out(acc, ls + j * num_heads, num_heads, head_dim,
-                          out + rows[it.seq] * o_row_stride, o_head_stride);
-            }
-        }
-        free(own);
+        failed |= SHARE;
     }
+#undef SHARE
     free(parts);
     free(items);
     return failed ? -1 : 0;

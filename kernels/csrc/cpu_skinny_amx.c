@@ -66,17 +66,22 @@ int64_t skinny_amx_packed(int64_t rows, int64_t k)
     return (rows + 15) / 16 * (k / 2) * 16; /* 32-bit pairs, whole 64 bytes */
 }
 
-/* The calling thread's buffer for x packed as pairs (skinny_amx_pack), or NULL where this
- * GEMM does not take tiles: AMX off, no whole 16-row weight block, k not a multiple of 32,
- * x's rows not 4-byte aligned (pairs are read as 32-bit values), or no memory. */
+/* Whether this GEMM takes tiles: AMX on, a whole 16-row weight block, k a multiple of 32,
+ * x's rows 4-byte aligned (pairs are read as 32-bit values). */
+int skinny_amx_takes(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k)
+{
+    return use_amx && rows > 0 && n >= 16 && k > 0 && k % 32 == 0 && ldx % 2 == 0
+           && ((uintptr_t)x & 3) == 0;
+}
+
+/* The calling thread's buffer for `copies` copies of x packed as pairs (skinny_amx_pack),
+ * or NULL where this GEMM does not take tiles or there is no memory. */
 uint32_t *skinny_amx_buffer(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k,
                             int copies)
 {
     static __thread uint32_t *buf;
     static __thread int64_t cap;
-    if (!use_amx || rows <= 0 || n < 16 || k <= 0 || k % 32 != 0 || ldx % 2 != 0
-        || ((uintptr_t)x & 3) != 0)
-        return NULL;
+    if (!skinny_amx_takes(x, ldx, rows, n, k)) return NULL;
     const int64_t need = skinny_amx_packed(rows, k) * copies;
     if (need > cap) {
         free(buf);

@@ -656,3 +656,47 @@ int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
     return -2;
 #endif
 }
+
+/* One thread's part of skinny_lora_* (`c` NULL: of skinny_linear_*) inside a region whose
+ * every thread calls it with the same arguments (cpu_decode_layers.c, a decode step's
+ * layers in one region): its share of the GEMM, then, with LoRA, a spin barrier and its
+ * share of the LoRA items (`c` prepared once for the step's segments, lora_for_projection);
+ * no wait after it (the caller's). bfloat16: `xp` NULL or, for up to SKINNY_AMX_OWN_ROWS
+ * rows where skinny_amx_takes, room for one packed copy of x per thread. Returns 1 where
+ * LoRA scratch memory failed, -2 where the skinny GEMM is not compiled, else 0. */
+#undef VEC
+#define VEC VEC_F32
+int skinny_team_f32(const float *x, int64_t ldx, const float *w, const float *bias,
+                    float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
+                    const struct lora_call *c, struct spin_team *team, int *phase)
+{
+#if defined(__AVX512F__) || defined(SKINNY_AVX2)
+    SKINNY_F32_THREAD
+    if (!c) return 0;
+    spin_team_wait(team, omp_get_num_threads(), phase);
+    return lora_f32_team(c);
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
+    (void)k; (void)c; (void)team; (void)phase;
+    return -2;
+#endif
+}
+
+#undef VEC
+#define VEC VEC_BF16
+int skinny_team_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
+                     bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
+                     uint32_t *xp, const struct lora_call *c, struct spin_team *team,
+                     int *phase)
+{
+#if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
+    SKINNY_BF16_THREAD
+    if (!c) return 0;
+    spin_team_wait(team, omp_get_num_threads(), phase);
+    return lora_bf16_team(c);
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)out; (void)ldo; (void)rows; (void)n;
+    (void)k; (void)xp; (void)c; (void)team; (void)phase;
+    return -2;
+#endif
+}

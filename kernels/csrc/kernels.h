@@ -63,6 +63,8 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
  * blocks (skinny_amx_share, which returns where they end); skinny_amx_enabled: whether
  * tiles are on (the LoRA kernel's long segments take them too, cpu_lora_bf16.c) */
 int skinny_amx_enabled(void);
+/* whether this GEMM takes tiles (skinny_amx_buffer's conditions but memory) */
+int skinny_amx_takes(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k);
 uint32_t *skinny_amx_buffer(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t k,
                             int copies);
 /* 32-bit pairs of one packed copy of x [rows, k] */

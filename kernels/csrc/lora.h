@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "spin_barrier.h"
 
 /* The most tokens of one slot a work item takes (in groups of 4 kept in registers): the
  * item reads each tile of its slot's weights from memory once for all of them. Fewer
@@ -49,6 +50,43 @@ static inline int lora_threads(const struct lora_call *c, int num_threads)
     return c->num_groups < num_threads ? (int)(c->num_groups ? c->num_groups : 1)
                                        : num_threads;
 }
+
+/* A prepared call's work items for another projection of the same step (the work depends
+ * on the segments and the team only): this projection's tensors and slots, its largest
+ * rank (at least `least`, as lora_*_prepare starts from). */
+static inline struct lora_call lora_for_projection(
+    const struct lora_call *base, const void *x, int64_t x_stride, void *out,
+    int64_t out_stride, int64_t in_features, int64_t n_out, const int64_t *at_ptrs,
+    const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *slice_table,
+    const int64_t *num_slices, int64_t max_slices, int64_t least)
+{
+    struct lora_call c = *base;
+    c.x = x;
+    c.x_stride = x_stride;
+    c.out = out;
+    c.out_stride = out_stride;
+    c.in_features = in_features;
+    c.n_out = n_out;
+    c.at_ptrs = at_ptrs;
+    c.bt_ptrs = bt_ptrs;
+    c.ranks = ranks;
+    c.slice_table = slice_table;
+    c.num_slices = num_slices;
+    c.max_slices = max_slices;
+    c.max_rank = least;
+    for (int64_t i = 0; i < c.num_segs; ++i)
+        if (ranks[c.seg_slot[i]] > c.max_rank) c.max_rank = ranks[c.seg_slot[i]];
+    return c;
+}
+
+/* skinny_lora_* as one thread's part of a region every thread runs (cpu_skinny_gemm.c). */
+int skinny_team_f32(const float *x, int64_t ldx, const float *w, const float *bias,
+                    float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
+                    const struct lora_call *c, struct spin_team *team, int *phase);
+int skinny_team_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
+                     bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
+                     uint32_t *xp, const struct lora_call *c, struct spin_team *team,
+                     int *phase);
 
 /* TILE_COLUMNS of this build: the width of the tiled layout's blocks (cpu_lora_f32.c). */
 int loraplex_lora_tile(void);
