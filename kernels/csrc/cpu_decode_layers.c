@@ -175,29 +175,25 @@ static int project_team(const struct decode_step *s, const struct decode_proj *p
                         int64_t k, int64_t out, int64_t n, const struct lora_call *base,
                         uint32_t *xp, struct spin_team *team, int *phase)
 {
+    /* the least max_rank as each dtype's lora_*_prepare sets it */
     struct lora_call c;
+    if (base)
+        c = lora_for_projection(base, P(const void *, in), k, P(void *, out), n, k, n,
+                                P(const int64_t *, p->at_ptrs), P(const int64_t *, p->bt_ptrs),
+                                P(const int64_t *, p->ranks), P(const int64_t *, p->slice_table),
+                                P(const int64_t *, p->num_slices), p->max_slices,
+                                s->bf16 ? 16 : 1);
+    const struct lora_call *lc = base ? &c : NULL;
     if (s->bf16) {
         const bf16 *x = P(const bf16 *, in);
-        bf16 *o = P(bf16 *, out);
-        if (base)
-            c = lora_for_projection(base, x, k, o, n, k, n, P(const int64_t *, p->at_ptrs),
-                                    P(const int64_t *, p->bt_ptrs), P(const int64_t *, p->ranks),
-                                    P(const int64_t *, p->slice_table),
-                                    P(const int64_t *, p->num_slices), p->max_slices, 16);
-        return skinny_team_bf16(x, k, P(const bf16 *, p->weight), P(const bf16 *, p->bias), o,
-                                n, s->rows, n, k,
-                                xp && skinny_amx_takes(x, k, s->rows, n, k) ? xp : NULL,
-                                base ? &c : NULL, team, phase);
+        return skinny_team_bf16(x, k, P(const bf16 *, p->weight), P(const bf16 *, p->bias),
+                                P(bf16 *, out), n, s->rows, n, k,
+                                xp && skinny_amx_takes(x, k, s->rows, n, k) ? xp : NULL, lc,
+                                team, phase);
     }
-    const float *x = P(const float *, in);
-    float *o = P(float *, out);
-    if (base)
-        c = lora_for_projection(base, x, k, o, n, k, n, P(const int64_t *, p->at_ptrs),
-                                P(const int64_t *, p->bt_ptrs), P(const int64_t *, p->ranks),
-                                P(const int64_t *, p->slice_table),
-                                P(const int64_t *, p->num_slices), p->max_slices, 1);
-    return skinny_team_f32(x, k, P(const float *, p->weight), P(const float *, p->bias), o, n,
-                           s->rows, n, k, base ? &c : NULL, team, phase);
+    return skinny_team_f32(P(const float *, in), k, P(const float *, p->weight),
+                           P(const float *, p->bias), P(float *, out), n, s->rows, n, k, lc,
+                           team, phase);
 }
 
 static int rope_team(const struct decode_step *s, int64_t k_cache, int64_t v_cache)

@@ -610,11 +610,12 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     const int status = PREPARE(&c);                                                     \
     if (status != 0) return status;                                                     \
     int failed = 0;                                                                     \
-    atomic_int arrived = 0; /* the GEMM's outputs written, before LoRA adds to them */  \
+    struct spin_team team = {0}; /* the GEMM's outputs written before LoRA adds to them */ \
     _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")               \
     {                                                                                   \
         THREAD                                                                          \
-        spin_barrier(&arrived, omp_get_num_threads());                                  \
+        int phase = 0;                                                                  \
+        spin_team_wait(&team, omp_get_num_threads(), &phase);                           \
         failed |= TEAM(&c);                                                             \
     }                                                                                   \
     free(c.work);                                                                       \

@@ -4,13 +4,14 @@
 #include <sched.h>
 #include <stdatomic.h>
 
-/* One barrier of a parallel region's team, for a wait in the middle of a decode step's
- * region: `arrived` starts at 0 (one counter per barrier, shared by the team), each thread
- * adds itself and spins until all have. libgomp's own barrier sleeps after a short spin
- * (GOMP_SPINCOUNT, loraplex/openmp.py) and a futex wake then cost more than the wait;
- * this one spins SPIN_BARRIER_PAUSES pauses (~0.5 ms), then yields its core while it
- * waits, for a teammate that lost its own. Release on arrival, acquire on leaving: what a
- * thread wrote before it is visible to the others after. */
+/* A wait in the middle of a parallel region's team (a decode step's region waits ~13 times
+ * per layer; a decode projection between its GEMM and its LoRA). libgomp's own barrier
+ * sleeps after a short spin (GOMP_SPINCOUNT, loraplex/openmp.py) and a futex wake then
+ * cost more than the wait; this one spins SPIN_BARRIER_PAUSES pauses (~0.5 ms), then
+ * yields its core while it waits, for a teammate that lost its own. The last thread to
+ * arrive resets the count and moves the phase on (release), the others spin until it has
+ * (acquire): what a thread wrote before it is visible to the others after. `phase` is the
+ * calling thread's own counter, 0 at the start; `b` starts zeroed. */
 #define SPIN_BARRIER_PAUSES 20000
 static inline void spin_pause(long spins)
 {
@@ -23,16 +24,6 @@ static inline void spin_pause(long spins)
     }
 }
 
-static inline void spin_barrier(atomic_int *arrived, int team)
-{
-    atomic_fetch_add_explicit(arrived, 1, memory_order_acq_rel);
-    for (long spins = 0; atomic_load_explicit(arrived, memory_order_acquire) < team; ++spins)
-        spin_pause(spins);
-}
-
-/* The same, used again and again by one team (a decode step's region waits ~13 times per
- * layer): the last thread to arrive resets the count and moves the phase on, the others
- * spin until it has. `phase` is the calling thread's own counter, 0 at the start. */
 struct spin_team {
     atomic_int arrived, phase;
 };
