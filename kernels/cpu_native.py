@@ -139,7 +139,7 @@ def load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
-                   ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int]
     for name, extra in (("lora_segments_f32", []), ("lora_segments_bf16", [ctypes.c_int])):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -305,9 +305,12 @@ def paged_prefill_attention(
     meta: AttentionMeta,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    impl: str | None = None,
 ) -> None:
     """Causal attention of every prefill chunk (several query tokens) over its sequence's
-    cached keys, bottom-right aligned; decode rows are left alone."""
+    cached keys, bottom-right aligned; decode rows are left alone. ``impl``: as for
+    ``paged_decode_attention`` (bfloat16 ``avx512_bf16`` scores by bf16 dot products, an
+    even head size; ``portable`` widens to float32 as float32 runs)."""
     seq_ids = meta.prefill_seq_ids
     if seq_ids.numel() == 0:  # a decode-only step: every layer of it calls this
         return
@@ -320,7 +323,8 @@ def paged_prefill_attention(
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         starts.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(), num_heads, num_kv_heads,
         head_dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), out.stride(1),
-        int(query.dtype == torch.bfloat16), torch.get_num_threads())
+        int(query.dtype == torch.bfloat16), torch.get_num_threads(),
+        _impl_code(lib, impl) if query.dtype == torch.bfloat16 else 0)
     if status != 0:
         raise MemoryError("native prefill attention could not allocate its scratch memory")
 

@@ -71,16 +71,19 @@ typedef struct {
     int64_t o_row_stride, o_head_stride;
     int is_bf16;
     size_t esize;
+    int dot_bf16; /* bfloat16 scores by AVX-512 BF16 dot products (score_keys_bf16) */
 } prefill_args;
 
 /* Scratch of one thread, float32: qt [head_dim][rows_padded] (q transposed, scaled),
  * acc [rows_padded][dim_padded], m, l, corr and last [rows_padded], p [PF_KEYS][rows_padded],
- * k [PF_KEYS][head_dim], v [PF_KEYS][dim_padded]. */
+ * k [PF_KEYS][head_dim], v [PF_KEYS][dim_padded]; with dot_bf16, 32-bit words: p's pairs
+ * [PF_KEYS / 2][rows_padded] (and in qt's and v's room, q's and v's pairs). */
 static size_t scratch_floats(const prefill_args *a)
 {
     const size_t rp = (size_t)a->rows_padded, dp = (size_t)a->dim_padded;
     const size_t dn = (size_t)a->head_dim;
-    return dn * rp + rp * dp + 4 * rp + PF_KEYS * rp + PF_KEYS * dn + PF_KEYS * dp;
+    return dn * rp + rp * dp + 4 * rp + PF_KEYS * rp + PF_KEYS * dn + PF_KEYS * dp
+           + PF_KEYS / 2 * rp;
 }
 
 /* Scores of PF_KB keys (rows of k, head_dim apart) against VL query rows (qt's columns
@@ -97,6 +100,31 @@ static inline __attribute__((always_inline)) void score_keys(
     }
     for (int j = 0; j < PF_KB; ++j) memcpy(p + j * rp + r0, &c[j], sizeof(vf));
 }
+
+#ifdef __AVX512BF16__
+/* score_keys in bfloat16: the dot products of PF_KB keys' rows (bf16, in place in the
+ * cache) with VL = 16 query rows by vdpbf16ps, two dimensions at a time, float32 sums
+ * scaled after. qp: the rows' q as bf16 pairs, [head_dim / 2][rp] 32-bit words (word r of
+ * pair i: q[r][2i], q[r][2i + 1]), unscaled; so every product is exact in float32 and the
+ * sums differ from score_keys' only in their order. */
+static inline __attribute__((always_inline)) void score_keys_bf16(
+    const uint32_t *restrict qp, int64_t rp, int64_t r0, const bf16 *const *restrict k,
+    int64_t pairs, float scale, float *restrict p)
+{
+    __m512 c[PF_KB];
+    for (int j = 0; j < PF_KB; ++j) c[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+        const __m512bh q = as_bh(_mm512_loadu_si512(qp + i * rp + r0));
+        for (int j = 0; j < PF_KB; ++j) {
+            int32_t kw;
+            memcpy(&kw, k[j] + 2 * i, sizeof kw);
+            c[j] = _mm512_dpbf16_ps(c[j], q, as_bh(_mm512_set1_epi32(kw)));
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int j = 0; j < PF_KB; ++j) _mm512_storeu_ps(p + j * rp + r0, _mm512_mul_ps(c[j], sv));
+}
+#endif
 
 /* acc rows a0 and a1 (a1 NULL: one row) = acc * corr + sum_j w[j * ws] v[j], over the
  * chunk's n keys, for nv vectors of dimensions from d0 (nv a constant where inlined). */
@@ -135,6 +163,66 @@ static void values_rows(float *restrict a0, float c0, const float *restrict w0,
         values_block(a0, c0, w0, a1, c1, w1, ws, vv, dp, n, d0, 1);
 }
 
+#ifdef __AVX512BF16__
+/* values_block in bfloat16: pairs of keys at a time by vdpbf16ps, the weights w rounded to
+ * bf16 pairs (32-bit words, ws apart per pair of keys; word: key 2i's weight, then key
+ * 2i + 1's) against vp's pairs of value rows ([pairs][dp] words: dimension d of key 2i,
+ * then of key 2i + 1). */
+static inline __attribute__((always_inline)) void values_block_bf16(
+    float *restrict a0, float c0, const uint32_t *restrict w0, float *restrict a1, float c1,
+    const uint32_t *restrict w1, int64_t ws, const uint32_t *restrict vp, int64_t dp,
+    int64_t pairs, int64_t d0, const int nv)
+{
+    __m512 o0[PV_NV], o1[PV_NV];
+    for (int v = 0; v < nv; ++v) {
+        o0[v] = _mm512_mul_ps(_mm512_loadu_ps(a0 + d0 + v * 16), _mm512_set1_ps(c0));
+        o1[v] = a1 ? _mm512_mul_ps(_mm512_loadu_ps(a1 + d0 + v * 16), _mm512_set1_ps(c1))
+                   : o0[v];
+    }
+    for (int64_t i = 0; i < pairs; ++i) {
+        const __m512bh p0 = as_bh(_mm512_set1_epi32((int)w0[i * ws]));
+        const __m512bh p1 = as_bh(_mm512_set1_epi32(a1 ? (int)w1[i * ws] : 0));
+        for (int v = 0; v < nv; ++v) {
+            const __m512bh x = as_bh(_mm512_loadu_si512(vp + i * dp + d0 + v * 16));
+            o0[v] = _mm512_dpbf16_ps(o0[v], x, p0);
+            o1[v] = _mm512_dpbf16_ps(o1[v], x, p1);
+        }
+    }
+    for (int v = 0; v < nv; ++v) {
+        _mm512_storeu_ps(a0 + d0 + v * 16, o0[v]);
+        if (a1) _mm512_storeu_ps(a1 + d0 + v * 16, o1[v]);
+    }
+}
+
+static void values_rows_bf16(float *restrict a0, float c0, const uint32_t *restrict w0,
+                             float *restrict a1, float c1, const uint32_t *restrict w1,
+                             int64_t ws, const uint32_t *restrict vp, int64_t dp, int64_t pairs)
+{
+    int64_t d0 = 0;
+    for (; d0 + PV_NV * 16 <= dp; d0 += PV_NV * 16)
+        values_block_bf16(a0, c0, w0, a1, c1, w1, ws, vp, dp, pairs, d0, PV_NV);
+    for (; d0 < dp; d0 += 16)
+        values_block_bf16(a0, c0, w0, a1, c1, w1, ws, vp, dp, pairs, d0, 1);
+}
+
+/* 16 words from two rows of n <= 16 bf16 each: word i = lo[i] | hi[i] << 16 (zeros past n) */
+static inline __m512i pair_words(const bf16 *lo, const bf16 *hi, int64_t n)
+{
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512i l = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, lo));
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, hi));
+    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+/* The same from two vectors of 16 floats, each rounded to bf16 (nearest even). */
+static inline __m512i pair_words_f32(__m512 lo, __m512 hi)
+{
+    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+#endif
+
 static void prefill_tile(const prefill_args *a, const prefill_item it, float *scratch)
 {
     const int64_t group = a->group, d_n = a->head_dim, dp = a->dim_padded;
@@ -149,6 +237,9 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
     float *restrict pw = last + a->rows_padded;
     float *restrict kk = pw + PF_KEYS * a->rows_padded;
     float *restrict vv = kk + PF_KEYS * d_n;
+    /* dot_bf16: p's pairs, and the chunk's value rows as pairs in vv's room */
+    uint32_t *restrict pwb = (uint32_t *)(vv + PF_KEYS * dp);
+    uint32_t *restrict vvp = (uint32_t *)vv;
 
     const int64_t seq_len = a->seq_lens[it.seq];
     const int64_t first_row = a->query_start_loc[it.seq];
@@ -165,14 +256,23 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
         /* the last key row r sees; padding rows see every key (never written out) */
         last[r] = r < rows ? (float)(ctx + it.q0 + r / group) : 1e30f;
     }
+    uint32_t *restrict qp = (uint32_t *)qt; /* dot_bf16: [d_n / 2][rp] pairs, in qt's room */
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = r / group, h = r % group;
         const char *src = a->query + ((first_row + it.q0 + qi) * a->q_row_stride
                                       + (it.kv_head * group + h) * a->q_head_stride)
                                          * (int64_t)a->esize;
+        if (a->dot_bf16) {
+            for (int64_t i = 0; i < d_n / 2; ++i) memcpy(qp + i * rp + r, src + 4 * i, 4);
+            continue;
+        }
         load_row(kk, src, d_n, a->is_bf16); /* kk: scratch row here */
         for (int64_t d = 0; d < d_n; ++d) qt[d * rp + r] = kk[d] * a->scale;
     }
+    /* dot_bf16: the chunk's key rows in place in the cache (past the chunk's end, a row
+     * of zeros: kk's, cleared) */
+    const bf16 *krow[PF_KEYS], *vrow[PF_KEYS];
+    if (a->dot_bf16) memset(kk, 0, sizeof(float) * (size_t)dp); /* dp >= d_n bf16 zeros */
 
     const int64_t key_end = ctx + it.q1; /* the tile's last row sees keys below this */
     const int64_t row_bytes = d_n * (int64_t)a->esize;
@@ -180,6 +280,10 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
         const int64_t n = key_end - c0 < PF_KEYS ? key_end - c0 : PF_KEYS;
         for (int64_t j = 0; j < PF_KEYS; ++j) {
             if (j >= n) { /* keys past the chunk's end: zero, never read from the cache */
+                if (a->dot_bf16) {
+                    krow[j] = vrow[j] = (const bf16 *)kk;
+                    continue;
+                }
                 memset(kk + j * d_n, 0, sizeof(float) * (size_t)d_n);
                 memset(vv + j * dp, 0, sizeof(float) * (size_t)dp);
                 continue;
@@ -188,15 +292,35 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
             const int64_t at = (((int64_t)table[pos / a->block_size] * a->block_size
                                  + pos % a->block_size) * a->num_kv_heads + it.kv_head)
                                * row_bytes;
+            if (a->dot_bf16) {
+                krow[j] = (const bf16 *)(a->k_cache + at);
+                vrow[j] = (const bf16 *)(a->v_cache + at);
+                continue;
+            }
             load_row(kk + j * d_n, a->k_cache + at, d_n, a->is_bf16);
             load_row(vv + j * dp, a->v_cache + at, d_n, a->is_bf16);
         }
+#ifdef __AVX512BF16__
+        if (a->dot_bf16) /* value rows in pairs of keys, past n a zero row's */
+            for (int64_t i = 0; i < (n + 1) / 2; ++i)
+                for (int64_t d0 = 0; d0 < dp; d0 += 16)
+                    _mm512_storeu_si512(vvp + i * dp + d0,
+                                        pair_words(vrow[2 * i] + d0, vrow[2 * i + 1] + d0,
+                                                   d_n - d0));
+#endif
         /* rows before r_lo see no key of this chunk (causal), nor padding past n */
         const int64_t qi_lo = c0 - ctx - it.q0 > 0 ? c0 - ctx - it.q0 : 0;
         const int64_t r_lo = qi_lo * group / VL * VL;
         for (int64_t r0 = r_lo; r0 < rp; r0 += VL) {
-            for (int64_t j0 = 0; j0 < n; j0 += PF_KB)
+            for (int64_t j0 = 0; j0 < n; j0 += PF_KB) {
+#ifdef __AVX512BF16__
+                if (a->dot_bf16) {
+                    score_keys_bf16(qp, rp, r0, krow + j0, d_n / 2, a->scale, pw + j0 * rp);
+                    continue;
+                }
+#endif
                 score_keys(qt, rp, r0, kk + j0 * d_n, d_n, pw + j0 * rp);
+            }
             /* online softmax, VL rows at once */
             const vf lastv = loadv(last + r0);
             vf mx = loadv(m + r0);
@@ -225,6 +349,24 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
             memcpy(corr + r0, &cv, sizeof cv);
         }
         int64_t r = qi_lo * group;
+#ifdef __AVX512BF16__
+        if (a->dot_bf16) {
+            const int64_t pairs = (n + 1) / 2; /* pw's row n: a zero key's score, weight of
+                                                  a zero value row */
+            for (int64_t i = 0; i < pairs; ++i)
+                for (int64_t r0 = r_lo; r0 < rp; r0 += 16)
+                    _mm512_storeu_si512(pwb + i * rp + r0,
+                                        pair_words_f32(_mm512_loadu_ps(pw + 2 * i * rp + r0),
+                                                       _mm512_loadu_ps(pw + (2 * i + 1) * rp + r0)));
+            for (; r + 2 <= rows; r += 2)
+                values_rows_bf16(acc + r * dp, corr[r], pwb + r, acc + (r + 1) * dp,
+                                 corr[r + 1], pwb + r + 1, rp, vvp, dp, pairs);
+            if (r < rows)
+                values_rows_bf16(acc + r * dp, corr[r], pwb + r, NULL, 0.0f, NULL, rp, vvp, dp,
+                                 pairs);
+            continue;
+        }
+#endif
         for (; r + 2 <= rows; r += 2)
             values_rows(acc + r * dp, corr[r], pw + r, acc + (r + 1) * dp, corr[r + 1],
                         pw + r + 1, rp, vv, dp, n);
@@ -252,14 +394,20 @@ int paged_prefill_attention(
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seq_ids,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale, void *out, int64_t o_row_stride, int64_t o_head_stride,
-    int is_bf16, int num_threads)
+    int is_bf16, int num_threads, int impl)
 {
     const prefill_args a = {
         query, k_cache, v_cache, q_row_stride, q_head_stride, block_tables, table_stride,
         seq_lens, query_start_loc, num_kv_heads, num_heads / num_kv_heads, head_dim,
         (head_dim + VL - 1) / VL * VL,
         (PF_TILE * (num_heads / num_kv_heads) + VL - 1) / VL * VL, block_size, scale, out,
-        o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float)};
+        o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float),
+        /* pairs of dimensions: an even head size (a row's last pair never passes its end) */
+        is_bf16 && impl == BF16_AVX512 && head_dim % 2 == 0 && VL == 16
+#ifndef __AVX512BF16__
+            && 0
+#endif
+    };
     int64_t num_items = 0;
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t s = seq_ids[i];

@@ -99,6 +99,48 @@ def test_decode_random_batches(lens: list[int], prefill: list[int], kv_heads: in
             check_attention(case, BF16, "cpu", "cpu")
 
 
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    chunks=st.lists(st.tuples(st.integers(2, 40), st.integers(0, 60)), min_size=1,
+                    max_size=3),
+    kv_heads=st.sampled_from([1, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([8, 17, 64]),
+    block_size=st.sampled_from([1, 5, 16]),
+)
+def test_prefill_random_batches(chunks: list[tuple[int, int]], kv_heads: int, group: int,
+                                head_dim: int, block_size: int) -> None:
+    """Prefill chunks after cached prefixes, every implementation: odd key counts (the dot
+    products take keys in pairs, the last one of an odd chunk beside a zero row), odd head
+    sizes (which the dot-product path leaves to the portable one), NaN in every cache row
+    a sequence does not own."""
+    seq_lens = tuple(q + cached for q, cached in chunks)
+    query_lens = tuple(q for q, _ in chunks)
+    case = AttentionCase("random-prefill", seq_lens, query_lens, kv_heads * group, kv_heads,
+                         head_dim, block_size)
+    for name in IMPLS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LORAPLEX_CPU_BF16", "portable" if name == "portable" else "auto")
+            check_attention(case, BF16, "cpu", "cpu")
+
+
+@pytest.mark.skipif(len(IMPLS) < 2, reason="one bfloat16 implementation on this CPU")
+def test_implementations_agree_on_prefill_attention() -> None:
+    """The AVX-512 BF16 path's scores are the portable path's products (bf16 times bf16,
+    exact in float32) summed in another order; its values weigh by the softmax weights
+    rounded to bf16: its output stays within a bf16 step or two of the portable path's."""
+    case = AttentionCase("long-prefill", (300, 77, 129), (300, 45, 64), 9, 3, 64, 16)
+    inp = make_attention_inputs(case, BF16, "cpu", garbage=float("nan"))
+    outs = []
+    for name in IMPLS:
+        out = torch.full_like(inp.query, float("nan"))
+        cpu_native.paged_prefill_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta,
+                                           case.head_dim ** -0.5, out, impl=name)
+        outs.append(out.double())
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)
 def test_decode_split_over_threads(threads: int, case: AttentionCase, impl: str) -> None:
     """Fewer sequences than threads: a sequence's parts run on different threads and their
