@@ -71,7 +71,7 @@ typedef struct {
     int64_t o_row_stride, o_head_stride;
     int is_bf16;
     size_t esize;
-    int dot_bf16; /* bfloat16 scores by AVX-512 BF16 dot products (score_keys_bf16) */
+    int dot_bf16; /* bfloat16 scores and values by AVX-512 BF16 dot products (*_bf16) */
 } prefill_args;
 
 /* Scratch of one thread, float32: qt [head_dim][rows_padded] (q transposed, scaled),
@@ -214,7 +214,10 @@ static inline __m512i pair_words(const bf16 *lo, const bf16 *hi, int64_t n)
     return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
 }
 
-/* The same from two vectors of 16 floats, each rounded to bf16 (nearest even). */
+/* The same from two vectors of 16 floats, each rounded to bf16 (nearest even; the
+ * instruction flushes denormal weights to zero, unlike the decode kernel's bit-exact
+ * f32_to_bf16_x16, which must match its portable path: here the portable path keeps the
+ * weights float32, so there is nothing to match). */
 static inline __m512i pair_words_f32(__m512 lo, __m512 hi)
 {
     const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
@@ -247,9 +250,11 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
     const int64_t ctx = seq_len - q_len; /* positions cached before the chunk */
     const int32_t *table = a->block_tables + it.seq * a->table_stride;
 
-    memset(qt, 0, sizeof(float) * (size_t)(d_n * rp));
+    /* q's padding rows zero (dot_bf16: its pairs, half of qt's room); v's dimensions past
+     * head_dim zero (dot_bf16 writes its pairs of value rows whole, every chunk) */
+    memset(qt, 0, sizeof(float) * (size_t)((a->dot_bf16 ? d_n / 2 : d_n) * rp));
     memset(acc, 0, sizeof(float) * (size_t)(rp * dp));
-    memset(vv, 0, sizeof(float) * (size_t)(PF_KEYS * dp));
+    if (!a->dot_bf16) memset(vv, 0, sizeof(float) * (size_t)(PF_KEYS * dp));
     for (int64_t r = 0; r < rp; ++r) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -403,9 +408,10 @@ int paged_prefill_attention(
         (PF_TILE * (num_heads / num_kv_heads) + VL - 1) / VL * VL, block_size, scale, out,
         o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float),
         /* pairs of dimensions: an even head size (a row's last pair never passes its end) */
-        is_bf16 && impl == BF16_AVX512 && head_dim % 2 == 0 && VL == 16
-#ifndef __AVX512BF16__
-            && 0
+#ifdef __AVX512BF16__
+        is_bf16 && impl == BF16_AVX512 && head_dim % 2 == 0
+#else
+        0
 #endif
     };
     int64_t num_items = 0;
