@@ -1,9 +1,10 @@
-"""A decode step's decoder layers in one native call (``csrc/cpu_decode_layers.c``).
+"""A step's decoder layers in one native call (``csrc/cpu_decode_layers.c``): a decode
+step's, or a step of decode rows and prefill chunks few enough for the skinny GEMM.
 
 The C side runs, per layer, the kernels the Python layer code would call one by one
-(norms, the skinny GEMM with each segment's LoRA, RoPE + KV store, paged decode attention,
-SiLU-and-mul), in the same order on the same values, so the result is bit for bit that of
-the layer-by-layer path. Its tables are int64 tensors laid out as the C structs; the
+(norms, the skinny GEMM with each segment's LoRA, RoPE + KV store, paged decode attention
+for the decode rows and paged prefill attention for the chunks, SiLU-and-mul), in the same
+order on the same values, so the result is bit for bit that of the layer-by-layer path. Its tables are int64 tensors laid out as the C structs; the
 field names below are their order, checked against the library's sizes when it loads.
 
 ``LORAPLEX_CPU_DECODE_LAYERS=0`` turns the path off (the layer-by-layer one runs).
@@ -33,6 +34,7 @@ STEP_FIELDS = ("rows", "hidden", "q_size", "kv_size", "inter",
                "x", "residual", "qkv", "attn", "gate_up", "act",
                "cos", "sin", "cs_stride", "slot_mapping",
                "block_tables", "table_stride", "seq_lens", "seq_ids", "seq_rows", "num_seqs",
+               "query_start_loc", "prefill_ids", "num_prefill",
                "seg_first", "seg_len", "seg_slot", "num_segs",
                "first", "bf16", "impl", "num_threads")
 
@@ -84,7 +86,7 @@ def layer_row(input_norm: torch.Tensor, post_attention_norm: torch.Tensor,
 
 def run(layers: torch.Tensor, num_layers: int, kv_caches: torch.Tensor,
         step: dict[str, int], eps: float, scale: float) -> None:
-    """The first ``num_layers`` rows of ``layers`` (``layer_row``s) over one decode step:
+    """The first ``num_layers`` rows of ``layers`` (``layer_row``s) over one step:
     ``kv_caches`` [num_layers, 2] int64 (each layer's K and V cache), ``step`` every
     ``STEP_FIELDS`` entry (pointers as integers). IndexError for a KV slot outside the
     cache, MemoryError when a kernel's scratch memory could not be allocated."""

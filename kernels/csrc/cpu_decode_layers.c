@@ -1,8 +1,11 @@
-/* A decode step's decoder layers in one native call: for each layer the same kernels, in
- * the same order and on the same buffers' values, as the Python layer code runs one by one
+/* A step's decoder layers in one native call: a decode step's, or a step of decode rows and
+ * prefill chunks small enough for the skinny GEMM (a prompt admitted while others decode,
+ * the steps of continuous batching). For each layer the same kernels, in the same order
+ * and on the same buffers' values, as the Python layer code runs one by one
  * (loraplex/model/llama.py), so the results are bit for bit the same; what goes is the
  * Python between them (measured ~15 % of a bfloat16 decode step: module calls, argument
- * checks, ctypes marshalling, seven small tensors per layer).
+ * checks, ctypes marshalling, seven small tensors per layer; a mixed step of 50-250 rows
+ * spent ~14 ms in it on the Xeon with AMX, besides a parallel region per kernel).
  *
  * Per layer, x [rows, hidden] is the previous layer's MLP output and residual the stream
  * before it (layer 0 with `first` set: residual holds the embeddings, x is scratch):
@@ -10,7 +13,7 @@
  *   x, residual = add_rms_norm(x, residual)          (layer 0 first: x = rms_norm(residual))
  *   qkv  = x @ Wqkv^T (+ bias) + LoRA                 skinny_lora / skinny_linear
  *   rope_store_kv(qkv -> this layer's K/V cache)     q rotated in place
- *   attn = paged_decode_attention(q)
+ *   attn = paged_decode_attention(q's decode rows), paged_prefill_attention(its chunks)
  *   x    = attn @ Wo^T + LoRA
  *   x, residual = add_rms_norm(x, residual)
  *   gate_up = x @ Wgu^T + LoRA;  act = silu(gate) * up
@@ -44,6 +47,7 @@ struct decode_step {
     int64_t x, residual, qkv, attn, gate_up, act;  /* activations, rows-major, unit stride */
     int64_t cos, sin, cs_stride, slot_mapping;      /* float32 rope rows; int64 slots */
     int64_t block_tables, table_stride, seq_lens, seq_ids, seq_rows, num_seqs;
+    int64_t query_start_loc, prefill_ids, num_prefill; /* int32 starts; prefill chunks' seqs */
     int64_t seg_first, seg_len, seg_slot, num_segs; /* LoRA segments; num_segs 0: none */
     int64_t first, bf16, impl, num_threads;
 };
@@ -103,8 +107,9 @@ static void norm(const struct decode_step *s, int64_t weight, float eps, int fir
     }
 }
 
-static int attention(const struct decode_step *s, int64_t k_cache, int64_t v_cache,
-                     float scale)
+/* RoPE and the K/V store of every row, the decode rows' attention */
+static int rope_decode_attention(const struct decode_step *s, int64_t k_cache,
+                                 int64_t v_cache, float scale)
 {
     const int t = (int)s->num_threads;
     const int64_t qkv_width = s->q_size + 2 * s->kv_size;
@@ -118,6 +123,7 @@ static int attention(const struct decode_step *s, int64_t k_cache, int64_t v_cac
                                s->num_heads, s->num_kv_heads, s->head_dim, P(bf16 *, k_cache),
                                P(bf16 *, v_cache), s->num_cache_slots, t) != 0)
             return -3;
+        if (s->num_seqs == 0) return 0;
         return paged_decode_attention_bf16(
             qkv, qkv_width, s->head_dim, P(const bf16 *, k_cache), P(const bf16 *, v_cache),
             tables, s->table_stride, lens, ids, rows, s->num_seqs, s->num_heads,
@@ -130,10 +136,27 @@ static int attention(const struct decode_step *s, int64_t k_cache, int64_t v_cac
                           s->num_heads, s->num_kv_heads, s->head_dim, P(float *, k_cache),
                           P(float *, v_cache), s->num_cache_slots, t) != 0)
         return -3;
+    if (s->num_seqs == 0) return 0;
     return paged_decode_attention_f32(
         qkv, qkv_width, s->head_dim, P(const float *, k_cache), P(const float *, v_cache),
         tables, s->table_stride, lens, ids, rows, s->num_seqs, s->num_heads, s->num_kv_heads,
         s->head_dim, s->block_size, scale, P(float *, s->attn), s->q_size, s->head_dim, t);
+}
+
+/* this layer's attention: RoPE and the K/V store of every row, then the decode rows' and
+ * the prefill chunks' attention */
+static int attention(const struct decode_step *s, int64_t k_cache, int64_t v_cache,
+                     float scale)
+{
+    const int status = rope_decode_attention(s, k_cache, v_cache, scale);
+    if (status != 0 || s->num_prefill == 0) return status;
+    return paged_prefill_attention(
+        P(const void *, s->qkv), s->q_size + 2 * s->kv_size, s->head_dim,
+        P(const void *, k_cache), P(const void *, v_cache), P(const int32_t *, s->block_tables),
+        s->table_stride, P(const int32_t *, s->seq_lens), P(const int32_t *, s->query_start_loc),
+        P(const int64_t *, s->prefill_ids), s->num_prefill, s->num_heads, s->num_kv_heads,
+        s->head_dim, s->block_size, scale, P(void *, s->attn), s->q_size, s->head_dim,
+        (int)s->bf16, (int)s->num_threads, (int)s->impl);
 }
 
 /* ---- the layers in one parallel region ------------------------------------------------
@@ -218,23 +241,38 @@ static int rope_team(const struct decode_step *s, int64_t k_cache, int64_t v_cac
     return status != 0 ? -3 : 0;
 }
 
-static int decode_attention_team(const struct decode_step *s, int64_t k_cache, int64_t v_cache,
-                                 float scale)
+/* the decode rows' attention, then the prefill chunks' (their items built once per step),
+ * each thread its share of each */
+static int attention_team(const struct decode_step *s, int64_t k_cache, int64_t v_cache,
+                          float scale, const int64_t *pf_items, int64_t pf_num_items,
+                          float *pf_scratch)
 {
     const int64_t w = s->q_size + 2 * s->kv_size;
     const int32_t *tables = P(const int32_t *, s->block_tables);
     const int32_t *lens = P(const int32_t *, s->seq_lens);
     const int64_t *ids = P(const int64_t *, s->seq_ids), *rows = P(const int64_t *, s->seq_rows);
-    if (s->bf16)
-        return paged_decode_attention_bf16(
+    int status = 0;
+    if (s->num_seqs > 0 && s->bf16)
+        status = paged_decode_attention_bf16(
             P(bf16 *, s->qkv), w, s->head_dim, P(const bf16 *, k_cache),
             P(const bf16 *, v_cache), tables, s->table_stride, lens, ids, rows, s->num_seqs,
             s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, scale,
             P(bf16 *, s->attn), s->q_size, s->head_dim, 0, (int)s->impl);
-    return paged_decode_attention_f32(
-        P(float *, s->qkv), w, s->head_dim, P(const float *, k_cache), P(const float *, v_cache),
-        tables, s->table_stride, lens, ids, rows, s->num_seqs, s->num_heads, s->num_kv_heads,
-        s->head_dim, s->block_size, scale, P(float *, s->attn), s->q_size, s->head_dim, 0);
+    else if (s->num_seqs > 0)
+        status = paged_decode_attention_f32(
+            P(float *, s->qkv), w, s->head_dim, P(const float *, k_cache),
+            P(const float *, v_cache), tables, s->table_stride, lens, ids, rows, s->num_seqs,
+            s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, scale,
+            P(float *, s->attn), s->q_size, s->head_dim, 0);
+    if (s->num_prefill == 0) return status;
+    /* every thread reaches the prefill share's worksharing loop, whatever its status */
+    const int failed = prefill_attention_team(
+        P(const void *, s->qkv), w, s->head_dim, P(const void *, k_cache),
+        P(const void *, v_cache), tables, s->table_stride, lens,
+        P(const int32_t *, s->query_start_loc), s->num_heads, s->num_kv_heads, s->head_dim,
+        s->block_size, scale, P(void *, s->attn), s->q_size, s->head_dim, (int)s->bf16,
+        (int)s->impl, pf_items, pf_num_items, pf_scratch);
+    return status != 0 ? status : failed ? -1 : 0;
 }
 
 static void silu_team(const struct decode_step *s)
@@ -252,13 +290,14 @@ static void silu_team(const struct decode_step *s)
 }
 
 /* Whether the step runs in one region: several threads, a thread per sequence at least
- * (a sequence split over threads merges its parts between two waits of its own), rows
- * that each thread packs for the AMX tiles by itself, every KV slot in the cache (checked
- * here, before anything is written, as the per-kernel path checks it per layer). */
+ * (a decode row's sequence split over threads merges its parts between two waits of its
+ * own; a prefill chunk's tiles are items of their own), every KV slot in the cache
+ * (checked here, before anything is written, as the per-kernel path checks it per layer).
+ * On the Xeon with AMX a mixed step of 71-97 rows took 64-70 ms in a region per kernel,
+ * one of 51-63 rows 36-40 ms in one region. */
 static int team_fits(const struct decode_step *s)
 {
-    if (s->num_threads < 2 || s->num_seqs < s->num_threads || s->rows > SKINNY_AMX_OWN_ROWS)
-        return 0;
+    if (s->num_threads < 2 || s->num_seqs + s->num_prefill < s->num_threads) return 0;
     const int64_t *slots = P(const int64_t *, s->slot_mapping);
     for (int64_t r = 0; r < s->rows; ++r)
         if (slots[r] < 0 || slots[r] >= s->num_cache_slots) return 0;
@@ -299,12 +338,27 @@ static int decode_layers_team(const struct decode_layer *layers, int64_t num_lay
         const int64_t words = skinny_amx_packed(s->rows, widest) * t;
         xp = aligned_alloc(64, (size_t)((words * 4 + 63) / 64 * 64));
     }
+    /* the prefill chunks' attention items, the same for every layer */
+    int64_t pf_num_items = 0, *pf_items = NULL;
+    if (s->num_prefill > 0) {
+        pf_items = prefill_attention_items(P(const int32_t *, s->query_start_loc),
+                                           P(const int64_t *, s->prefill_ids), s->num_prefill,
+                                           s->num_kv_heads, &pf_num_items);
+        if (!pf_items) {
+            free(xp);
+            free(base.work);
+            return -1;
+        }
+    }
+    const size_t pf_floats = s->num_prefill > 0
+        ? prefill_attention_scratch(s->num_heads, s->num_kv_heads, s->head_dim) : 0;
     struct spin_team team = {0};
     atomic_int failed = 0;
 #pragma omp parallel num_threads(t)
     {
         const int nt = omp_get_num_threads();
         int phase = 0;
+        float *pf_scratch = pf_floats ? malloc(sizeof(float) * pf_floats) : NULL;
         const struct lora_call *c = lora ? &base : NULL;
 /* a kernel's status, then the wait after it; every thread leaves the loop together */
 #define STEP(CALL)                                                                      \
@@ -321,7 +375,7 @@ static int decode_layers_team(const struct decode_layer *layers, int64_t num_lay
             STEP(project_team(s, &layer->proj[PROJ_QKV], s->x, h, s->qkv, qkv_width, c, xp,
                               &team, &phase))
             STEP(rope_team(s, kc, vc))
-            STEP(decode_attention_team(s, kc, vc, scale))
+            STEP(attention_team(s, kc, vc, scale, pf_items, pf_num_items, pf_scratch))
             STEP(project_team(s, &layer->proj[PROJ_O], s->attn, s->q_size, s->x, h, c, xp,
                               &team, &phase))
             STEP((norm_team(s, layer->post_attention_norm, eps, 0), 0))
@@ -332,7 +386,9 @@ static int decode_layers_team(const struct decode_layer *layers, int64_t num_lay
                               &team, &phase))
         }
 #undef STEP
+        free(pf_scratch);
     }
+    free(pf_items);
     free(xp);
     free(base.work);
     return atomic_load(&failed);

@@ -20,6 +20,7 @@
  */
 #include "bf16.h"
 #include "common.h"
+#include "kernels.h"
 
 #include <math.h>
 
@@ -387,6 +388,95 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
     }
 }
 
+/* The work items of a step's prefill chunks (sequences seq_ids, each with
+ * query_start_loc[s + 1] - query_start_loc[s] new tokens), as int64 quadruples (sequence,
+ * KV head, first and end query position: prefill_item), for every layer of the step;
+ * NULL without memory (free it). The last tiles of a chunk see the most keys: they go
+ * first, so the dynamic schedule ends on short items. */
+int64_t *prefill_attention_items(const int32_t *query_start_loc, const int64_t *seq_ids,
+                                 int64_t num_seqs, int64_t num_kv_heads, int64_t *num_items)
+{
+    int64_t count = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t s = seq_ids[i];
+        count += (query_start_loc[s + 1] - query_start_loc[s] + PF_TILE - 1) / PF_TILE;
+    }
+    count *= num_kv_heads;
+    prefill_item *items = malloc(sizeof(prefill_item) * (size_t)(count ? count : 1));
+    if (!items) return NULL;
+    int64_t n = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t s = seq_ids[i];
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        for (int64_t q0 = (q_len - 1) / PF_TILE * PF_TILE; q0 >= 0; q0 -= PF_TILE)
+            for (int64_t g = 0; g < num_kv_heads; ++g)
+                items[n++] = (prefill_item){s, g, q0, q0 + PF_TILE < q_len ? q0 + PF_TILE
+                                                                            : q_len};
+    }
+    *num_items = count;
+    return (int64_t *)items;
+}
+
+static prefill_args make_args(
+    const void *query, int64_t q_row_stride, int64_t q_head_stride, const void *k_cache,
+    const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
+    int64_t o_row_stride, int64_t o_head_stride, int is_bf16, int impl)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    return (prefill_args){
+        query, k_cache, v_cache, q_row_stride, q_head_stride, block_tables, table_stride,
+        seq_lens, query_start_loc, num_kv_heads, group, head_dim,
+        (head_dim + VL - 1) / VL * VL, (PF_TILE * group + VL - 1) / VL * VL, block_size,
+        scale, out, o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float),
+        /* pairs of dimensions: an even head size (a row's last pair never passes its end) */
+#ifdef __AVX512BF16__
+        is_bf16 && impl == BF16_AVX512 && head_dim % 2 == 0
+#else
+        ((void)impl, 0)
+#endif
+    };
+}
+
+/* The float32 scratch one thread's items need (prefill_attention_team). */
+size_t prefill_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+{
+    const prefill_args a = make_args(NULL, 0, 0, NULL, NULL, NULL, 0, NULL, NULL, num_heads,
+                                     num_kv_heads, head_dim, 1, 1.0f, NULL, 0, 0, 0, 0);
+    return scratch_floats(&a);
+}
+
+/* One thread's share of a call's items (prefill_attention_items), inside a parallel region
+ * every thread of which calls it (an orphaned `omp for`, no wait after it): arguments as
+ * paged_prefill_attention's, `scratch` prefill_attention_scratch floats (NULL: none could
+ * be allocated). Returns 1 where this thread had items and no scratch, else 0. */
+int prefill_attention_team(
+    const void *query, int64_t q_row_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
+    int64_t o_row_stride, int64_t o_head_stride, int is_bf16, int impl,
+    const int64_t *items, int64_t num_items, float *scratch)
+{
+    const prefill_args a = make_args(query, q_row_stride, q_head_stride, k_cache, v_cache,
+                                     block_tables, table_stride, seq_lens, query_start_loc,
+                                     num_heads, num_kv_heads, head_dim, block_size, scale,
+                                     out, o_row_stride, o_head_stride, is_bf16, impl);
+    const prefill_item *work = (const prefill_item *)items;
+    int failed = 0;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t j = 0; j < num_items; ++j) {
+        if (!scratch) {
+            failed = 1;
+            continue;
+        }
+        prefill_tile(&a, work[j], scratch);
+    }
+    return failed;
+}
+
 /* Attention of the query rows of sequences seq_ids (each with query_start_loc[s + 1] -
  * query_start_loc[s] new tokens, already stored in the cache) over their cached keys;
  * query and out [num_tokens, num_heads, head_dim] with unit last stride, the caches
@@ -401,51 +491,21 @@ int paged_prefill_attention(
     int64_t block_size, float scale, void *out, int64_t o_row_stride, int64_t o_head_stride,
     int is_bf16, int num_threads, int impl)
 {
-    const prefill_args a = {
-        query, k_cache, v_cache, q_row_stride, q_head_stride, block_tables, table_stride,
-        seq_lens, query_start_loc, num_kv_heads, num_heads / num_kv_heads, head_dim,
-        (head_dim + VL - 1) / VL * VL,
-        (PF_TILE * (num_heads / num_kv_heads) + VL - 1) / VL * VL, block_size, scale, out,
-        o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float),
-        /* pairs of dimensions: an even head size (a row's last pair never passes its end) */
-#ifdef __AVX512BF16__
-        is_bf16 && impl == BF16_AVX512 && head_dim % 2 == 0
-#else
-        0
-#endif
-    };
     int64_t num_items = 0;
-    for (int64_t i = 0; i < num_seqs; ++i) {
-        const int64_t s = seq_ids[i];
-        num_items += (query_start_loc[s + 1] - query_start_loc[s] + PF_TILE - 1) / PF_TILE;
-    }
-    num_items *= num_kv_heads;
-    prefill_item *items = malloc(sizeof(prefill_item) * (size_t)(num_items ? num_items : 1));
+    int64_t *items = prefill_attention_items(query_start_loc, seq_ids, num_seqs, num_kv_heads,
+                                             &num_items);
     if (!items) return -1;
-    /* the last tiles of a chunk see the most keys: they go first, so the dynamic schedule
-     * ends on short items */
-    int64_t n = 0;
-    for (int64_t i = 0; i < num_seqs; ++i) {
-        const int64_t s = seq_ids[i];
-        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        for (int64_t q0 = (q_len - 1) / PF_TILE * PF_TILE; q0 >= 0; q0 -= PF_TILE)
-            for (int64_t g = 0; g < num_kv_heads; ++g)
-                items[n++] = (prefill_item){s, g, q0, q0 + PF_TILE < q_len ? q0 + PF_TILE
-                                                                            : q_len};
-    }
+    const size_t floats = prefill_attention_scratch(num_heads, num_kv_heads, head_dim);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats(&a));
+        float *scratch = malloc(sizeof(float) * floats);
         /* every thread must reach the worksharing loop, even one without scratch */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < num_items; ++j) {
-            if (!scratch) {
-                failed = 1;
-                continue;
-            }
-            prefill_tile(&a, items[j], scratch);
-        }
+        failed |= prefill_attention_team(query, q_row_stride, q_head_stride, k_cache, v_cache,
+                                         block_tables, table_stride, seq_lens,
+                                         query_start_loc, num_heads, num_kv_heads, head_dim,
+                                         block_size, scale, out, o_row_stride, o_head_stride,
+                                         is_bf16, impl, items, num_items, scratch);
         free(scratch);
     }
     free(items);

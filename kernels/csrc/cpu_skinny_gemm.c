@@ -374,7 +374,9 @@ static inline __attribute__((always_inline)) void xt_group(
 
 /* bfloat16: on AMX tiles where `xp` (skinny_amx_buffer) is set, the team packing x first
  * and the last thread taking the weight rows past the whole 16-row blocks; else the
- * AVX-512 BF16 (or AVX2) kernel. */
+ * AVX-512 BF16 (or AVX2) kernel. SKINNY_PACK_WAIT: the wait after the team's packing
+ * (libgomp's barrier; skinny_team_bf16's, the step's spin barrier). */
+#define SKINNY_PACK_WAIT _Pragma("omp barrier")
 #define SKINNY_BF16_THREAD                                                                \
     if (xp) {                                                                           \
         const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();               \
@@ -385,7 +387,7 @@ static inline __attribute__((always_inline)) void xt_group(
             xs_ = own_;                                                                 \
         } else {                                                                        \
             skinny_amx_pack(x, ldx, rows, k, xp, t_, nt_);                              \
-            _Pragma("omp barrier")                                                      \
+            SKINNY_PACK_WAIT                                                            \
         }                                                                               \
         const int64_t done_ = skinny_amx_share(xs_, w, bias, out, ldo, rows, n, k, t_, nt_); \
         if (t_ == nt_ - 1) {                                                            \
@@ -662,8 +664,9 @@ int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
  * every thread calls it with the same arguments (cpu_decode_layers.c, a decode step's
  * layers in one region): its share of the GEMM, then, with LoRA, a spin barrier and its
  * share of the LoRA items (`c` prepared once for the step's segments, lora_for_projection);
- * no wait after it (the caller's). bfloat16: `xp` NULL or, for up to SKINNY_AMX_OWN_ROWS
- * rows where skinny_amx_takes, room for one packed copy of x per thread. Returns 1 where
+ * no wait after it (the caller's). bfloat16: `xp` NULL or, where skinny_amx_takes, room
+ * for one packed copy of x per thread: up to SKINNY_AMX_OWN_ROWS rows each thread packs its
+ * own, past them the team packs the first together (a spin barrier after). Returns 1 where
  * LoRA scratch memory failed, -2 where the skinny GEMM is not compiled, else 0. */
 #undef VEC
 #define VEC VEC_F32
@@ -685,6 +688,8 @@ int skinny_team_f32(const float *x, int64_t ldx, const float *w, const float *bi
 
 #undef VEC
 #define VEC VEC_BF16
+#undef SKINNY_PACK_WAIT
+#define SKINNY_PACK_WAIT spin_team_wait(team, nt_, phase);
 int skinny_team_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias,
                      bf16 *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
                      uint32_t *xp, const struct lora_call *c, struct spin_team *team,

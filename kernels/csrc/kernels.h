@@ -3,6 +3,7 @@
  * by cpu_decode_layers.c, which runs a decode step's layers through them. */
 #ifndef LORAPLEX_KERNELS_H
 #define LORAPLEX_KERNELS_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -48,6 +49,30 @@ int paged_decode_attention_bf16(
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale,
     bf16 *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads, int impl);
+
+/* Prefill chunks' attention (cpu_prefill_attention.c): in a region of its own, or as one
+ * thread's share of a region that runs other kernels too (cpu_decode_layers.c): the step's
+ * work items, built once for all its layers (free them), each thread's scratch floats, and
+ * the share, an orphaned `omp for` with no wait after it. */
+int paged_prefill_attention(
+    const void *query, int64_t q_row_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seq_ids,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, void *out, int64_t o_row_stride, int64_t o_head_stride,
+    int is_bf16, int num_threads, int impl);
+int64_t *prefill_attention_items(const int32_t *query_start_loc, const int64_t *seq_ids,
+                                 int64_t num_seqs, int64_t num_kv_heads, int64_t *num_items);
+size_t prefill_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+int prefill_attention_team(
+    const void *query, int64_t q_row_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
+    int64_t o_row_stride, int64_t o_head_stride, int is_bf16, int impl,
+    const int64_t *items, int64_t num_items, float *scratch);
 
 int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                       float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,

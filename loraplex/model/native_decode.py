@@ -1,10 +1,11 @@
-"""The decoder layers of a pure-decode CPU step in one native call
-(``loraplex_kernels.cpu_decode``), where every projection runs the skinny GEMM.
+"""The decoder layers of a CPU step in one native call (``loraplex_kernels.cpu_decode``),
+where every projection runs the skinny GEMM: decode steps, and steps of decode rows and
+prefill chunks (a prompt admitted while others decode) up to ``skinny_max_rows`` rows.
 
 The layer-by-layer code (``llama.DecoderLayer``) calls the same kernels in the same order;
 what this saves is the Python between them, per layer and step. A step it does not take
-(prefill rows, more rows than ``skinny_max_rows``, LoRA segments the native kernel does not
-run, another backend) goes layer by layer.
+(more rows than ``skinny_max_rows``, LoRA segments the native kernel does not run, another
+backend) goes layer by layer.
 """
 
 from __future__ import annotations
@@ -68,12 +69,11 @@ class NativeDecode:
 
     def takes(self, x: torch.Tensor, meta: AttentionMeta, lora: LoRAStep | None,
               backend: Backend | None) -> bool:
-        """Whether this step runs natively: CPU, only decode rows, few enough for the skinny
-        GEMM, and LoRA (if any) all in short segments."""
+        """Whether this step runs natively: CPU, rows (decode rows and prefill chunks' tokens)
+        few enough for the skinny GEMM, and LoRA (if any) all in short segments."""
         if not (x.is_cpu if backend is None else backend == "cpu"):
             return False
-        n = x.shape[0]
-        if not 0 < n <= skinny_max_rows(x.dtype) or meta.decode_seq_ids.numel() != n:
+        if not 0 < x.shape[0] <= skinny_max_rows(x.dtype):
             return False
         if lora is None or not lora.meta.has_lora:
             return True
@@ -114,8 +114,11 @@ class NativeDecode:
         tables, lens = meta.block_tables, meta.seq_lens
         assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous()
         seq_ids, seq_rows = meta.decode_seq_ids, meta.decode_rows
-        assert seq_ids.dtype == seq_rows.dtype == torch.int64
+        prefill_ids, starts = meta.prefill_seq_ids, meta.query_start_loc
+        assert seq_ids.dtype == seq_rows.dtype == prefill_ids.dtype == torch.int64
+        assert starts.dtype == torch.int32 and starts.is_contiguous()
         assert seq_ids.is_contiguous() and seq_rows.is_contiguous()
+        assert prefill_ids.is_contiguous()
         kv = self._kv_caches(kv_caches, num_layers)
         k_cache = kv_caches[0][0]
         segments = lora.meta.short_segments if lora is not None and lora.meta.has_lora \
@@ -140,7 +143,8 @@ class NativeDecode:
             "slot_mapping": slots.data_ptr(), "block_tables": tables.data_ptr(),
             "table_stride": tables.stride(0), "seq_lens": lens.data_ptr(),
             "seq_ids": seq_ids.data_ptr(), "seq_rows": seq_rows.data_ptr(),
-            "num_seqs": seq_ids.numel(),
+            "num_seqs": seq_ids.numel(), "query_start_loc": starts.data_ptr(),
+            "prefill_ids": prefill_ids.data_ptr(), "num_prefill": prefill_ids.numel(),
             "seg_first": seg_ptr, "seg_len": seg_ptr + 8 * num_segs,
             "seg_slot": seg_ptr + 16 * num_segs, "num_segs": num_segs,
             "first": 1, "bf16": int(bf16),

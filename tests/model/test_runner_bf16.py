@@ -147,9 +147,9 @@ def test_native_decode_layers_match_the_layer_by_layer_path(
         model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
         oracle: list[tuple[list[int], torch.Tensor]], dtype: str, gemm: str, with_lora: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step's layers in one native call (cpu_decode) against the same kernels
-    called layer by layer from Python: the same logits, bit for bit, with LoRA rows, base
-    rows and steps without adapters."""
+    """A step's layers in one native call (cpu_decode) against the same kernels called
+    layer by layer from Python: the same logits, bit for bit, with LoRA rows, base rows and
+    steps without adapters, the prompts' prefill step as well as the decode steps."""
     if not cpu_native.can_skinny(getattr(torch, dtype)):
         pytest.skip(f"the skinny GEMM does not run {dtype} on this CPU")
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", gemm)
@@ -159,13 +159,95 @@ def test_native_decode_layers_match_the_layer_by_layer_path(
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(1) or run(*a))
     names = NAMES if with_lora else [None] * len(NAMES)
     native = _forced_logits(model_dir, adapters, prompts, continuations, dtype, names)
-    assert len(calls) == NUM_NEW - 1  # every decode step, no prefill step
+    # every decode step, and the prefill step where its rows fit the skinny GEMM
+    prefill_rows = sum(len(p) for p in prompts)
+    steps = NUM_NEW - 1 + (prefill_rows <= ops.skinny_max_rows(getattr(torch, dtype)))
+    assert len(calls) == steps
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     layered = _forced_logits(model_dir, adapters, prompts, continuations, dtype, names)
-    assert len(calls) == NUM_NEW - 1
+    assert len(calls) == steps
     assert torch.equal(native, layered)
 
 
+
+
+# Mixed steps: (slot name, prompt length) per sequence, and the tokens each step computes
+# of each: the third's prompt is chunked over the first two steps, the fifth arrives in
+# the third (74 rows: past SKINNY_AMX_OWN_ROWS, which the team packs for the tiles together).
+MIXED = [(None, 7), ("r16qv", 11), ("r8", 15), ("r8", 9), (None, 70)]
+MIXED_PLAN = [{0: 7, 1: 11, 2: 6}, {0: 1, 1: 1, 2: 9, 3: 9}, {0: 1, 1: 1, 2: 1, 3: 1, 4: 70}]
+
+
+def _mixed_steps(model_dir: Path, adapters: dict[str, Path], dtype: str,
+                 ) -> tuple[torch.Tensor, list[tuple[str | None, list[int]]]]:
+    """Three steps that mix decode rows and prefill chunks: a first step of two prompts
+    and the first chunk of a third; then decode rows, the rest of that chunked prompt (a
+    prefill chunk after cached positions) and a new prompt; then decode rows and another
+    new prompt, base and LoRA rows in each. Returns the logits of every sampling row, step
+    after step [rows, vocab], and per row its adapter and the tokens it has seen."""
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(num_kv_blocks=48),
+                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
+                         progress=False)
+    target = TargetShapes.from_model_dir(model_dir)
+    slot_of = {"r8": 2, "r16qv": 0}
+    for name, slot in slot_of.items():
+        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
+    rng = random.Random(9)
+    tokens = [[rng.randrange(3, 380) for _ in range(n + 2)] for _, n in MIXED]
+    done = [0] * len(MIXED)  # tokens of each sequence in the cache
+    logits, seen = [], []
+    for step in MIXED_PLAN:
+        seqs = []
+        for i, n in step.items():
+            name, prompt_len = MIXED[i]
+            end = done[i] + n
+            samples = [GREEDY] if end >= prompt_len else []
+            seqs.append(SeqInput(tokens[i][done[i]:end], done[i], [8 * i + j for j in range(8)],
+                                 -1 if name is None else slot_of[name], samples))
+            if samples:
+                seen.append((name, tokens[i][:end]))
+            done[i] = end
+        logits.append(runner_logits(runner, BatchInputs(seqs)).float())
+    return torch.cat(logits), seen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype,gemm", [("bfloat16", "auto"), ("float32", "skinny")])
+def test_native_layers_take_mixed_steps(
+        model_dir: Path, adapters: dict[str, Path], dtype: str, gemm: str, threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of decode rows and prefill chunks (new prompts, and a prompt's second chunk
+    after its cached first) run in one native call each where their rows fit the skinny
+    GEMM, on one thread (a parallel region per kernel) and on two (the whole step in one
+    region): their logits are bit for bit the layer-by-layer path's and, in float32, the
+    HF + PEFT oracle's."""
+    if not cpu_native.can_skinny(getattr(torch, dtype)):
+        pytest.skip(f"the skinny GEMM does not run {dtype} on this CPU")
+    monkeypatch.setenv("LORAPLEX_CPU_GEMM", gemm)
+    calls = []
+    run = cpu_decode.run
+    monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(1) or run(*a))
+    steps = sum(sum(p.values()) <= ops.skinny_max_rows(getattr(torch, dtype))
+                for p in MIXED_PLAN)
+    assert steps >= 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native, seen = _mixed_steps(model_dir, adapters, dtype)
+        assert len(calls) == steps
+        monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+        layered, _ = _mixed_steps(model_dir, adapters, dtype)
+        assert len(calls) == steps
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(native, layered)
+    if dtype == "float32":
+        refs = {name: load_reference(model_dir, None if name is None else adapters[name])
+                for name in {n for n, _ in seen}}
+        with torch.no_grad():
+            expected = torch.stack([refs[name](input_ids=torch.tensor([ids])).logits[0, -1]
+                                    for name, ids in seen])
+        assert (native - expected).abs().max().item() < 1e-4
 
 def _wide_decode_logits(model_dir: Path, adapters: dict[str, Path], rows: int) -> torch.Tensor:
     """A decode step of ``rows`` sequences (base rows and two adapters' rows, interleaved),
