@@ -133,13 +133,15 @@ _LARGE_ROWS = 512
 # on its tiles, 1.75-1.87x oneDNN's packed AMX GEMM up to 32 rows, 1.24x at 64 and 1.09x at
 # 128 (a 2-core Xeon); the limit stays where the vector kernels set it.
 SKINNY_MAX_ROWS = 64
-# The most rows the bfloat16 skinny GEMM takes where it runs on AMX tiles. There it leads
-# oneDNN on the plain layout (what larger batches take) up to about 384 rows: on a 2-core
-# Xeon with AMX the demo model's 30 layers took 27.3 ms against 36.5 at 128 rows, 40.2
-# against 51.2 at 256, 53.5 against 53.3 at 384 (benchmarks/skinny_gemm.py; its float32
-# kernel falls behind past 64 rows). A step that mixes a short prompt's chunk with the
-# running decodes has such sizes, and so does a decode step of many sequences.
-SKINNY_AMX_MAX_ROWS = 256
+# The most rows the bfloat16 skinny GEMM takes where it runs on AMX tiles. There, with 2 x 2
+# tiles of C past 32 rows, it leads oneDNN on the plain layout (what larger batches take)
+# up to about 768 rows: on a 2-core Xeon with AMX the demo model's 30 layers took 22.3 ms
+# against 38.7 at 128 rows, 38.5 against 55.0 at 256, 63.4 against 67.7 at 512, 97.7
+# against 101.8 at 768, and 135 against 122 at 1,024 (benchmarks/skinny_gemm.py; its
+# float32 kernel falls behind past 64 rows). A step that mixes a prompt's chunk with the
+# running decodes has such sizes, and so does a decode step of many sequences; up to
+# here such a step runs in one native call (loraplex/model/native_decode.py).
+SKINNY_AMX_MAX_ROWS = 512
 
 
 def skinny_max_rows(dtype: torch.dtype) -> int:

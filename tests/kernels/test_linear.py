@@ -352,12 +352,13 @@ needs_amx = pytest.mark.skipif(
 @needs_amx
 @pytest.mark.usefixtures("amx_restored")
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 48, 64, 65, 130])
-@pytest.mark.parametrize(("n", "k"), [(16, 32), (70, 96), (331, 576), (1000, 64)])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (70, 96), (331, 576), (1000, 64)])
 def test_skinny_gemm_on_amx_tiles(rows: int, n: int, k: int) -> None:
     """The bf16 skinny GEMM on AMX tiles against float64 rounded to bf16, and against the
     AVX-512 BF16 kernel (the same float32 sums in another order: equal but for rare last
     bits): one to nine blocks of 16 rows of x (every tile arrangement: 4 weight blocks per
-    block of x, 2 x 2, 1 x 4, and more blocks of x than 4), weight rows past the last
+    block of x; 2 x 2, two weight blocks against two blocks of x, with one of either at
+    the edges: an odd number of blocks of x, of weight rows), weight rows past the last
     whole 16 (the AVX-512 kernel's), a bias and none, a strided input."""
     g = torch.Generator().manual_seed(rows * 7919 + n + k)
     weight = torch.randn(n, k, generator=g).bfloat16()
@@ -395,7 +396,7 @@ def test_skinny_gemm_takes_vectors_where_tiles_do_not_fit() -> None:
 
 @needs_amx
 @pytest.mark.usefixtures("amx_restored")
-@pytest.mark.parametrize("rows", [65, 200, 256, 257])
+@pytest.mark.parametrize("rows", [65, 200, 512, 513])
 def test_bfloat16_batches_take_the_amx_tiles_up_to_their_rows(
         rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """With AMX on, ``linear`` sends a bf16 batch of up to ``SKINNY_AMX_MAX_ROWS`` rows
