@@ -179,4 +179,22 @@ static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *
     return work;
 }
 
+/* The work items ordered by their cost, largest first (a stable insertion sort: a step has
+ * tens of items), so that a dynamic schedule ends on small ones: a decode item's cost is
+ * its slot's weights (bytes in proportion to the rank), a prefill item's also its tokens.
+ * Each item writes its own tokens' rows, so the order changes no result. */
+static inline void lora_order_items(int64_t *work, int64_t num_groups, const int64_t *ranks)
+{
+#define LORA_ITEM_COST(w) (ranks[(w)[2]] * (8 + (w)[1]))
+    for (int64_t i = 1; i < num_groups; ++i) {
+        int64_t item[3] = {work[3 * i], work[3 * i + 1], work[3 * i + 2]};
+        const int64_t cost = LORA_ITEM_COST(item);
+        int64_t j = i;
+        for (; j > 0 && LORA_ITEM_COST(work + 3 * (j - 1)) < cost; --j)
+            memcpy(work + 3 * j, work + 3 * (j - 1), sizeof(int64_t) * 3);
+        memcpy(work + 3 * j, item, sizeof item);
+    }
+#undef LORA_ITEM_COST
+}
+
 #endif

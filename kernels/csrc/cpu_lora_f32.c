@@ -207,6 +207,7 @@ int lora_f32_prepare(struct lora_call *c)
     c->work = lora_work_items(c->seg_first, c->seg_len, c->seg_slot, c->num_segs, size,
                               &c->num_groups);
     if (!c->work) return -1;
+    lora_order_items(c->work, c->num_groups, c->ranks);
     c->item_rows = lora_item_rows(c->work, c->num_groups, LORA_TOKENS);
     return 0;
 }
