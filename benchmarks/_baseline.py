@@ -24,4 +24,9 @@ def build_baseline(ref: str, directory: Path) -> ctypes.CDLL:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{rel}"],
                               capture_output=True, text=True, check=True).stdout
         (csrc / Path(rel).name).write_text(text, encoding="utf-8")
-    return cpu_native.load(cpu_native.build(directory=directory, csrc=csrc))
+    lib = cpu_native.load(cpu_native.build(directory=directory, csrc=csrc))
+    # AMX as this tree's library has it (each library asks for the tiles itself; without
+    # this, the other revision's long bf16 LoRA segments ran on vectors)
+    if hasattr(lib, "loraplex_skinny_amx"):
+        lib.loraplex_skinny_amx(int(cpu_native.skinny_amx()))
+    return lib

@@ -36,7 +36,7 @@ from loraplex_kernels import cpu_native, ops  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] per layer
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768)
 Gemm = Callable[[torch.Tensor, torch.Tensor, ops.PackedWeight | None], torch.Tensor]
 
 
