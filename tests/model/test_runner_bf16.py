@@ -66,19 +66,29 @@ def oracle(model_dir: Path, adapters: dict[str, Path],
     return out
 
 
+SLOT_OF = {"r8": 2, "r16qv": 0}  # the adapters' slots in the runners below
+
+
+def _runner(model_dir: Path, adapters: dict[str, Path], dtype: str,
+            num_kv_blocks: int) -> ModelRunner:
+    """A runner of ``dtype`` with both adapters in their slots (``SLOT_OF``)."""
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype),
+                         CacheConfig(num_kv_blocks=num_kv_blocks),
+                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
+                         progress=False)
+    target = TargetShapes.from_model_dir(model_dir)
+    for name, slot in SLOT_OF.items():
+        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
+    return runner
+
+
 def _forced_logits(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
                    continuations: list[list[int]], dtype: str,
                    names: list[str | None] = NAMES) -> torch.Tensor:
     """The runner's logits [num_seqs, NUM_NEW, vocab], fed the given continuations: one
     prefill step, then decode steps of one token each (the native kernels' path)."""
-    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(num_kv_blocks=64),
-                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
-                         progress=False)
-    target = TargetShapes.from_model_dir(model_dir)
-    slot_of = {"r8": 2, "r16qv": 0}
-    for name, slot in slot_of.items():
-        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
-    slots = [-1 if n is None else slot_of[n] for n in names]
+    runner = _runner(model_dir, adapters, dtype, 64)
+    slots = [-1 if n is None else SLOT_OF[n] for n in names]
     tables = [[3 * i, 3 * i + 1, 3 * i + 2, 40 + i] for i in range(len(NAMES))]
     steps = [runner_logits(runner, BatchInputs([
         SeqInput(p, 0, t, s, [GREEDY]) for p, t, s in zip(prompts, tables, slots, strict=True)]))]
@@ -185,13 +195,7 @@ def _mixed_steps(model_dir: Path, adapters: dict[str, Path], dtype: str,
     prefill chunk after cached positions) and a new prompt; then decode rows and another
     new prompt, base and LoRA rows in each. Returns the logits of every sampling row, step
     after step [rows, vocab], and per row its adapter and the tokens it has seen."""
-    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype), CacheConfig(num_kv_blocks=48),
-                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
-                         progress=False)
-    target = TargetShapes.from_model_dir(model_dir)
-    slot_of = {"r8": 2, "r16qv": 0}
-    for name, slot in slot_of.items():
-        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
+    runner = _runner(model_dir, adapters, dtype, 48)
     rng = random.Random(9)
     tokens = [[rng.randrange(3, 380) for _ in range(n + 2)] for _, n in MIXED]
     done = [0] * len(MIXED)  # tokens of each sequence in the cache
@@ -203,7 +207,7 @@ def _mixed_steps(model_dir: Path, adapters: dict[str, Path], dtype: str,
             end = done[i] + n
             samples = [GREEDY] if end >= prompt_len else []
             seqs.append(SeqInput(tokens[i][done[i]:end], done[i], [8 * i + j for j in range(8)],
-                                 -1 if name is None else slot_of[name], samples))
+                                 -1 if name is None else SLOT_OF[name], samples))
             if samples:
                 seen.append((name, tokens[i][:end]))
             done[i] = end
@@ -252,13 +256,7 @@ def test_native_layers_take_mixed_steps(
 def _wide_decode_logits(model_dir: Path, adapters: dict[str, Path], rows: int) -> torch.Tensor:
     """A decode step of ``rows`` sequences (base rows and two adapters' rows, interleaved),
     after their prompts' prefill: its logits [rows, vocab]."""
-    runner = ModelRunner(ModelConfig(str(model_dir), dtype="bfloat16"),
-                         CacheConfig(num_kv_blocks=rows + 8),
-                         LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3),
-                         progress=False)
-    target = TargetShapes.from_model_dir(model_dir)
-    for name, slot in (("r16qv", 0), ("r8", 2)):
-        runner.set_lora_slot(slot, load_adapter(adapters[name], target, 16, name=name))
+    runner = _runner(model_dir, adapters, "bfloat16", rows + 8)
     rng = random.Random(rows)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 12))] for _ in range(rows)]
     slots = [(-1, 0, 2)[i % 3] for i in range(rows)]
