@@ -215,29 +215,34 @@ def _mixed_steps(model_dir: Path, adapters: dict[str, Path], dtype: str,
     return torch.cat(logits), seen
 
 
+@pytest.mark.usefixtures("amx_restored")
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype,gemm", [("bfloat16", "auto"), ("float32", "skinny")])
+@pytest.mark.parametrize("dtype,gemm,amx", [("bfloat16", "auto", "auto"), ("bfloat16", "auto", "0"),
+                                            ("float32", "skinny", "auto")])
 def test_native_layers_take_mixed_steps(
-        model_dir: Path, adapters: dict[str, Path], dtype: str, gemm: str, threads: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        model_dir: Path, adapters: dict[str, Path], dtype: str, gemm: str, amx: str,
+        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of decode rows and prefill chunks (new prompts, and a prompt's second chunk
     after its cached first) run in one native call each where their rows fit the skinny
-    GEMM, on one thread (a parallel region per kernel) and on two (the whole step in one
-    region): their logits are bit for bit the layer-by-layer path's and, in float32, the
-    HF + PEFT oracle's."""
+    GEMM (in bfloat16 on AMX tiles where the CPU has them, and on its vector kernel), on
+    one thread (a parallel region per kernel) and on two (the whole step in one region):
+    their logits are bit for bit the layer-by-layer path's and, in float32, the HF + PEFT
+    oracle's."""
     if not cpu_native.can_skinny(getattr(torch, dtype)):
         pytest.skip(f"the skinny GEMM does not run {dtype} on this CPU")
     monkeypatch.setenv("LORAPLEX_CPU_GEMM", gemm)
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", amx)  # each runner applies it
     calls = []
     run = cpu_decode.run
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(1) or run(*a))
-    steps = sum(sum(p.values()) <= ops.skinny_max_rows(getattr(torch, dtype))
-                for p in MIXED_PLAN)
-    assert steps >= 2
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         native, seen = _mixed_steps(model_dir, adapters, dtype)
+        # the steps whose rows fit the skinny GEMM as the runner set it up
+        steps = sum(sum(p.values()) <= ops.skinny_max_rows(getattr(torch, dtype))
+                    for p in MIXED_PLAN)
+        assert steps >= 2
         assert len(calls) == steps
         monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
         layered, _ = _mixed_steps(model_dir, adapters, dtype)
