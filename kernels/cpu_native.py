@@ -150,6 +150,9 @@ def load(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "loraplex_lora_tile"):  # a build of an older revision may lack it
         lib.loraplex_lora_tile.restype = ctypes.c_int
         lib.loraplex_lora_tile.argtypes = []
+    if hasattr(lib, "loraplex_lora_rank_multiple"):  # older builds: 16 (lora_rank_multiple_of)
+        lib.loraplex_lora_rank_multiple.restype = ctypes.c_int
+        lib.loraplex_lora_rank_multiple.argtypes = [ctypes.c_int]
     for name in ("skinny_linear_f32", "skinny_linear_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -205,6 +208,24 @@ def lora_tile_of(lib: ctypes.CDLL) -> int:
         raise RuntimeError("this build's LoRA kernels read the untiled layout of an older "
                            "revision")
     return int(lib.loraplex_lora_tile())
+
+
+@functools.cache
+def lora_rank_multiple(dtype: torch.dtype) -> int | None:
+    """The multiple this machine's LoRA kernel for ``dtype`` wants a slot's summed rank
+    padded to in its tiled layout (``lora_slots.LoRASlots.prepare``); None where
+    ``lora_tile`` is None."""
+    lib = _library()
+    if lib is None or dtype not in _NATIVE_DTYPES:
+        return None
+    return lora_rank_multiple_of(lib, dtype)
+
+
+def lora_rank_multiple_of(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
+    """The rank multiple of a loaded build (16 for a revision from before it was asked)."""
+    if not hasattr(lib, "loraplex_lora_rank_multiple"):
+        return 16
+    return int(lib.loraplex_lora_rank_multiple(int(dtype == torch.bfloat16)))
 
 
 @functools.cache

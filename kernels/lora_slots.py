@@ -5,9 +5,12 @@ Two layouts, one per kind of kernel, never both:
 - ``"per_slot"`` (CPU: the native kernel and the PyTorch reference): each loaded slot holds
   A of every slice transposed ``[in, R]`` and the block-diagonal B with the LoRA scale
   folded in, transposed ``[R, out]``, where ``R`` is the sum of the slices' own ranks
-  rounded up to 16 (the native kernel keeps 16 ranks in registers). Allocated when an
-  adapter is loaded, at its own rank; an empty slot holds nothing. The native kernel reads
-  its own copy of both in the tiled layout (``tiled_layout``): each tile of ranks or
+  rounded up to 16 (the prefill matmuls' K runs faster so). Allocated when an adapter is
+  loaded, at its own rank; an empty slot holds nothing. The native kernel reads its own
+  copy of both, the sum of ranks rounded up only to what it needs
+  (``cpu_native.lora_rank_multiple``: 8, or 16 for bfloat16 where AMX tiles are built in;
+  a decode step's LoRA reads its adapters' bytes at about the streaming rate, and 16 cost a
+  rank-8 adapter a quarter more of them), in the tiled layout (``tiled_layout``): each tile of ranks or
   columns it keeps in registers is one contiguous run of memory, so that a decode step's
   LoRA reads stream (read in place they ran at about half the streaming rate), and in
   bfloat16 pair-interleaved along the summed axis, as its AVX-512 BF16 dot products read
@@ -27,7 +30,7 @@ from typing import Literal
 import torch
 
 Layout = Literal["per_slot", "stacked"]
-_NATIVE_RANK_MULTIPLE = 16
+_MATMUL_RANK_MULTIPLE = 16
 
 
 def default_layout(device: torch.device) -> Layout:
@@ -101,7 +104,7 @@ class LoRASlots:
         total = sum(p[0].shape[0] for p in pairs if p is not None)
         if total == 0:
             return None
-        width = -(-total // _NATIVE_RANK_MULTIPLE) * _NATIVE_RANK_MULTIPLE
+        width = _round_up(total, _MATMUL_RANK_MULTIPLE)
         at = torch.zeros(self.in_features, width, dtype=self.dtype, device=self.device)
         bt = torch.zeros(width, self.slice_offsets[-1], dtype=self.dtype, device=self.device)
         r0 = 0
@@ -117,10 +120,13 @@ class LoRASlots:
             slices.append((r0, r1, lo, hi))
             r0 = r1
         native = None
+        rank = width
         tile = _native_tile(self.dtype) if self.device.type == "cpu" else None
         if tile is not None:
-            native = tiled_layout(at, bt, slices, tile, pairs=self.dtype == torch.bfloat16)
-        return SlotWeights(at, bt, native, tuple(slices))
+            rank = _round_up(total, _native_rank_multiple(self.dtype))
+            native = tiled_layout(at[:, :rank], bt[:rank], slices, tile,
+                                  pairs=self.dtype == torch.bfloat16)
+        return SlotWeights(at, bt, native, tuple(slices), rank)
 
     def install(self, slot: int, weights: SlotWeights | None) -> None:
         """Points a slot at ``prepare``'s tensors (None empties it): no copy; the slot
@@ -140,7 +146,7 @@ class LoRASlots:
         self.native[slot] = weights.native
         self.at_ptrs[slot] = native[0].data_ptr()
         self.bt_ptrs[slot] = native[1].data_ptr()
-        self.ranks[slot] = weights.width
+        self.ranks[slot] = weights.rank
         self.slice_table[slot].zero_()
         self.slice_table[slot, :len(weights.slices)] = torch.tensor(weights.slices,
                                                                      dtype=torch.int64)
@@ -155,10 +161,13 @@ class SlotWeights:
     bt: torch.Tensor  # scaled block-diagonal B^T [width, out]
     native: tuple[torch.Tensor, torch.Tensor] | None  # the native kernel's tiled copies
     slices: tuple[tuple[int, int, int, int], ...]
+    # the R the kernels are told: the native copies' (the slices' ranks together, rounded
+    # up to the kernel's multiple), else ``at``'s width (rounded up to 16)
+    rank: int
 
-    @property
-    def width(self) -> int:  # R: the slices' ranks together, rounded up to 16
-        return self.at.shape[1]
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def vnni_pair_layout(w: torch.Tensor) -> torch.Tensor:
@@ -174,6 +183,14 @@ def _native_tile(dtype: torch.dtype) -> int | None:
     from loraplex_kernels import cpu_native  # it imports this module
 
     return cpu_native.lora_tile(dtype)
+
+
+def _native_rank_multiple(dtype: torch.dtype) -> int:
+    from loraplex_kernels import cpu_native  # it imports this module
+
+    multiple = cpu_native.lora_rank_multiple(dtype)
+    assert multiple is not None, "asked only where the native kernel takes the dtype"
+    return multiple
 
 
 def tiled_layout(at: torch.Tensor, bt: torch.Tensor,

@@ -5,6 +5,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 /* exp for x <= 0 (Cephes' single-precision polynomial, ~1 ulp on [-87, 0]); written out so
  * the softmax loop vectorises without -ffast-math. n = x / ln 2 rounded to nearest by the
@@ -39,8 +42,11 @@ static inline float exp_nonpositive(float x)
  * A tile is 4 tokens x TILE_VECTORS vectors of sums: with AVX-512 64 ranks or columns, 16
  * of 32 zmm; with AVX2 16, 8 of 16 ymm (enough independent FMA chains for Zen 3's latency
  * and two FMA units). A shrink of more ranks reads x (from L1) once per tile. Ranks are
- * padded to a multiple of 16, so TILE_COLUMNS divides them or (AVX-512) is handled in
- * 16-rank steps. */
+ * padded to a multiple of LORA_RANK_MULTIPLE (8; lora_slots.py pads the layout to what
+ * loraplex_lora_rank_multiple says), so a last, part tile has whole vectors and, with
+ * AVX-512, perhaps one half vector of 8 ranks (`vh`). Padding to 16 cost a rank-8 adapter
+ * a quarter more bytes (its o and down A doubled), and a decode step's LoRA reads its
+ * adapters' bytes at about the streaming rate. */
 #if defined(__AVX512F__)
 #define VL 16
 #define TILE_VECTORS 4
@@ -54,6 +60,26 @@ static inline float exp_nonpositive(float x)
 #define TILE_COLUMNS (VL * TILE_VECTORS)
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
+#define LORA_RANK_MULTIPLE 8
+/* half a zmm: the 8 ranks of a last tile past its whole vectors (AVX-512 builds only; the
+ * others' vectors divide 8, and their kernels never take a half) */
+typedef float vh __attribute__((vector_size(8 * sizeof(float))));
+typedef uint32_t vhu __attribute__((vector_size(8 * sizeof(uint32_t))));
+#define HALF_RANKS 8
+
+/* sum + v * a with one rounding, as the whole vectors' sums get: GCC left this one, a lone
+ * token's half vector, as a multiply and an add. */
+static inline vh fma_half(vh sum, float v, vh a)
+{
+#ifdef __AVX512F__
+    return (vh)_mm256_fmadd_ps((__m256)a, _mm256_set1_ps(v), (__m256)sum);
+#else
+    return sum + v * a;
+#endif
+}
+/* The whole vectors (NV) and half vectors (NH, 0 or 1) of a part tile of K8 x 8 ranks. */
+#define LORA_PART_NV(K8) ((K8) * 8 / VL)
+#define LORA_PART_NH(K8) ((K8) * 8 % VL / 8)
 
 static inline vf loadv(const float *p)
 {
@@ -92,22 +118,41 @@ static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
     memcpy(odd, &o, sizeof o);
 }
 
+/* load_pairs of 8 pairs (p: 16 values) into half vectors. */
+static inline void load_pairs_half(const uint16_t *p, vh *even, vh *odd)
+{
+    vhu u;
+    memcpy(&u, p, sizeof u);
+    const vhu e = u << 16, o = u & 0xffff0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+}
+
 /* The shrink of a work item's tokens, group of 4 by group (LORA_TOKENS, defined by the
  * kernel's file), tile of ranks by tile, so each tile of A is read from memory once and
- * from cache for the other groups. SHRINK(x, y, k0, nv) is the kernel's shrink of one
- * group (x its rows, y its rows of ranks, nv vectors of ranks from k0, a constant);
- * X_STEP: a group's elements in x. TILE_COLUMNS divides r, or (AVX-512) the last tile is
- * 16, 32 or 48 ranks. */
-#if TILE_COLUMNS > 16
+ * from cache for the other groups. SHRINK(x, y, k0, nv, nh) is the kernel's shrink of one
+ * group (x its rows, y its rows of ranks, nv vectors and nh half vectors of ranks from k0,
+ * constants); X_STEP: a group's elements in x. The last tile is any multiple of 8 ranks
+ * short of TILE_COLUMNS (LORA_SHRINK_LAST; none where TILE_COLUMNS is 8). */
+#if TILE_COLUMNS == 64
 #define LORA_SHRINK_LAST(SHRINK, X, Y, K0, R)                                             \
-    switch (((R) - (K0)) / VL) { /* r is a multiple of 16, here VL */                   \
-    case 3: SHRINK(X, Y, K0, 3); break;                                                 \
-    case 2: SHRINK(X, Y, K0, 2); break;                                                 \
-    case 1: SHRINK(X, Y, K0, 1); break;                                                 \
+    switch (((R) - (K0)) / 8) {                                                         \
+    case 7: SHRINK(X, Y, K0, LORA_PART_NV(7), LORA_PART_NH(7)); break;                  \
+    case 6: SHRINK(X, Y, K0, LORA_PART_NV(6), LORA_PART_NH(6)); break;                  \
+    case 5: SHRINK(X, Y, K0, LORA_PART_NV(5), LORA_PART_NH(5)); break;                  \
+    case 4: SHRINK(X, Y, K0, LORA_PART_NV(4), LORA_PART_NH(4)); break;                  \
+    case 3: SHRINK(X, Y, K0, LORA_PART_NV(3), LORA_PART_NH(3)); break;                  \
+    case 2: SHRINK(X, Y, K0, LORA_PART_NV(2), LORA_PART_NH(2)); break;                  \
+    case 1: SHRINK(X, Y, K0, LORA_PART_NV(1), LORA_PART_NH(1)); break;                  \
     default: break;                                                                     \
     }
-#else
+#elif TILE_COLUMNS == 16
+#define LORA_SHRINK_LAST(SHRINK, X, Y, K0, R)                                             \
+    if ((R) - (K0) == 8) SHRINK(X, Y, K0, LORA_PART_NV(1), 0);
+#elif TILE_COLUMNS == 8
 #define LORA_SHRINK_LAST(SHRINK, X, Y, K0, R)
+#else
+#error "a part tile of this TILE_COLUMNS has no shrink"
 #endif
 #define LORA_SHRINK_GROUPS(SHRINK, XB, X_STEP, Y, R, GROUPS)                              \
     do {                                                                                \
@@ -115,7 +160,7 @@ static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
         for (; k0_ + TILE_COLUMNS <= (R); k0_ += TILE_COLUMNS)                          \
             for (int64_t g_ = 0; g_ < (GROUPS); ++g_)                                   \
                 SHRINK((XB) + g_ * (X_STEP), (Y) + g_ * LORA_TOKENS * (R), k0_,         \
-                       TILE_VECTORS);                                                   \
+                       TILE_VECTORS, 0);                                                \
         for (int64_t g_ = 0; g_ < (GROUPS); ++g_) {                                     \
             LORA_SHRINK_LAST(SHRINK, (XB) + g_ * (X_STEP), (Y) + g_ * LORA_TOKENS * (R), \
                              k0_, R)                                                    \

@@ -24,40 +24,46 @@
 
 #define LORA_TOKENS 4
 
-/* The portable shrink of nt <= 4 tokens for ranks k0 .. k0 + VL * nv (nt, and nv <=
- * TILE_VECTORS, constants where it is inlined), cpu_lora_f32.c's tile over the
- * pair-interleaved layout: a pair-row of A^T's tile is widened in registers (load_pairs).
- * y[t * r + k] = bf16-rounded xb[t] . A^T[:, k]. Only the group's own tokens are
- * multiplied: a decode step's groups have a token or two, and four tokens' FMAs for one
- * made this kernel compute-bound (9 GB/s of weights on the AVX2 EPYC). */
+/* The portable shrink of nt <= 4 tokens for ranks k0 .. k0 + VL * nv + 8 * nh (nt, nv <=
+ * TILE_VECTORS and nh, 0 or 1 and only with AVX-512, constants where it is inlined),
+ * cpu_lora_f32.c's tile over the pair-interleaved layout: a pair-row of A^T's tile is
+ * widened in registers (load_pairs). y[t * r + k] = bf16-rounded xb[t] . A^T[:, k]. Only
+ * the group's own tokens are multiplied: a decode step's groups have a token or two, and
+ * four tokens' FMAs for one made this kernel compute-bound (9 GB/s of weights on the AVX2
+ * EPYC). */
 static inline __attribute__((always_inline)) void shrink_pairs(
     const float *restrict xb, int64_t in2, const bf16 *restrict at, int64_t r, int64_t k0,
-    const int nv, const int nt, float *restrict y)
+    const int nv, const int nh, const int nt, float *restrict y)
 {
     const int64_t w = 2 * in2;
+    const int width = VL * nv + HALF_RANKS * nh;
     vf c[LORA_TOKENS][TILE_VECTORS] = {{{0}}};
+    vh ch[LORA_TOKENS] = {{0}};
     const bf16 *restrict block = at + in2 * k0 * 2;
     for (int64_t i2 = 0; i2 < in2; ++i2) {
-        const bf16 *restrict a = block + i2 * (VL * nv) * 2;
+        const bf16 *restrict a = block + i2 * width * 2;
         vf even[TILE_VECTORS], odd[TILE_VECTORS];
+        vh even_h = {0}, odd_h = {0};
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) load_pairs(a + 2 * VL * j, &even[j], &odd[j]);
+        if (nh) load_pairs_half(a + 2 * VL * nv, &even_h, &odd_h);
 #pragma GCC unroll 4
         for (int t = 0; t < nt; ++t) {
             const float xa = xb[t * w + 2 * i2], xc = xb[t * w + 2 * i2 + 1];
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] += xa * even[j] + xc * odd[j];
+            if (nh) ch[t] += xa * even_h + xc * odd_h;
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < nt; ++t)
+    for (int t = 0; t < nt; ++t) {
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; ++j) {
-            float *restrict yt = y + t * r + k0 + VL * j;
-            memcpy(yt, &c[t][j], sizeof(vf));
+        for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + VL * j, &c[t][j], sizeof(vf));
+        if (nh) memcpy(y + t * r + k0 + VL * nv, &ch[t], sizeof(vh));
+        float *restrict yt = y + t * r + k0;
 #pragma omp simd
-            for (int k = 0; k < VL; ++k) yt[k] = bf16_to_f32(f32_to_bf16(yt[k]));
-        }
+        for (int k = 0; k < width; ++k) yt[k] = bf16_to_f32(f32_to_bf16(yt[k]));
+    }
 }
 
 /* The portable expand of nt <= 4 tokens (a constant where it is inlined) into TILE_COLUMNS
@@ -103,12 +109,12 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
 {
     const int64_t groups = (nt + LORA_TOKENS - 1) / LORA_TOKENS, w = 2 * in2;
     /* a group's tokens (1-4) as a constant: its rows are those from X on */
-#define SHRINK(X, Y, K0, NV)                                                              \
+#define SHRINK(X, Y, K0, NV, NH)                                                          \
     switch (LORA_GROUP_TOKENS(nt, ((X) - xb) / (LORA_TOKENS * w))) {                    \
-    case 1: shrink_pairs(X, in2, at, r, K0, NV, 1, Y); break;                           \
-    case 2: shrink_pairs(X, in2, at, r, K0, NV, 2, Y); break;                           \
-    case 3: shrink_pairs(X, in2, at, r, K0, NV, 3, Y); break;                           \
-    default: shrink_pairs(X, in2, at, r, K0, NV, 4, Y); break;                          \
+    case 1: shrink_pairs(X, in2, at, r, K0, NV, NH, 1, Y); break;                       \
+    case 2: shrink_pairs(X, in2, at, r, K0, NV, NH, 2, Y); break;                       \
+    case 3: shrink_pairs(X, in2, at, r, K0, NV, NH, 3, Y); break;                       \
+    default: shrink_pairs(X, in2, at, r, K0, NV, NH, 4, Y); break;                      \
     }
     LORA_SHRINK_GROUPS(SHRINK, xb, LORA_TOKENS * w, y, r, groups);
 #undef SHRINK
@@ -154,48 +160,62 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
 #ifndef LORA_PREFETCH_ROWS
 #define LORA_PREFETCH_ROWS 16
 #endif
-/* The shrink of nt <= 8 tokens for ranks k0 .. k0 + 16 * nv (nv <= 4, nt * nv <= 24; both
- * constants where it is inlined), from the block of A^T at k0 (pair-rows of 16 * nv ranks,
- * read in order), the nt x nv vectors of sums in registers. yb[t * r + k] = bf16(xb[t] .
- * A^T[:, k]). A decode step's groups have a token or two: only those are multiplied. A
- * prefill's take two groups at once where the ranks are few (below 64): with 4 tokens x 1
- * or 2 vectors the sums' dependency chains, not the loads, set the pace. */
+/* The shrink of nt <= 8 tokens for ranks k0 .. k0 + 16 * nv + 8 * nh (nv <= 4, nh 0 or 1,
+ * nt * nv <= 24; all constants where it is inlined), from the block of A^T at k0
+ * (pair-rows of 16 * nv + 8 * nh ranks, read in order), the nt x nv zmm (and nt ymm) of
+ * sums in registers. yb[t * r + k] = bf16(xb[t] . A^T[:, k]). A decode step's groups have
+ * a token or two: only those are multiplied. A prefill's take two groups at once where the
+ * ranks are few (below 64): with 4 tokens x 1 or 2 vectors the sums' dependency chains,
+ * not the loads, set the pace. */
 #define SHRINK_MAX_TOKENS 8
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict xb, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
-    int64_t k0, const int nv, const int nt, bf16 *restrict yb)
+    int64_t k0, const int nv, const int nh, const int nt, bf16 *restrict yb)
 {
     __m512 c[SHRINK_MAX_TOKENS][4];
+    __m256 ch[SHRINK_MAX_TOKENS];
+    const int width = 16 * nv + 8 * nh; /* ranks; a pair-row is 4 * width bytes */
 #pragma GCC unroll 8
-    for (int t = 0; t < SHRINK_MAX_TOKENS; ++t)
+    for (int t = 0; t < SHRINK_MAX_TOKENS; ++t) {
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
+        ch[t] = _mm256_setzero_ps();
+    }
     const bf16 *restrict block = at + in2 * k0 * 2;
     for (int64_t i2 = 0; i2 < in2; ++i2) {
-        const bf16 *restrict a = block + i2 * (16 * nv) * 2;
-#pragma GCC unroll 4
-        for (int j = 0; j < nv; ++j)
-            _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * 16 * nv * 2 + 32 * j),
+        const bf16 *restrict a = block + i2 * width * 2;
+#pragma GCC unroll 5
+        for (int j = 0; j < nv + nh; ++j) /* a line (32 values) per whole vector */
+            _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * width * 2 + 32 * j),
                          _MM_HINT_T0);
         __m512bh av[4];
+        __m256bh ah = (__m256bh)_mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
+        if (nh) ah = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + 32 * nv));
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
             const __m512bh xp = pair_at(xb + t * ldx + 2 * i2);
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
+            if (nh)
+                ch[t] = _mm256_dpbf16_ps(ch[t], (__m256bh)_mm512_castsi512_si256((__m512i)xp),
+                                         ah);
         }
     }
 #pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t)
+    for (int t = 0; t < nt; ++t) {
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j)
             _mm256_storeu_si256((__m256i *)(yb + t * r + k0 + 16 * j),
                                 (__m256i)_mm512_cvtneps_pbh(c[t][j]));
+        if (nh)
+            _mm_storeu_si128((__m128i *)(yb + t * r + k0 + 16 * nv),
+                             (__m128i)_mm256_cvtneps_pbh(ch[t]));
+    }
 }
 
-/* One group's shrink over every block of ranks (r a multiple of 16), its nt tokens a
+/* One group's shrink over every block of ranks (r a multiple of 8), its nt tokens a
  * constant where it is inlined; nt up to 8 (two groups), the blocks of 64 ranks then 4
  * tokens at a time. */
 static inline __attribute__((always_inline)) void shrink_group_avx512(
@@ -204,16 +224,23 @@ static inline __attribute__((always_inline)) void shrink_group_avx512(
 {
     int64_t k0 = 0;
     for (; k0 + 64 <= r; k0 += 64) {
-        shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 4, nt < 4 ? nt : 4, yg);
+        shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 4, 0, nt < 4 ? nt : 4, yg);
         if (nt > 4)
-            shrink_ranks_avx512(xg + 4 * ldx, ldx, in2, at, r, k0, 4, nt - 4, yg + 4 * r);
+            shrink_ranks_avx512(xg + 4 * ldx, ldx, in2, at, r, k0, 4, 0, nt - 4, yg + 4 * r);
     }
-    switch ((r - k0) / 16) {
-    case 3: shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 3, nt, yg); break;
-    case 2: shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 2, nt, yg); break;
-    case 1: shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 1, nt, yg); break;
-    default: break;
-    }
+    /* two groups' sums of more than 3 vectors would not fit the registers: one by one */
+#define SHRINK_PART(X, Y, K0, NV, NH)                                                     \
+    do {                                                                                \
+        if (nt > 4 && (NV) + (NH) > 3) {                                                \
+            shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, 4, Y);                  \
+            shrink_ranks_avx512((X) + 4 * ldx, ldx, in2, at, r, K0, NV, NH, nt - 4,      \
+                                (Y) + 4 * r);                                           \
+        } else {                                                                        \
+            shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, nt, Y);                 \
+        }                                                                               \
+    } while (0)
+    LORA_SHRINK_LAST(SHRINK_PART, xg, yg, k0, r)
+#undef SHRINK_PART
 }
 
 /* The expand of nt <= 4 tokens (a constant where it is inlined) into one tile of 64
@@ -327,10 +354,10 @@ static void amx_configure(int pairs)
 /* Whether an item of nt tokens takes the tiles: a whole block of 16 at least, x's rows a
  * whole number of 32-value steps (they are read in place), and every slice 1-16 pairs
  * (up to 32 ranks: more would need two tile steps summed before out is rounded). */
-static int amx_takes(int64_t nt, int64_t in, const int64_t *restrict slices,
+static int amx_takes(int64_t nt, int64_t in, int64_t r, const int64_t *restrict slices,
                      int64_t num_slices)
 {
-    if (nt < 16 || in % 32 != 0 || !skinny_amx_enabled()) return 0;
+    if (nt < 16 || in % 32 != 0 || r % 16 != 0 || !skinny_amx_enabled()) return 0;
     for (int64_t s = 0; s < num_slices; ++s)
         if ((slices[4 * s + 1] + 1) / 2 - slices[4 * s] / 2 > 16
             || slices[4 * s + 1] <= slices[4 * s])
@@ -444,6 +471,20 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
 }
 #endif
 
+/* The multiple lora_slots.py pads a projection's summed LoRA rank to for this build
+ * (`bf16`: for the bfloat16 kernels, else float32's): 8 (common.h), but 16 in bfloat16
+ * where the AMX tiles are compiled in, whose shrink takes 16 ranks a tile (amx_takes
+ * leaves other ranks to the vector kernel). */
+int loraplex_lora_rank_multiple(int bf16)
+{
+#ifdef LORA_AMX
+    if (bf16) return 16;
+#else
+    (void)bf16;
+#endif
+    return LORA_RANK_MULTIPLE;
+}
+
 /* The LoRA arguments of lora_segments_bf16, shared by its team (lora.h). */
 int lora_bf16_prepare(struct lora_call *c)
 {
@@ -489,7 +530,7 @@ int lora_bf16_team(const struct lora_call *c)
         const bf16 *bt = (const bf16 *)(intptr_t)c->bt_ptrs[slot];
         const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
 #ifdef LORA_AMX
-        if (c->impl == BF16_AVX512 && amx_takes(nt, c->in_features, slices,
+        if (c->impl == BF16_AVX512 && amx_takes(nt, c->in_features, c->ranks[slot], slices,
                                                 c->num_slices[slot])) {
             const int64_t done = nt / 16 * 16; /* whole blocks of 16 on tiles, x in place */
             lora_blocks_amx((const bf16 *)c->x + t * c->x_stride, c->x_stride,
@@ -534,7 +575,8 @@ int lora_bf16_team(const struct lora_call *c)
 }
 
 /* Like lora_segments_f32, with bf16 x, out and weights (the tiled pair-interleaved layout
- * above, R a multiple of 16); `impl` one of loraplex_bf16_impls.
+ * above, R a multiple of 8, or of 16 where loraplex_lora_rank_multiple says so);
+ * `impl` one of loraplex_bf16_impls.
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an impl not compiled. */
 int lora_segments_bf16(
     const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,

@@ -6,8 +6,9 @@
 #include "lora.h"
 
 /* LoRA for 4 consecutive tokens of one slot at a time, so each weight value loaded serves
- * all four. Ranks come padded to a multiple of 16 (zero rows), so the shrink keeps a tile of
- * ranks x 4 tokens in registers (TILE_COLUMNS, common.h); the expand keeps as many outputs
+ * all four. Ranks come padded to a multiple of 8 (zero rows; common.h), so the shrink keeps
+ * a tile of ranks x 4 tokens in registers (TILE_COLUMNS, common.h), a last tile whole
+ * vectors and perhaps a half one; the expand keeps as many outputs
  * x 4 tokens, so each out row is read and written once. The expand runs per slice
  * (lora_slots.py: `slices`), over that slice's ranks and columns only: B^T is
  * block-diagonal over a packed projection's slices, and the blocks off the diagonal (2/3
@@ -29,23 +30,27 @@
  * tokens (a decode step's are one or two) multiplies only its own. */
 #define LORA_TOKENS 4
 
-/* The shrink of nt <= 4 tokens (x rows ldx apart) for ranks k0 .. k0 + VL * nv
- * (nv <= TILE_VECTORS; both constants where it is inlined), from the block of A^T at k0
- * (rows of VL * nv ranks, read in order), the nt x nv vectors of sums in registers.
- * y[t * r + k] = x[t] . A^T[:, k]. Only the group's own tokens are multiplied: a decode
- * step's groups have a token or two. */
+/* The shrink of nt <= 4 tokens (x rows ldx apart) for ranks k0 .. k0 + VL * nv + 8 * nh
+ * (nv <= TILE_VECTORS, nh 0 or 1 and only with AVX-512; all constants where it is
+ * inlined), from the block of A^T at k0 (rows of VL * nv + 8 * nh ranks, read in order),
+ * the nt x (nv + nh) vectors of sums in registers. y[t * r + k] = x[t] . A^T[:, k]. Only
+ * the group's own tokens are multiplied: a decode step's groups have a token or two. */
 static inline __attribute__((always_inline)) void shrink_ranks(
     const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
-    int64_t r, int64_t k0, const int nv, const int nt, float *restrict y)
+    int64_t r, int64_t k0, const int nv, const int nh, const int nt, float *restrict y)
 {
     vf c[LORA_TOKENS][TILE_VECTORS];
+    vh ch[LORA_TOKENS];
+    const int width = VL * nv + HALF_RANKS * nh;
 #pragma GCC unroll 4
-    for (int t = 0; t < nt; ++t)
+    for (int t = 0; t < nt; ++t) {
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) c[t][j] = (vf){0};
+        ch[t] = (vh){0};
+    }
     const float *restrict block = at + in_features * k0;
     for (int64_t i = 0; i < in_features; ++i) {
-        const float *restrict a = block + i * (VL * nv);
+        const float *restrict a = block + i * width;
         vf av[TILE_VECTORS];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) av[j] = loadv(a + VL * j);
@@ -54,15 +59,22 @@ static inline __attribute__((always_inline)) void shrink_ranks(
             const float v = x[t * ldx + i];
 #pragma GCC unroll 4
             for (int j = 0; j < nv; ++j) c[t][j] += v * av[j];
+            if (nh) {
+                vh ah;
+                memcpy(&ah, a + VL * nv, sizeof ah);
+                ch[t] = fma_half(ch[t], v, ah);
+            }
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < nt; ++t)
+    for (int t = 0; t < nt; ++t) {
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) memcpy(y + t * r + k0 + VL * j, &c[t][j], sizeof(vf));
+        if (nh) memcpy(y + t * r + k0 + VL * nv, &ch[t], sizeof(vh));
+    }
 }
 
-/* One group's shrink over every tile of ranks (r a multiple of 16), its nt tokens a
+/* One group's shrink over every tile of ranks (r a multiple of 8), its nt tokens a
  * constant where it is inlined. */
 static inline __attribute__((always_inline)) void shrink_group(
     const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
@@ -70,15 +82,10 @@ static inline __attribute__((always_inline)) void shrink_group(
 {
     int64_t k0 = 0;
     for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
-        shrink_ranks(x, ldx, in_features, at, r, k0, TILE_VECTORS, nt, y);
-#if TILE_VECTORS > 3
-    switch ((r - k0) / VL) { /* r is a multiple of 16, here VL */
-    case 3: shrink_ranks(x, ldx, in_features, at, r, k0, 3, nt, y); break;
-    case 2: shrink_ranks(x, ldx, in_features, at, r, k0, 2, nt, y); break;
-    case 1: shrink_ranks(x, ldx, in_features, at, r, k0, 1, nt, y); break;
-    default: break;
-    }
-#endif
+        shrink_ranks(x, ldx, in_features, at, r, k0, TILE_VECTORS, 0, nt, y);
+#define SHRINK_PART(X, Y, K0, NV, NH) shrink_ranks(X, ldx, in_features, at, r, K0, NV, NH, nt, Y)
+    LORA_SHRINK_LAST(SHRINK_PART, x, y, k0, r)
+#undef SHRINK_PART
 }
 
 /* The expand of nt <= 4 tokens (a constant where it is inlined) into TILE_COLUMNS columns,
@@ -170,7 +177,7 @@ int loraplex_lora_tile(void) { return TILE_COLUMNS; }
 /* LoRA shrink then expand for every token of every segment, accumulated into out:
  *   out[t, :n_out] += (x[t] @ At_s) @ Bt_s      for the tokens t of segment i (slot s)
  * At_s [in, r_s] holds every slice's A (transposed) and Bt_s [r_s, n_out] the block-diagonal
- * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 16,
+ * B with the LoRA scale folded in (transposed), r_s padded with zeros to a multiple of 8,
  * both in the tiled layout above (only the diagonal blocks of Bt_s);
  * slot s's slices are slice_table[s * max_slices * 4 ...], num_slices[s] of them (first
  * rank, end rank, first column, end column each). Tokens of one segment are consecutive rows

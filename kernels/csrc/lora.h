@@ -90,6 +90,9 @@ int skinny_team_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
 
 /* TILE_COLUMNS of this build: the width of the tiled layout's blocks (cpu_lora_f32.c). */
 int loraplex_lora_tile(void);
+/* The multiple a projection's summed LoRA rank is padded to in the tiled layout, for the
+ * bfloat16 kernels (`bf16` 1) or float32's (cpu_lora_bf16.c). */
+int loraplex_lora_rank_multiple(int bf16);
 
 /* 0; -1 out of memory; -2 an impl not compiled. */
 int lora_f32_prepare(struct lora_call *c);

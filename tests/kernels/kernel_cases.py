@@ -88,6 +88,23 @@ SGMV_CASES: list[SGMVCase] = [
 ]
 
 
+def _runs(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Slot i's tokens ``counts[i]`` times in a row (the native path), a base row first."""
+    return (-1, *(s for s, n in enumerate(counts) for _ in range(n)))
+
+
+# Summed ranks past whole 64-rank tiles by every multiple of 8 (the native layout pads to
+# 8, so a last tile has whole vectors and, with AVX-512, perhaps half of one), with 1-12
+# tokens a slot (decode groups of one or two; a bfloat16 kernel's eight at once): one
+# slice, and three whose ranks add up (1 + 1 + 1 = 3 -> 8, 33 x 3 = 99 -> 104).
+PART_TILE_CASES = [
+    SGMVCase("part-tiles-1slice", _runs((1, 2, 5, 8, 12, 3, 4, 9)),
+             (8, 24, 40, 56, 72, 120, 16, 48), 70, (100,), max_rank=120),
+    SGMVCase("part-tiles-3slices", _runs((2, 1, 8, 12, 5, 1, 9, 4)),
+             (8, 16, 24, 40, 3, 5, 1, 33), 64, (48, 16, 16), max_rank=40),
+]
+
+
 @dataclass
 class SGMVInputs:
     meta: SGMVMeta

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kernel_cases import (
     ATTENTION_CASES,
     DECODE_SPLIT_CASES,
+    PART_TILE_CASES,
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
@@ -168,6 +169,16 @@ def _sorted(case: SGMVCase) -> SGMVCase:
 
 @pytest.mark.parametrize("case", [_sorted(c) for c in SGMV_CASES], ids=str)
 def test_add_lora(case: SGMVCase, impl: str) -> None:
+    check_add_lora(case, BF16, "cpu", "cpu")
+
+
+@pytest.mark.parametrize("case", PART_TILE_CASES, ids=str)
+def test_add_lora_part_tiles(case: SGMVCase, impl: str) -> None:
+    """Ranks padded only to 8 (16 where AMX takes bfloat16): every size of a last, part
+    tile, half vectors included, in every implementation."""
+    slots = lora_slots(case, make_sgmv_inputs(case, BF16, "cpu"), "per_slot")
+    if cpu_native.lora_rank_multiple(BF16) == 8:
+        assert any(int(r) % 16 == 8 for r in slots.ranks), "no slot pads to a half vector"
     check_add_lora(case, BF16, "cpu", "cpu")
 
 

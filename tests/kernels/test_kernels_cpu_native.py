@@ -23,6 +23,7 @@ from kernel_cases import (
     ATTENTION_CASES,
     CASE_SEGMENT_LEN,
     DECODE_SPLIT_CASES,
+    PART_TILE_CASES,
     SGMV_CASES,
     AttentionCase,
     SGMVCase,
@@ -152,6 +153,15 @@ def test_add_lora_cpu_backend(case: SGMVCase) -> None:
     check_add_lora(case, torch.float32, "cpu", "cpu")
 
 
+@pytest.mark.parametrize("case", PART_TILE_CASES, ids=str)
+def test_add_lora_part_tiles(case: SGMVCase) -> None:
+    """Ranks padded only to 8: every size of a last, part tile (half vectors included)."""
+    slots = lora_slots(case, make_sgmv_inputs(case, torch.float32, "cpu"), "per_slot")
+    if cpu_native.lora_rank_multiple(torch.float32) == 8:
+        assert any(int(r) % 16 == 8 for r in slots.ranks), "no slot pads to a half vector"
+    check_add_lora(case, torch.float32, "cpu", "cpu")
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(
     runs=st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 45)), min_size=1, max_size=6),
@@ -199,9 +209,11 @@ def test_add_lora_avx2_build_matches(avx2_library: ctypes.CDLL, runs: list[tuple
     other = copy.copy(slots)  # the same weights in the AVX2 build's tiled layout
     other.at_ptrs, other.bt_ptrs = slots.at_ptrs.clone(), slots.bt_ptrs.clone()
     keep = []
+    assert cpu_native.lora_rank_multiple_of(avx2_library, torch.float32) == 8
     for s, pair in enumerate(slots.weights):
         if pair is not None:
-            at, bt = tiled_layout(pair[0], pair[1], slots.slices[s], tile)
+            rank = int(slots.ranks[s])  # both builds' multiple
+            at, bt = tiled_layout(pair[0][:, :rank], pair[1][:rank], slots.slices[s], tile)
             keep.append((at, bt))
             other.at_ptrs[s], other.bt_ptrs[s] = at.data_ptr(), bt.data_ptr()
     out0 = torch.randn(len(slots_of), inp.slice_offsets[-1])

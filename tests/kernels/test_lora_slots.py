@@ -29,7 +29,10 @@ def test_per_slot_layout_holds_only_loaded_slots_at_their_rank() -> None:
     assert torch.equal(at[:, :4], torch.cat([a0, a1]).t()) and not at[:, 4:].any()
     assert torch.equal(bt[:2, :4], b0.t() * 0.5) and torch.equal(bt[2:4, 4:], b1.t() * 0.5)
     assert not bt[:2, 4:].any() and not bt[2:4, :4].any() and not bt[4:].any()
-    assert slots.ranks.tolist() == [0, 16, 0]
+    # the kernels are told the native copies' R: the ranks rounded up to the native
+    # kernel's multiple (8 but where AMX takes bfloat16), the plain width without one
+    native = cpu_native.lora_rank_multiple(torch.float32)
+    assert slots.ranks.tolist() == [0, 16 if native is None else native, 0]
     read = _read(slots, 1)
     assert slots.at_ptrs[1] == read[0].data_ptr() and slots.bt_ptrs[1] == read[1].data_ptr()
     slots.set(1, [None, (a1, b1)], 1.0)  # a slice the adapter does not target: no rows
@@ -99,7 +102,10 @@ def test_slots_point_the_native_kernel_at_their_tiled_copies() -> None:
             assert slots.native[0] is None and slots.at_ptrs[0] == at.data_ptr()
             continue
         na, nb = _read(slots, 0)
-        ea, eb = tiled_layout(at, bt, slots.slices[0], tile, pairs=dtype == torch.bfloat16)
+        rank = cpu_native.lora_rank_multiple(dtype)  # ranks 2 + 1, rounded up to it
+        assert rank in (8, 16) and slots.ranks[0] == rank
+        ea, eb = tiled_layout(at[:, :rank], bt[:rank], slots.slices[0], tile,
+                              pairs=dtype == torch.bfloat16)
         assert torch.equal(na, ea) and torch.equal(nb, eb)
         assert slots.at_ptrs[0] == na.data_ptr() and slots.bt_ptrs[0] == nb.data_ptr()
         slots.set(0, [None, None], 1.0)
