@@ -215,6 +215,50 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     }
 }
 
+/* The shrink of nt <= 8 tokens (a constant where it is inlined) for a block of 8 ranks
+ * alone (a rank-8 projection's, or what is left past whole tiles): shrink_ranks_avx512 with
+ * nv 0 and nh 1, but its sums in two chains, over even and odd pair-rows, added at the end:
+ * one chain of half-vector dot products waited on each one's latency (a rank-8 decode
+ * step read its weights no faster than padded to 16 ranks). */
+static inline __attribute__((always_inline)) void shrink_half_avx512(
+    const bf16 *restrict xb, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
+    int64_t k0, const int nt, bf16 *restrict yb)
+{
+    __m256 c0[SHRINK_MAX_TOKENS], c1[SHRINK_MAX_TOKENS];
+#pragma GCC unroll 8
+    for (int t = 0; t < SHRINK_MAX_TOKENS; ++t) c0[t] = c1[t] = _mm256_setzero_ps();
+    const bf16 *restrict block = at + in2 * k0 * 2; /* pair-rows of 8 ranks: 32 bytes */
+    int64_t i2 = 0;
+    for (; i2 + 2 <= in2; i2 += 2) {
+        const bf16 *restrict a = block + i2 * 16;
+        /* as many bytes ahead as 16 ranks' pair-rows are */
+        _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * 32), _MM_HINT_T0);
+        const __m256bh a0 = (__m256bh)_mm256_loadu_si256((const __m256i *)a);
+        const __m256bh a1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + 16));
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            int32_t p0, p1;
+            memcpy(&p0, xb + t * ldx + 2 * i2, sizeof p0);
+            memcpy(&p1, xb + t * ldx + 2 * i2 + 2, sizeof p1);
+            c0[t] = _mm256_dpbf16_ps(c0[t], (__m256bh)_mm256_set1_epi32(p0), a0);
+            c1[t] = _mm256_dpbf16_ps(c1[t], (__m256bh)_mm256_set1_epi32(p1), a1);
+        }
+    }
+    if (i2 < in2) {
+        const __m256bh a0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(block + i2 * 16));
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            int32_t p0;
+            memcpy(&p0, xb + t * ldx + 2 * i2, sizeof p0);
+            c0[t] = _mm256_dpbf16_ps(c0[t], (__m256bh)_mm256_set1_epi32(p0), a0);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t)
+        _mm_storeu_si128((__m128i *)(yb + t * r + k0),
+                         (__m128i)_mm256_cvtneps_pbh(_mm256_add_ps(c0[t], c1[t])));
+}
+
 /* One group's shrink over every block of ranks (r a multiple of 8), its nt tokens a
  * constant where it is inlined; nt up to 8 (two groups), the blocks of 64 ranks then 4
  * tokens at a time. */
@@ -231,7 +275,9 @@ static inline __attribute__((always_inline)) void shrink_group_avx512(
     /* two groups' sums of more than 3 vectors would not fit the registers: one by one */
 #define SHRINK_PART(X, Y, K0, NV, NH)                                                     \
     do {                                                                                \
-        if (nt > 4 && (NV) + (NH) > 3) {                                                \
+        if ((NV) == 0) {                                                                \
+            shrink_half_avx512(X, ldx, in2, at, r, K0, nt, Y);                           \
+        } else if (nt > 4 && (NV) + (NH) > 3) {                                         \
             shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, 4, Y);                  \
             shrink_ranks_avx512((X) + 4 * ldx, ldx, in2, at, r, K0, NV, NH, nt - 4,      \
                                 (Y) + 4 * r);                                           \
