@@ -18,9 +18,9 @@ the native kernel is what ``meta.short_segment_limit`` is set from.
 
 ``--baseline REV`` also times, per layout, another revision's native kernel (compiled
 beside this tree's, ``_baseline.py``) against this tree's, both per slice, plus one slot's
-256-token segment (rank 32): old / new time and the largest difference of their outputs.
-Each build reads the weights in its own layout (a revision from before the tiled layout
-reads A^T and B^T in place).
+256-token segment (rank 32) and the rank-8 slots alone: old / new time and the largest
+difference of their outputs. Each build reads the weights in its own layout, at its own
+rank padding (a revision from before the tiled layout reads A^T and B^T in place).
 
     python benchmarks/lora_decode.py [--repeats 20] [--threads 2] [--crossover]
         [--baseline REV] [--out PATH]
@@ -165,9 +165,13 @@ def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:
 
 # A decode step of the offline workload has one or two tokens per adapter (about 20 rows
 # over 15 adapters): the shapes where the kernel's sums have the fewest independent chains.
+# The rank-8 slots alone (one token each, and one prefill-sized segment): what the padding
+# of a slot's ranks changes most.
 BASELINE_LAYOUTS = {"16 slots x 1 token": list(range(16)),
                     "16 slots x 2 tokens": [s for s in range(16) for _ in range(2)],
-                    **LAYOUTS, "1 slot x 256 tokens": [2] * 256}
+                    **LAYOUTS, "1 slot x 256 tokens": [2] * 256,
+                    "6 rank-8 slots x 1 token": [s for s, r in enumerate(RANKS) if r == 8],
+                    "1 rank-8 slot x 256 tokens": [0] * 256}
 
 
 def versus_baseline(old: ctypes.CDLL, dtype_name: str, layout: str,
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     versus = []
     if args.baseline:
         print(f"against {args.baseline}'s kernel (per slice both):")
-        print(f"{'dtype':9} {'tokens':20} {'layers':>6} {'old ms':>8} {'new ms':>8} "
+        print(f"{'dtype':9} {'tokens':26} {'layers':>6} {'old ms':>8} {'new ms':>8} "
               f"{'old/new':>8} {'max diff':>9}")
         with tempfile.TemporaryDirectory() as tmp:
             old = build_baseline(args.baseline, Path(tmp))
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                 for layout in BASELINE_LAYOUTS:
                     v = versus_baseline(old, dt, layout, args.repeats)
                     versus.append(v)
-                    print(f"{dt:9} {layout:20} {v['layers']:6} {v['old_min_ms']:8.2f} "
+                    print(f"{dt:9} {layout:26} {v['layers']:6} {v['old_min_ms']:8.2f} "
                           f"{v['new_min_ms']:8.2f} {v['speedup']:8.2f} "
                           f"{v['max_abs_diff']:9.1e}", flush=True)
     out = Path(args.out)
