@@ -107,26 +107,21 @@ static inline vf exp_nonpositive_v(vf x)
     return p * (vf)bits;
 }
 
-/* VL pairs of bf16 values (p: 2 * VL of them), widened to float32: *even gets the first of
- * each pair, *odd the second (a bf16 is a float32's upper half). */
-static inline void load_pairs(const uint16_t *p, vf *even, vf *odd)
-{
-    vu u;
-    memcpy(&u, p, sizeof u);
-    const vu e = u << 16, o = u & 0xffff0000u;
-    memcpy(even, &e, sizeof e);
-    memcpy(odd, &o, sizeof o);
-}
-
-/* load_pairs of 8 pairs (p: 16 values) into half vectors. */
-static inline void load_pairs_half(const uint16_t *p, vh *even, vh *odd)
-{
-    vhu u;
-    memcpy(&u, p, sizeof u);
-    const vhu e = u << 16, o = u & 0xffff0000u;
-    memcpy(even, &e, sizeof e);
-    memcpy(odd, &o, sizeof o);
-}
+/* NAME(p, even, odd): a vector of pairs of bf16 values (p: two per lane of FLOATS) widened
+ * to float32: *even gets the first of each pair, *odd the second (a bf16 is a float32's
+ * upper half). load_pairs: VL pairs; load_pairs_half: 8, into half vectors. */
+#define LOAD_PAIRS(NAME, FLOATS, WORDS)                                                   \
+    static inline void NAME(const uint16_t *p, FLOATS *even, FLOATS *odd)              \
+    {                                                                                   \
+        WORDS u;                                                                        \
+        memcpy(&u, p, sizeof u);                                                        \
+        const WORDS e = u << 16, o = u & 0xffff0000u;                                   \
+        memcpy(even, &e, sizeof e);                                                     \
+        memcpy(odd, &o, sizeof o);                                                      \
+    }
+LOAD_PAIRS(load_pairs, vf, vu)
+LOAD_PAIRS(load_pairs_half, vh, vhu)
+#undef LOAD_PAIRS
 
 /* The shrink of a work item's tokens, group of 4 by group (LORA_TOKENS, defined by the
  * kernel's file), tile of ranks by tile, so each tile of A is read from memory once and
