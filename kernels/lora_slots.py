@@ -10,12 +10,12 @@ Two layouts, one per kind of kernel, never both:
   copy of both, the sum of ranks rounded up only to what it needs
   (``cpu_native.lora_rank_multiple``: 8, or 16 for bfloat16 where AMX tiles are built in;
   a decode step's LoRA reads its adapters' bytes at about the streaming rate, and 16 cost a
-  rank-8 adapter a quarter more of them), in the tiled layout (``tiled_layout``): each tile of ranks or
-  columns it keeps in registers is one contiguous run of memory, so that a decode step's
-  LoRA reads stream (read in place they ran at about half the streaming rate), and in
-  bfloat16 pair-interleaved along the summed axis, as its AVX-512 BF16 dot products read
-  them. The reference and the prefill matmuls read the plain ones. LoRA weights are small
-  (rank x (in + out) per slot), so two copies cost little.
+  rank-8 adapter a quarter more of them), in the tiled layout (``tiled_layout``): each
+  tile of ranks or columns it keeps in registers is one contiguous run of memory, so that
+  a decode step's LoRA reads stream (read in place they ran at about half the streaming
+  rate), and in bfloat16 pair-interleaved along the summed axis, as its AVX-512 BF16 dot
+  products read them. The reference and the prefill matmuls read the plain ones. LoRA
+  weights are small (rank x (in + out) per slot), so two copies cost little.
 - ``"stacked"`` (Triton): per slice, A ``[num_slots, max_rank, in]`` and B
   ``[num_slots, out_k, max_rank]``, allocated up front, because the kernels address a slot
   by its stride. A slot's rows past its rank stay zero and are never read.
