@@ -392,9 +392,15 @@ def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
         return [o for o, s in seen.items()
                 if any(slot and slot.endswith(digest12) for slot in s["adapter_slots"])]
 
-    with ThreadPoolExecutor(24) as pool:
-        list(pool.map(one, range(24)))
-    assert len(holders(deployment.wait_replicas(lambda seen: len(holders(seen)) == 2))) == 2
+    # The spill needs the burst to overlap on the first replica, which a loaded machine
+    # (the whole suite running) does not give every time: up to three bursts.
+    for _ in range(3):
+        with ThreadPoolExecutor(24) as pool:
+            list(pool.map(one, range(24)))
+        with contextlib.suppress(AssertionError):
+            deployment.wait_replicas(lambda seen: len(holders(seen)) == 2, timeout_s=10)
+            break
+    assert len(holders(deployment.replicas())) == 2, "no burst spilled to the other replica"
     deleted_at = time.monotonic()
     response = httpx.delete(f"{deployment.gateways[1]}/v1/adapters/mlp",
                             headers={"Authorization": f"Bearer {deployment.keys['alice']}"})
