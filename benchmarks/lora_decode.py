@@ -56,6 +56,7 @@ from loraplex_kernels import cpu_native  # noqa: E402
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import (  # noqa: E402
     LoRASlots,
+    round_up,
     tiled_layout,
     vnni_pair_layout,
 )
@@ -92,7 +93,7 @@ def _read_as(slots: LoRASlots, make: Callable[[torch.Tensor, torch.Tensor, Slice
     other.ranks = slots.ranks.clone()
     for s, pair in enumerate(slots.weights):
         if pair is not None:
-            rank = -(-max(r1 for _, r1, _, _ in slots.slices[s]) // multiple) * multiple
+            rank = round_up(max(r1 for _, r1, _, _ in slots.slices[s]), multiple)
             other.native[s] = copies = make(pair[0][:, :rank], pair[1][:rank], slots.slices[s])
             other.at_ptrs[s], other.bt_ptrs[s] = copies[0].data_ptr(), copies[1].data_ptr()
             other.ranks[s] = rank

@@ -104,7 +104,7 @@ class LoRASlots:
         total = sum(p[0].shape[0] for p in pairs if p is not None)
         if total == 0:
             return None
-        width = _round_up(total, _MATMUL_RANK_MULTIPLE)
+        width = round_up(total, _MATMUL_RANK_MULTIPLE)
         at = torch.zeros(self.in_features, width, dtype=self.dtype, device=self.device)
         bt = torch.zeros(width, self.slice_offsets[-1], dtype=self.dtype, device=self.device)
         r0 = 0
@@ -123,7 +123,7 @@ class LoRASlots:
         rank = width
         tile = _native_tile(self.dtype) if self.device.type == "cpu" else None
         if tile is not None:
-            rank = _round_up(total, _native_rank_multiple(self.dtype))
+            rank = round_up(total, _native_rank_multiple(self.dtype))
             native = tiled_layout(at[:, :rank], bt[:rank], slices, tile,
                                   pairs=self.dtype == torch.bfloat16)
         return SlotWeights(at, bt, native, tuple(slices), rank)
@@ -166,7 +166,8 @@ class SlotWeights:
     rank: int
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (a slot's summed rank to a layout's)."""
     return -(-n // multiple) * multiple
 
 
