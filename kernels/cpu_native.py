@@ -82,6 +82,30 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
+def _cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def native_lora_any_length() -> bool:
+    """Whether float32 LoRA segments of every length go to the native kernel (else those
+    past ``meta.SHORT_SEGMENT_LEN`` go to per-slot matmuls): where the kernel has AVX-512
+    and the CPU is not Intel's, whose MKL sgemm (torch's float32 matmul) takes its AVX2
+    path on other vendors' CPUs. On a Zen 4 EPYC the native kernel measured 1.37-1.82x the
+    matmuls at 512 tokens, 1.23-1.64x at 1,024 and 1.07-1.54x at a whole 2,048-token chunk
+    (ranks 32 and 8; benchmarks/lora_decode.py --crossover, docs/benchmarks.md)."""
+    return ("avx512f" in _cpu_signature().split()
+            and _cpu_vendor() not in ("", "GenuineIntel") and available())
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 

@@ -14,14 +14,20 @@ import torch
 # an AVX2-only EPYC rank 32 lost from 64 tokens and rank 8 won to 1,024; a limit of 64
 # there measured the same on the offline workload as 512, so one limit serves both); in
 # bfloat16 the native kernel measured faster at every length up to a whole 2,048-token
-# chunk, so there it takes them all (benchmarks/lora_decode.py --crossover).
+# chunk, so there it takes them all (benchmarks/lora_decode.py --crossover). So does
+# float32 where the native kernel has AVX-512 and torch's float32 matmul is MKL's sgemm on
+# its AVX2 path, as on AMD's CPUs (cpu_native.native_lora_any_length).
 SHORT_SEGMENT_LEN = 512
 _NO_LIMIT = 1 << 62
 
 
 def short_segment_limit(dtype: torch.dtype) -> int:
     """The ``short_segment_len`` a step of this dtype is built with (see above)."""
-    return SHORT_SEGMENT_LEN if dtype == torch.float32 else _NO_LIMIT
+    if dtype != torch.float32:
+        return _NO_LIMIT
+    from loraplex_kernels import cpu_native  # not at the top: it imports this module
+
+    return _NO_LIMIT if cpu_native.native_lora_any_length() else SHORT_SEGMENT_LEN
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, slots: LoRASlots, scales: torch
     per-slot layout has it folded in).
 
     The per-slot layout (CPU): with the ``"cpu"`` backend, the segments ``meta`` calls
-    short (``meta.short_segment_limit``: in float32 up to 512 tokens, in bfloat16 all) go
+    short (``meta.short_segment_limit``: in float32 up to 512 tokens, all of them where
+    ``cpu_native.native_lora_any_length``; in bfloat16 all) go
     to the native kernel in one call and long ones to per-slot matmuls, in float32 one
     expand per slice (``add_lora_sliced``; benchmarks/lora_prefill.py: no faster in
     bfloat16, so bfloat16 keeps the block-diagonal expand); the reference does all by

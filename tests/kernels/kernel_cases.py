@@ -118,7 +118,7 @@ class SGMVInputs:
 
 
 def make_sgmv_inputs(case: SGMVCase, dtype: torch.dtype, device: str,
-                     seed: int = 0) -> SGMVInputs:
+                     seed: int = 0, segment_len: int = CASE_SEGMENT_LEN) -> SGMVInputs:
     g = torch.Generator().manual_seed(seed)
     num_slots = len(case.slot_ranks)
     num_tokens = len(case.token_slots)
@@ -143,7 +143,7 @@ def make_sgmv_inputs(case: SGMVCase, dtype: torch.dtype, device: str,
         offsets.append(offsets[-1] + w)
     return SGMVInputs(
         meta=SGMVMeta.build(case.token_slots, case.slot_ranks, device=device,
-                            short_segment_len=CASE_SEGMENT_LEN),
+                            short_segment_len=segment_len),
         x=x.to(dtype).to(device),
         lora_a=[a.to(dtype).to(device) for a in lora_a],
         lora_b=[b.to(dtype).to(device) for b in lora_b],
@@ -228,10 +228,12 @@ def lora_slots(case: SGMVCase, inp: SGMVInputs, layout: Layout) -> LoRASlots:
 
 
 def check_add_lora(case: SGMVCase, dtype: torch.dtype, device: str,
-                   backend: ops.Backend | None, layout: Layout | None = None) -> None:
+                   backend: ops.Backend | None, layout: Layout | None = None,
+                   segment_len: int = CASE_SEGMENT_LEN) -> None:
     """Shrink then expand through the public entry point, against float64, with the
-    weights in ``layout`` (default: the one the backend reads)."""
-    inp = make_sgmv_inputs(case, dtype, device)
+    weights in ``layout`` (default: the one the backend reads), segments longer than
+    ``segment_len`` taking the long path."""
+    inp = make_sgmv_inputs(case, dtype, device, segment_len=segment_len)
     g = torch.Generator().manual_seed(2)
     # As in the model: the slices tile the whole output.
     width = inp.slice_offsets[-1]

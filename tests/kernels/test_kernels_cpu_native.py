@@ -37,7 +37,7 @@ from kernel_cases import (
 
 from loraplex_kernels import cpu_native, ops
 from loraplex_kernels.lora_slots import tiled_layout
-from loraplex_kernels.meta import SGMVMeta
+from loraplex_kernels.meta import SGMVMeta, short_segment_limit
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(),
                                 reason="no C compiler: the native CPU kernels are not built")
@@ -176,6 +176,20 @@ def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hid
     slots = sorted(s for s, n in runs for _ in range(n))
     case = SGMVCase("random", tuple(slots), tuple(ranks), hidden, tuple(widths))
     check_add_lora(case, torch.float32, "cpu", "cpu")
+
+
+def test_add_lora_past_the_short_limit() -> None:
+    """Prefill segments past ``SHORT_SEGMENT_LEN`` (a chunk's share of one adapter) at the
+    limit the engine builds float32 steps with: where ``native_lora_any_length`` they all
+    go to the native kernel, else the long ones to the per-slot matmuls; either way the
+    float64 oracle's sums."""
+    slots = [-1] * 7 + [0] * 600 + [1] * 70 + [2] * 530 + [-1] * 3
+    case = SGMVCase("past-limit", tuple(slots), (8, 32, 16), 72, (40, 24, 24))
+    limit = short_segment_limit(torch.float32)
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks, short_segment_len=limit)
+    long_lens = [meta.seg_lens_list[i] for i in meta.long_segment_ids]
+    assert long_lens == ([] if cpu_native.native_lora_any_length() else [600, 530])
+    check_add_lora(case, torch.float32, "cpu", "cpu", segment_len=limit)
 
 
 def test_add_lora_partial_targets() -> None:
