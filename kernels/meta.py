@@ -21,9 +21,10 @@ SHORT_SEGMENT_LEN = 512
 _NO_LIMIT = 1 << 62
 
 
-def short_segment_limit(dtype: torch.dtype) -> int:
-    """The ``short_segment_len`` a step of this dtype is built with (see above)."""
-    if dtype != torch.float32:
+def short_segment_limit(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """The ``short_segment_len`` a step of this dtype is built with (see above; on other
+    devices than the CPU no kernel reads it)."""
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
         return _NO_LIMIT
     from loraplex_kernels import cpu_native  # not at the top: it imports this module
 

@@ -444,7 +444,7 @@ class ModelRunner:
             return hidden, starts
         if any(slot >= 0 for slot in token_slots):
             lora = LoRAStep(SGMVMeta.build(token_slots, self.slot_ranks, dev,
-                                           short_segment_limit(self.dtype)),
+                                           short_segment_limit(self.dtype, dev)),
                             self.lora_scales, self.kernel_backend)
         hidden = self.model(torch.tensor(input_ids, device=dev),
                             torch.tensor(positions, device=dev), self.kv_caches, meta, lora,
