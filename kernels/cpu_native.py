@@ -69,29 +69,25 @@ def cache_dir() -> Path:
     return Path(home) / "kernels"
 
 
-def _cpu_signature() -> str:
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of /proc/cpuinfo's first line starting with one of ``keys``, or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def _cpu_signature() -> str:
+    flags = _cpuinfo("flags", "Features")
+    if flags is not None:
+        return flags
     import platform
 
     return platform.machine() + platform.processor()
-
-
-def _cpu_vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.cache
@@ -103,7 +99,7 @@ def native_lora_any_length() -> bool:
     matmuls at 512 tokens, 1.23-1.64x at 1,024 and 1.07-1.54x at a whole 2,048-token chunk
     (ranks 32 and 8; benchmarks/lora_decode.py --crossover, docs/benchmarks.md)."""
     return ("avx512f" in _cpu_signature().split()
-            and _cpu_vendor() not in ("", "GenuineIntel") and available())
+            and _cpuinfo("vendor_id") not in (None, "GenuineIntel") and available())
 
 
 def _compiler() -> str | None:

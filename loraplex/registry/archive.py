@@ -237,6 +237,7 @@ class _CappedReader(io.RawIOBase):
         self.num_bytes = 0
 
     def readable(self) -> bool:
+        # io.BufferedReader (_unpack_tar_gz) asks; RawIOBase's own answer is False
         return True
 
     def readinto(self, buffer: Any) -> int:
