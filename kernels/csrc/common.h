@@ -207,7 +207,8 @@ static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *
 {
     int64_t n = 0;
     for (int64_t i = 0; i < num_segs; ++i) n += (seg_len[i] + group - 1) / group;
-    int64_t *work = malloc(sizeof(int64_t) * (size_t)(3 * (n ? n : 1)));
+    /* the items, then a block of n for lora_plan_items's owners */
+    int64_t *work = malloc(sizeof(int64_t) * (size_t)(4 * (n ? n : 1)));
     if (!work) return NULL;
     for (int64_t i = 0, w = 0; i < num_segs; ++i)
         for (int64_t j = 0; j < seg_len[i]; j += group, ++w) {
@@ -223,18 +224,48 @@ static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *
  * tens of items), so that a dynamic schedule ends on small ones: a decode item's cost is
  * its slot's weights (bytes in proportion to the rank), a prefill item's also its tokens.
  * Each item writes its own tokens' rows, so the order changes no result. */
+static inline int64_t lora_item_cost(const int64_t *item, const int64_t *ranks)
+{
+    return ranks[item[2]] * (8 + item[1]);
+}
+
 static inline void lora_order_items(int64_t *work, int64_t num_groups, const int64_t *ranks)
 {
-#define LORA_ITEM_COST(w) (ranks[(w)[2]] * (8 + (w)[1]))
     for (int64_t i = 1; i < num_groups; ++i) {
         int64_t item[3] = {work[3 * i], work[3 * i + 1], work[3 * i + 2]};
-        const int64_t cost = LORA_ITEM_COST(item);
+        const int64_t cost = lora_item_cost(item, ranks);
         int64_t j = i;
-        for (; j > 0 && LORA_ITEM_COST(work + 3 * (j - 1)) < cost; --j)
+        for (; j > 0 && lora_item_cost(work + 3 * (j - 1), ranks) < cost; --j)
             memcpy(work + 3 * j, work + 3 * (j - 1), sizeof(int64_t) * 3);
         memcpy(work + 3 * j, item, sizeof item);
     }
-#undef LORA_ITEM_COST
+}
+
+/* A decode step's calls (up to LORA_PLAN_TOKENS tokens, the skinny GEMM's batches) share
+ * their items out before the team starts: each item to the thread with the least cost so
+ * far, costliest first (lora_order_items's order), so that a thread knows its next item
+ * and reads the start of its weights into cache while this one computes (a decode item's
+ * weights are a few runs of 10-200 KB from memory, each begun by a wait on its first
+ * lines; lora.h: lora_own_items). The owners go to the block after the items
+ * (lora_work_items). Returns the team size planned for, or 0 (the items then claimed at
+ * run time). */
+#define LORA_PLAN_TOKENS 64
+static inline int lora_plan_items(int64_t *work, int64_t num_groups, const int64_t *ranks,
+                                  int threads)
+{
+    int64_t tokens = 0;
+    for (int64_t g = 0; g < num_groups; ++g) tokens += work[3 * g + 1];
+    if (threads < 2 || threads > 64 || tokens > LORA_PLAN_TOKENS) return 0;
+    int64_t load[64] = {0};
+    int64_t *owner = work + 3 * num_groups;
+    for (int64_t g = 0; g < num_groups; ++g) {
+        int best = 0;
+        for (int t = 1; t < threads; ++t)
+            if (load[t] < load[best]) best = t;
+        owner[g] = best;
+        load[best] += lora_item_cost(work + 3 * g, ranks);
+    }
+    return threads;
 }
 
 #endif

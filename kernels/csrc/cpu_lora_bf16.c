@@ -15,6 +15,8 @@
  *      start + (o0 - lo) * (k2e - k2b) * 2), [k2e - k2b, wt, 2] with
  *      [p, o, j] = scaled B^T[2 * (k2b + p) + j, o0 + o]
  */
+#include <omp.h>
+
 #include "bf16.h"
 #include "common.h"
 #include "kernels.h"
@@ -545,78 +547,102 @@ int lora_bf16_prepare(struct lora_call *c)
     if (!c->work) return -1;
     lora_order_items(c->work, c->num_groups, c->ranks);
     c->item_rows = lora_item_rows(c->work, c->num_groups, LORA_TOKENS);
+    c->planned = lora_plan_items(c->work, c->num_groups, c->ranks, c->num_threads);
     return 0;
 }
 
-/* One thread's share of a prepared call, inside a parallel region (its work items are
- * shared out by an orphaned `omp for`, which every thread of the team must reach).
- * Returns 1 when scratch memory could not be allocated, else 0. */
+/* A thread's scratch for its work items (lora_bf16_team). */
+struct bf16_scratch {
+    float *y, *xf; /* y: fp32 [., R] (portable) or bf16 (vector); xf: [., w] fp32 (portable) */
+    bf16 *xh;      /* [., w]: x's rows where they are not read in place */
+    int copies;
+};
+
+/* One work item of a prepared call. */
+static void lora_bf16_item(const struct lora_call *c, int64_t g, void *scratch)
+{
+    const struct bf16_scratch *sc = scratch;
+    float *y = sc->y, *xf = sc->xf;
+    bf16 *xh = sc->xh;
+    const int copies = sc->copies;
+    const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
+    int64_t t = c->work[3 * g], nt = c->work[3 * g + 1];
+    const int64_t slot = c->work[3 * g + 2];
+    const bf16 *at = (const bf16 *)(intptr_t)c->at_ptrs[slot];
+    const bf16 *bt = (const bf16 *)(intptr_t)c->bt_ptrs[slot];
+    const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
+#ifdef LORA_AMX
+    if (c->impl == BF16_AVX512 && amx_takes(nt, c->in_features, c->ranks[slot], slices,
+                                            c->num_slices[slot])) {
+        const int64_t done = nt / 16 * 16; /* whole blocks of 16 on tiles, x in place */
+        lora_blocks_amx((const bf16 *)c->x + t * c->x_stride, c->x_stride,
+                        (bf16 *)c->out + t * c->out_stride, c->out_stride, done,
+                        c->in_features, at, bt, c->ranks[slot], slices,
+                        c->num_slices[slot], (bf16 *)y);
+        t += done;
+        nt -= done;
+        if (nt == 0) return;
+    }
+#endif
+    /* the tokens' rows: in place where the AVX-512 kernel reads them (an even width:
+     * its pairs never pass a row's end), else copied, an odd width padded with a zero
+     * (copying a prefill item's 32 rows was ~6 % of a bfloat16 prefill's LoRA) */
+    const bf16 *xr = (const bf16 *)c->x + t * c->x_stride;
+    int64_t ldx = c->x_stride;
+    if (copies) {
+        for (int64_t j = 0; j < nt; ++j) {
+            memcpy(xh + j * w, xr + j * c->x_stride, sizeof(bf16) * (size_t)c->in_features);
+            if (w > c->in_features) xh[j * w + w - 1] = 0;
+        }
+        xr = xh;
+        ldx = w;
+    }
+#ifdef __AVX512BF16__
+    if (c->impl == BF16_AVX512) {
+        lora_tokens_avx512(xr, ldx, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt,
+                           in2, at, bt, c->ranks[slot], slices, c->num_slices[slot],
+                           (bf16 *)y);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < nt * w; ++i) xf[i] = bf16_to_f32(xh[i]); /* rows read */
+    lora_tokens_portable(xf, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
+                         at, bt, c->ranks[slot], slices, c->num_slices[slot], y);
+}
+
+/* One thread's share of a prepared call, inside a parallel region: its own items where
+ * they were planned for this team (lora_plan_items), else the items shared out by an
+ * orphaned `omp for`, which every thread of the team must then reach. Returns 1 when
+ * scratch memory could not be allocated, else 0. */
 int lora_bf16_team(const struct lora_call *c)
 {
-    const int64_t in2 = (c->in_features + 1) / 2, w = 2 * in2;
+    const int64_t w = 2 * ((c->in_features + 1) / 2);
     int failed = 0;
-    /* per work item, c->item_rows rows at most, each written before it is read: y: fp32
-     * [., R] (portable) or bf16 (vector); xf: [., w] fp32 (portable only); xh: [., w] bf16
-     * (x's rows where they are not read in place) */
+    /* per work item, c->item_rows rows at most, each written before it is read */
     const int portable = c->impl != BF16_AVX512;
-    float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
-    float *xf = portable ? malloc(sizeof(float) * (size_t)(c->item_rows * w)) : NULL;
     /* x's rows are copied by the portable kernel, and at an odd width */
     const int copies = portable || w != c->in_features;
-    bf16 *xh = copies ? malloc(sizeof(bf16) * (size_t)(c->item_rows * w)) : NULL;
+    struct bf16_scratch sc = {
+        malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank)),
+        portable ? malloc(sizeof(float) * (size_t)(c->item_rows * w)) : NULL,
+        copies ? malloc(sizeof(bf16) * (size_t)(c->item_rows * w)) : NULL, copies};
+    const int scratch = sc.y && (!portable || sc.xf) && (!copies || sc.xh);
+    if (c->planned == omp_get_num_threads()) {
+        if (scratch) lora_own_items(c, omp_get_thread_num(), lora_bf16_item, &sc);
+        failed = !scratch;
+    } else {
 #pragma omp for schedule(dynamic, 1) nowait /* the region ends after it (lora.h) */
-    for (int64_t g = 0; g < c->num_groups; ++g) {
-        if (!y || (portable && !xf) || (copies && !xh)) {
-            failed = 1;
-            continue;
-        }
-        int64_t t = c->work[3 * g], nt = c->work[3 * g + 1];
-        const int64_t slot = c->work[3 * g + 2];
-        const bf16 *at = (const bf16 *)(intptr_t)c->at_ptrs[slot];
-        const bf16 *bt = (const bf16 *)(intptr_t)c->bt_ptrs[slot];
-        const int64_t *slices = c->slice_table + slot * c->max_slices * 4;
-#ifdef LORA_AMX
-        if (c->impl == BF16_AVX512 && amx_takes(nt, c->in_features, c->ranks[slot], slices,
-                                                c->num_slices[slot])) {
-            const int64_t done = nt / 16 * 16; /* whole blocks of 16 on tiles, x in place */
-            lora_blocks_amx((const bf16 *)c->x + t * c->x_stride, c->x_stride,
-                            (bf16 *)c->out + t * c->out_stride, c->out_stride, done,
-                            c->in_features, at, bt, c->ranks[slot], slices,
-                            c->num_slices[slot], (bf16 *)y);
-            t += done;
-            nt -= done;
-            if (nt == 0) continue;
-        }
-#endif
-        /* the tokens' rows: in place where the AVX-512 kernel reads them (an even width:
-         * its pairs never pass a row's end), else copied, an odd width padded with a zero
-         * (copying a prefill item's 32 rows was ~6 % of a bfloat16 prefill's LoRA) */
-        const bf16 *xr = (const bf16 *)c->x + t * c->x_stride;
-        int64_t ldx = c->x_stride;
-        if (copies) {
-            for (int64_t j = 0; j < nt; ++j) {
-                memcpy(xh + j * w, xr + j * c->x_stride, sizeof(bf16) * (size_t)c->in_features);
-                if (w > c->in_features) xh[j * w + w - 1] = 0;
+        for (int64_t g = 0; g < c->num_groups; ++g) {
+            if (!scratch) {
+                failed = 1;
+                continue;
             }
-            xr = xh;
-            ldx = w;
+            lora_bf16_item(c, g, &sc);
         }
-#ifdef __AVX512BF16__
-        if (c->impl == BF16_AVX512) {
-            lora_tokens_avx512(xr, ldx, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt,
-                               in2, at, bt, c->ranks[slot], slices, c->num_slices[slot],
-                               (bf16 *)y);
-            continue;
-        }
-#endif
-        for (int64_t i = 0; i < nt * w; ++i) xf[i] = bf16_to_f32(xh[i]); /* rows read */
-        lora_tokens_portable(xf, (bf16 *)c->out + t * c->out_stride, c->out_stride, nt, in2,
-                             at, bt, c->ranks[slot], slices, c->num_slices[slot],
-                             y);
     }
-    free(y);
-    free(xf);
-    free(xh);
+    free(sc.y);
+    free(sc.xf);
+    free(sc.xh);
     return failed;
 }
 

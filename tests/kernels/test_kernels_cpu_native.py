@@ -178,6 +178,33 @@ def test_add_lora_random_runs(runs: list[tuple[int, int]], ranks: list[int], hid
     check_add_lora(case, torch.float32, "cpu", "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [(1, 2, 1, 3, 1), (20, 9, 40)], ids=["decode", "past-plan"])
+def test_lora_items_planned_or_claimed(dtype: torch.dtype, tokens: tuple[int, ...]) -> None:
+    """A decode step's call (up to 64 tokens) shares its work items out before the team
+    starts, costliest first to the least loaded thread (common.h: lora_plan_items); larger
+    calls claim them at run time. Either way each item writes its own rows the same way:
+    the outputs at 2 and 3 threads are the single thread's bit for bit, and float64's."""
+    if dtype == torch.bfloat16 and not cpu_native.can_skinny(torch.bfloat16):
+        pytest.skip("no bfloat16 native kernels here")
+    slots_of = tuple(s for s, n in enumerate(tokens) for _ in range(n))
+    case = SGMVCase("plan", slots_of, (8, 16, 32, 8, 16), 96, (64, 32, 32))
+    inp = make_sgmv_inputs(case, dtype, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    assert meta.short_segments is not None
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.zeros(len(slots_of), 128, dtype=dtype)
+        with torch_threads(threads):
+            cpu_native.add_lora(out, inp.x, meta.short_segments, slots)
+        outs.append(out)
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with torch_threads(2):
+        check_add_lora(case, dtype, "cpu", "cpu")
+
+
 def test_add_lora_past_the_short_limit() -> None:
     """Prefill segments past ``SHORT_SEGMENT_LEN`` (a chunk's share of one adapter) at the
     limit the engine builds float32 steps with: where ``native_lora_any_length`` they all
