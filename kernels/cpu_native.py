@@ -97,7 +97,8 @@ def native_lora_any_length() -> bool:
     and the CPU is not Intel's, whose MKL sgemm (torch's float32 matmul) takes its AVX2
     path on other vendors' CPUs. On a Zen 4 EPYC the native kernel measured 1.37-1.82x the
     matmuls at 512 tokens, 1.23-1.64x at 1,024 and 1.07-1.54x at a whole 2,048-token chunk
-    (ranks 32 and 8; benchmarks/lora_decode.py --crossover, docs/benchmarks.md)."""
+    (ranks 32 and 8; benchmarks/lora_decode.py --crossover, docs/benchmarks.md); on a Zen 5
+    1.74-1.95x at 512 tokens and 1.51-1.70x at 2,048."""
     return ("avx512f" in _cpu_signature().split()
             and _cpuinfo("vendor_id") not in (None, "GenuineIntel") and available())
 
