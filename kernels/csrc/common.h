@@ -220,15 +220,16 @@ static inline int64_t *lora_work_items(const int64_t *seg_first, const int64_t *
     return work;
 }
 
-/* The work items ordered by their cost, largest first (a stable insertion sort: a step has
- * tens of items), so that a dynamic schedule ends on small ones: a decode item's cost is
- * its slot's weights (bytes in proportion to the rank), a prefill item's also its tokens.
- * Each item writes its own tokens' rows, so the order changes no result. */
+/* A work item's cost: its slot's weights (bytes in proportion to the rank), and its tokens. */
 static inline int64_t lora_item_cost(const int64_t *item, const int64_t *ranks)
 {
     return ranks[item[2]] * (8 + item[1]);
 }
 
+/* The work items ordered by their cost, largest first (a stable insertion sort: a step has
+ * tens of items), so that a dynamic schedule ends on small ones: a decode item's cost is
+ * its slot's weights (bytes in proportion to the rank), a prefill item's also its tokens.
+ * Each item writes its own tokens' rows, so the order changes no result. */
 static inline void lora_order_items(int64_t *work, int64_t num_groups, const int64_t *ranks)
 {
     for (int64_t i = 1; i < num_groups; ++i) {

@@ -15,8 +15,6 @@
  *      start + (o0 - lo) * (k2e - k2b) * 2), [k2e - k2b, wt, 2] with
  *      [p, o, j] = scaled B^T[2 * (k2b + p) + j, o0 + o]
  */
-#include <omp.h>
-
 #include "bf16.h"
 #include "common.h"
 #include "kernels.h"
@@ -610,14 +608,11 @@ static void lora_bf16_item(const struct lora_call *c, int64_t g, void *scratch)
                          at, bt, c->ranks[slot], slices, c->num_slices[slot], y);
 }
 
-/* One thread's share of a prepared call, inside a parallel region: its own items where
- * they were planned for this team (lora_plan_items), else the items shared out by an
- * orphaned `omp for`, which every thread of the team must then reach. Returns 1 when
- * scratch memory could not be allocated, else 0. */
+/* One thread's share of a prepared call (lora.h: lora_team_items). Returns 1 when scratch
+ * memory could not be allocated, else 0. */
 int lora_bf16_team(const struct lora_call *c)
 {
     const int64_t w = 2 * ((c->in_features + 1) / 2);
-    int failed = 0;
     /* per work item, c->item_rows rows at most, each written before it is read */
     const int portable = c->impl != BF16_AVX512;
     /* x's rows are copied by the portable kernel, and at an odd width */
@@ -626,20 +621,8 @@ int lora_bf16_team(const struct lora_call *c)
         malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank)),
         portable ? malloc(sizeof(float) * (size_t)(c->item_rows * w)) : NULL,
         copies ? malloc(sizeof(bf16) * (size_t)(c->item_rows * w)) : NULL, copies};
-    const int scratch = sc.y && (!portable || sc.xf) && (!copies || sc.xh);
-    if (c->planned == omp_get_num_threads()) {
-        if (scratch) lora_own_items(c, omp_get_thread_num(), lora_bf16_item, &sc);
-        failed = !scratch;
-    } else {
-#pragma omp for schedule(dynamic, 1) nowait /* the region ends after it (lora.h) */
-        for (int64_t g = 0; g < c->num_groups; ++g) {
-            if (!scratch) {
-                failed = 1;
-                continue;
-            }
-            lora_bf16_item(c, g, &sc);
-        }
-    }
+    const int failed = lora_team_items(c, lora_bf16_item, &sc,
+                                       sc.y && (!portable || sc.xf) && (!copies || sc.xh));
     free(sc.y);
     free(sc.xf);
     free(sc.xh);

@@ -2,8 +2,6 @@
  * (decode, and prefill runs up to meta.short_segment_limit) in one call. See
  * cpu_attention_f32.c for how the native kernels are built and called.
  */
-#include <omp.h>
-
 #include "common.h"
 #include "lora.h"
 
@@ -244,28 +242,13 @@ static void lora_f32_item(const struct lora_call *c, int64_t w, void *y)
                 c->slice_table + slot * c->max_slices * 4, c->num_slices[slot], y);
 }
 
-/* One thread's share of a prepared call, inside a parallel region: its own items where
- * they were planned for this team (lora_plan_items), else the items shared out by an
- * orphaned `omp for`, which every thread of the team must then reach. 1 where scratch
- * memory failed, else 0. */
+/* One thread's share of a prepared call (lora.h: lora_team_items). 1 where scratch memory
+ * failed, else 0. */
 int lora_f32_team(const struct lora_call *c)
 {
-    int failed = 0;
     /* each group's rows of its tokens are written before they are read */
     float *y = malloc(sizeof(float) * (size_t)(c->item_rows * c->max_rank));
-    if (c->planned == omp_get_num_threads()) {
-        if (y) lora_own_items(c, omp_get_thread_num(), lora_f32_item, y);
-        failed = !y;
-    } else {
-#pragma omp for schedule(dynamic, 1) nowait /* the region ends after it (lora.h) */
-        for (int64_t w = 0; w < c->num_groups; ++w) {
-            if (!y) {
-                failed = 1;
-                continue;
-            }
-            lora_f32_item(c, w, y);
-        }
-    }
+    const int failed = lora_team_items(c, lora_f32_item, y, y != NULL);
     free(y);
     return failed;
 }

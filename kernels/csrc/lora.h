@@ -3,6 +3,7 @@
  * (cpu_skinny_gemm.c). */
 #ifndef LORAPLEX_CPU_LORA_H
 #define LORAPLEX_CPU_LORA_H
+#include <omp.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -115,6 +116,30 @@ static inline void lora_own_items(const struct lora_call *c, int me,
         item(c, g, scratch);
         g = next;
     }
+}
+
+/* One thread's share of a prepared call's items, inside a parallel region: its own where
+ * they were planned for this team (lora_plan_items), else claimed at run time by an
+ * orphaned `omp for`, which every thread of the team then reaches. `ok`: the thread's
+ * scratch was allocated. Returns 1 where it was not, else 0. */
+static inline int lora_team_items(const struct lora_call *c,
+                                  void (*item)(const struct lora_call *, int64_t, void *),
+                                  void *scratch, int ok)
+{
+    if (c->planned == omp_get_num_threads()) {
+        if (ok) lora_own_items(c, omp_get_thread_num(), item, scratch);
+        return !ok;
+    }
+    int failed = 0;
+#pragma omp for schedule(dynamic, 1) nowait /* the region ends after it */
+    for (int64_t g = 0; g < c->num_groups; ++g) {
+        if (!ok) {
+            failed = 1;
+            continue;
+        }
+        item(c, g, scratch);
+    }
+    return failed;
 }
 
 /* skinny_lora_* as one thread's part of a region every thread runs (cpu_skinny_gemm.c). */
