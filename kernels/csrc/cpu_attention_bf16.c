@@ -126,7 +126,9 @@ static inline __m256i f32_to_bf16_x16(__m512 f)
 
 /* scores_portable with vdpbf16ps (head_dim a multiple of 32, q in bf16 as given): per K
  * row one chain per head with 16 lanes of pair sums kept apart, reduced across 16
- * positions at once (decode_attention.h's reduce16). Rows past n are never loaded. */
+ * positions at once (decode_attention.h's reduce16). Rows past n repeat the last one
+ * (their sums are never stored), so the trip counts are constants and the sums stay in
+ * registers, as in cpu_attention_f32.c's scores_avx512. */
 static inline __attribute__((always_inline)) void scores_avx512(
     const bf16 *restrict q, int64_t q_head_stride, const int64_t nh, const bf16 *restrict k,
     int64_t pos_stride, int64_t n, const int64_t head_dim, float scale, float *restrict w,
@@ -136,39 +138,51 @@ static inline __attribute__((always_inline)) void scores_avx512(
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t m = n - p0 < 16 ? n - p0 : 16;
         __m512 u[SCORE_HEADS][4];
-        for (int64_t c = 0; c < 4; ++c) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
             __m512 t[SCORE_HEADS][4];
-            for (int64_t h = 0; h < nh; ++h)
-                for (int64_t j = 0; j < 4; ++j) t[h][j] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < 4 && 4 * c + j < m; ++j) {
-                const bf16 *restrict kr = k + (p0 + 4 * c + j) * pos_stride;
+#pragma GCC unroll 4
+            for (int h = 0; h < SCORE_HEADS; ++h)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) t[h][j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+                const int64_t r = 4 * c + j < m ? 4 * c + j : m - 1;
+                const bf16 *restrict kr = k + (p0 + r) * pos_stride;
                 if (p0 + 4 * c + j < pf_n)
                     prefetch_rows(pf + (p0 + 4 * c + j) * pos_stride, 1, 0, head_dim * 2);
                 for (int64_t d = 0; d < head_dim; d += 32) {
                     const __m512bh kv = as_bh(_mm512_loadu_si512(kr + d));
-                    for (int64_t h = 0; h < nh; ++h)
-                        t[h][j] = _mm512_dpbf16_ps(
-                            t[h][j], as_bh(_mm512_loadu_si512(q + h * q_head_stride + d)), kv);
+#pragma GCC unroll 4
+                    for (int h = 0; h < SCORE_HEADS; ++h)
+                        if (h < nh)
+                            t[h][j] = _mm512_dpbf16_ps(
+                                t[h][j], as_bh(_mm512_loadu_si512(q + h * q_head_stride + d)),
+                                kv);
                 }
             }
-            for (int64_t h = 0; h < nh; ++h)
-                u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
+#pragma GCC unroll 4
+            for (int h = 0; h < SCORE_HEADS; ++h)
+                if (h < nh) u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
         }
-        for (int64_t h = 0; h < nh; ++h)
-            _mm512_mask_storeu_ps(w + h * ws + p0, (__mmask16)((1u << m) - 1u),
-                                  _mm512_mul_ps(reduce16(u[h][0], u[h][1], u[h][2], u[h][3]),
-                                                vscale));
+#pragma GCC unroll 4
+        for (int h = 0; h < SCORE_HEADS; ++h)
+            if (h < nh)
+                _mm512_mask_storeu_ps(
+                    w + h * ws + p0, (__mmask16)((1u << m) - 1u),
+                    _mm512_mul_ps(reduce16(u[h][0], u[h][1], u[h][2], u[h][3]), vscale));
     }
 }
 
-/* values_portable with vdpbf16ps: two positions' rows interleaved (unpacklo/hi) once,
- * then dotted with each head's weight pair. Lane m of acc's lo half of 32 dimensions holds
- * dimension 32c + 8(m/4) + m%4, of the hi half 32c + 8(m/4) + 4 + m%4 (undone on output).
- * An odd last position pairs with zeros. */
+/* values_portable with vdpbf16ps, acc first scaled by corr[h] (the online softmax's
+ * rescale, scale_rows's work folded into this pass): two positions' rows interleaved
+ * (unpacklo/hi) once, then dotted with each head's weight pair. Lane m of acc's lo half
+ * of 32 dimensions holds dimension 32c + 8(m/4) + m%4, of the hi half 32c + 8(m/4) + 4 +
+ * m%4 (undone on output). An odd last position pairs with zeros. */
 static inline __attribute__((always_inline)) void values_avx512(
     float *restrict acc, const bf16 *restrict v, int64_t pos_stride, const float *restrict w,
-    int64_t ws, const int64_t nh, int64_t n, const int64_t head_dim, const bf16 *pf,
-    int64_t pf_n)
+    int64_t ws, const int64_t nh, int64_t n, const int64_t head_dim,
+    const float *restrict corr, const bf16 *pf, int64_t pf_n)
 {
     /* 32 positions at a time: each head's weights rounded to bf16 once, 16 at a time (as
      * consecutive bf16 they are the pairs the dot products take, a zero past n), not once
@@ -183,33 +197,50 @@ static inline __attribute__((always_inline)) void values_avx512(
                                                        w + h * ws + p0 + c);
                 _mm256_storeu_si256((__m256i *)(pairs[h] + c / 2), f32_to_bf16_x16(f));
             }
-        for (int64_t d = 0; d < head_dim; d += 32) {
-            __m512 lo[SCORE_HEADS], hi[SCORE_HEADS];
-            for (int64_t h = 0; h < nh; ++h) {
-                lo[h] = _mm512_loadu_ps(acc + h * head_dim + d);
-                hi[h] = _mm512_loadu_ps(acc + h * head_dim + d + 16);
-            }
+        /* at head_dim 64 both halves of the row at once: 4 chains per head, not 2 (the
+         * dot products' latency set the pace) */
+        const int64_t dc = head_dim == 64 ? 2 : 1;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 32 * dc) {
+            __m512 lo[2][SCORE_HEADS], hi[2][SCORE_HEADS];
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; ++e)
+                if (e < dc)
+                    for (int64_t h = 0; h < nh; ++h) {
+                        /* the softmax's rescale, on the first pass of 32 positions */
+                        const __m512 c = _mm512_set1_ps(p0 == 0 ? corr[h] : 1.0f);
+                        const float *restrict ah = acc + h * head_dim + d0 + 32 * e;
+                        lo[e][h] = _mm512_mul_ps(c, _mm512_loadu_ps(ah));
+                        hi[e][h] = _mm512_mul_ps(c, _mm512_loadu_ps(ah + 16));
+                    }
             for (int64_t p = 0; p < np; p += 2) {
                 const int two = p + 1 < np;
-                if (d == 0 && p0 + p < pf_n)
+                if (d0 == 0 && p0 + p < pf_n)
                     prefetch_rows(pf + (p0 + p) * pos_stride, p0 + p + 1 < pf_n ? 2 : 1,
                                   pos_stride * 2, head_dim * 2);
-                const bf16 *restrict vp = v + (p0 + p) * pos_stride + d;
-                const __m512i x0 = _mm512_loadu_si512(vp);
-                const __m512i x1 = two ? _mm512_loadu_si512(vp + pos_stride)
-                                       : _mm512_setzero_si512();
-                const __m512bh xl = as_bh(_mm512_unpacklo_epi16(x0, x1));
-                const __m512bh xh = as_bh(_mm512_unpackhi_epi16(x0, x1));
-                for (int64_t h = 0; h < nh; ++h) {
-                    const __m512bh pair = as_bh(_mm512_set1_epi32(pairs[h][p / 2]));
-                    lo[h] = _mm512_dpbf16_ps(lo[h], pair, xl);
-                    hi[h] = _mm512_dpbf16_ps(hi[h], pair, xh);
+#pragma GCC unroll 2
+                for (int e = 0; e < 2; ++e) {
+                    if (e >= dc) break;
+                    const bf16 *restrict vp = v + (p0 + p) * pos_stride + d0 + 32 * e;
+                    const __m512i x0 = _mm512_loadu_si512(vp);
+                    const __m512i x1 = two ? _mm512_loadu_si512(vp + pos_stride)
+                                           : _mm512_setzero_si512();
+                    const __m512bh xl = as_bh(_mm512_unpacklo_epi16(x0, x1));
+                    const __m512bh xh = as_bh(_mm512_unpackhi_epi16(x0, x1));
+                    for (int64_t h = 0; h < nh; ++h) {
+                        const __m512bh pair = as_bh(_mm512_set1_epi32(pairs[h][p / 2]));
+                        lo[e][h] = _mm512_dpbf16_ps(lo[e][h], pair, xl);
+                        hi[e][h] = _mm512_dpbf16_ps(hi[e][h], pair, xh);
+                    }
                 }
             }
-            for (int64_t h = 0; h < nh; ++h) {
-                _mm512_storeu_ps(acc + h * head_dim + d, lo[h]);
-                _mm512_storeu_ps(acc + h * head_dim + d + 16, hi[h]);
-            }
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; ++e)
+                if (e < dc)
+                    for (int64_t h = 0; h < nh; ++h) {
+                        float *restrict ah = acc + h * head_dim + d0 + 32 * e;
+                        _mm512_storeu_ps(ah, lo[e][h]);
+                        _mm512_storeu_ps(ah + 16, hi[e][h]);
+                    }
         }
     }
 }
@@ -274,13 +305,12 @@ static inline __attribute__((always_inline)) void decode_range(
                         scores_avx512(qh, q_head_stride, nh, kb, pos_stride, n, head_dim,
                                       scale, w, block_size, pk, pf_n);
                     online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
-                    scale_rows(a, nh, head_dim, corr);
                     if (nh == 3)
-                        values_avx512(a, vb, pos_stride, w, block_size, 3, n, head_dim, pv,
-                                      pf_n);
+                        values_avx512(a, vb, pos_stride, w, block_size, 3, n, head_dim, corr,
+                                      pv, pf_n);
                     else
-                        values_avx512(a, vb, pos_stride, w, block_size, nh, n, head_dim, pv,
-                                      pf_n);
+                        values_avx512(a, vb, pos_stride, w, block_size, nh, n, head_dim, corr,
+                                      pv, pf_n);
                     continue;
                 }
 #endif
@@ -303,11 +333,11 @@ static inline __attribute__((always_inline)) void decode_range(
                         scores_avx2(qf + h0 * head_dim, head_dim, nh, kf, head_dim, n,
                                     head_dim, scale, w, block_size);
                     online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
-                    scale_rows(a, nh, head_dim, corr);
                     for (int64_t h = 0; h < nh; ++h)
                         for (int64_t p = 0; p < n; ++p)
                             w[h * block_size + p] = weight_bf16(w[h * block_size + p]);
-                    values_f32(a, vf_, head_dim, w, block_size, nh, n, head_dim, NULL, 0, 0);
+                    values_f32(a, vf_, head_dim, w, block_size, nh, n, head_dim, corr, NULL, 0,
+                               0);
                     continue;
                 }
 #endif

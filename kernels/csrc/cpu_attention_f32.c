@@ -58,8 +58,9 @@ static inline __attribute__((always_inline)) void scores_portable(
 
 #ifdef __AVX512F__
 /* scores_portable with head_dim a multiple of 16: per K row, one FMA chain per head with
- * the 16 dimension lanes kept apart, reduced across 16 positions at once. Rows past n are
- * never loaded (zeros stand in). */
+ * the 16 dimension lanes kept apart, reduced across 16 positions at once. Rows past n
+ * repeat the last one (their sums are never stored): constant trip counts, so the sums
+ * stay in registers (a bound of n on the rows kept them on the stack). */
 static inline __attribute__((always_inline)) void scores_avx512(
     const float *restrict q, int64_t q_head_stride, const int64_t nh,
     const float *restrict k, int64_t pos_stride, int64_t n, const int64_t head_dim,
@@ -69,28 +70,38 @@ static inline __attribute__((always_inline)) void scores_avx512(
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         const int64_t m = n - p0 < 16 ? n - p0 : 16;
         __m512 u[SCORE_HEADS][4];
-        for (int64_t c = 0; c < 4; ++c) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
             __m512 t[SCORE_HEADS][4];
-            for (int64_t h = 0; h < nh; ++h)
-                for (int64_t j = 0; j < 4; ++j) t[h][j] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < 4 && 4 * c + j < m; ++j) {
-                const float *restrict kr = k + (p0 + 4 * c + j) * pos_stride;
+#pragma GCC unroll 4
+            for (int h = 0; h < SCORE_HEADS; ++h)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) t[h][j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+                const int64_t r = 4 * c + j < m ? 4 * c + j : m - 1;
+                const float *restrict kr = k + (p0 + r) * pos_stride;
                 if (p0 + 4 * c + j < pf_n)
                     prefetch_rows(pf + (p0 + 4 * c + j) * pos_stride, 1, 0, head_dim * 4);
                 for (int64_t d = 0; d < head_dim; d += 16) {
                     const __m512 kv = _mm512_loadu_ps(kr + d);
-                    for (int64_t h = 0; h < nh; ++h)
-                        t[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * q_head_stride + d),
-                                                  kv, t[h][j]);
+#pragma GCC unroll 4
+                    for (int h = 0; h < SCORE_HEADS; ++h)
+                        if (h < nh)
+                            t[h][j] = _mm512_fmadd_ps(
+                                _mm512_loadu_ps(q + h * q_head_stride + d), kv, t[h][j]);
                 }
             }
-            for (int64_t h = 0; h < nh; ++h)
-                u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
+#pragma GCC unroll 4
+            for (int h = 0; h < SCORE_HEADS; ++h)
+                if (h < nh) u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
         }
-        for (int64_t h = 0; h < nh; ++h)
-            _mm512_mask_storeu_ps(w + h * ws + p0, (__mmask16)((1u << m) - 1u),
-                                  _mm512_mul_ps(reduce16(u[h][0], u[h][1], u[h][2], u[h][3]),
-                                                vscale));
+#pragma GCC unroll 4
+        for (int h = 0; h < SCORE_HEADS; ++h)
+            if (h < nh)
+                _mm512_mask_storeu_ps(
+                    w + h * ws + p0, (__mmask16)((1u << m) - 1u),
+                    _mm512_mul_ps(reduce16(u[h][0], u[h][1], u[h][2], u[h][3]), vscale));
     }
 }
 #endif
@@ -164,9 +175,13 @@ static inline __attribute__((always_inline)) void decode_range(
                     scores_portable(qh, q_head_stride, nh, kb, pos_stride, n, head_dim,
                                     scale, w, block_size);
                 online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
-                scale_rows(acc + h0 * head_dim, nh, head_dim, corr);
-                values_f32(acc + h0 * head_dim, vb, pos_stride, w, block_size, nh, n,
-                           head_dim, pv, pf_n, pos_stride);
+                /* the demo model's group of 3 as a constant: its sums in registers */
+                if (nh == 3)
+                    values_f32(acc + h0 * head_dim, vb, pos_stride, w, block_size, 3, n,
+                               head_dim, corr, pv, pf_n, pos_stride);
+                else
+                    values_f32(acc + h0 * head_dim, vb, pos_stride, w, block_size, nh, n,
+                               head_dim, corr, pv, pf_n, pos_stride);
                 pf_n = 0; /* the group's next heads: prefetched already */
             }
         }

@@ -27,6 +27,35 @@ static inline void online_softmax_block(float *restrict w, int64_t ws, int64_t n
                                         float *restrict m, float *restrict l,
                                         float *restrict corr)
 {
+#ifdef __AVX512F__
+    /* masked vectors of 16 scores, the max and the sum reduced as trees: the loop below
+     * left a block's 16 exps to 15 dependent scalar adds (and its max to a ymm loop and
+     * a scalar tail), a quarter of the bf16 kernel's time with its K/V in cache */
+    for (int64_t h = 0; h < nh; ++h) {
+        float *restrict wh = w + h * ws;
+        const __m512 none = _mm512_set1_ps(-INFINITY);
+        __m512 vmax = none;
+        for (int64_t p = 0; p < n; p += 16) {
+            const __mmask16 k = n - p < 16 ? (__mmask16)((1u << (n - p)) - 1u) : 0xffff;
+            vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(none, k, wh + p));
+        }
+        const float block_max = _mm512_reduce_max_ps(vmax);
+        const float bm = m[h] > block_max ? m[h] : block_max;
+        const __m512 vbm = _mm512_set1_ps(bm);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t p = 0; p < n; p += 16) {
+            const __mmask16 k = n - p < 16 ? (__mmask16)((1u << (n - p)) - 1u) : 0xffff;
+            const __m512 e = (__m512)exp_nonpositive_v(
+                (vf)_mm512_sub_ps(_mm512_mask_loadu_ps(none, k, wh + p), vbm));
+            _mm512_mask_storeu_ps(wh + p, k, e);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
+        }
+        /* m = -inf (nothing seen yet): l and acc are zero, any factor keeps them so */
+        corr[h] = m[h] == bm ? 1.0f : exp_nonpositive(m[h] - bm);
+        l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(vsum);
+        m[h] = bm;
+    }
+#else
     for (int64_t h = 0; h < nh; ++h) {
         float *restrict wh = w + h * ws;
         float bm = m[h];
@@ -51,6 +80,7 @@ static inline void online_softmax_block(float *restrict w, int64_t ws, int64_t n
         l[h] = l[h] * corr[h] + sum;
         m[h] = bm;
     }
+#endif
 }
 
 static inline void scale_rows(float *restrict acc, int64_t nh, int64_t head_dim,
@@ -251,24 +281,58 @@ static inline __attribute__((always_inline)) void scores_avx2(
 }
 #endif
 
-/* acc[h * head_dim + d] += sum_p w[h * ws + p] * v[p * pos_stride + d] for the nh heads
- * of one KV head. At head_dim 64 (the demo model's) a head's 64 sums stay in registers
+/* acc[h * head_dim + d] = corr[h] * acc[h * head_dim + d] + sum_p w[h * ws + p] *
+ * v[p * pos_stride + d] for the nh heads of one KV head (the online softmax's rescale
+ * folded into the values' pass over acc). At head_dim 64 (the demo model's) a head's 64 sums stay in registers
  * for the whole block, its V rows read from L1 after the first head: 1.17x the whole
  * kernel on the AVX2 EPYC against loading and storing them every four rows, as other
  * head sizes still do (docs/benchmarks.md, "Decode attention on CPU"). */
 static inline __attribute__((always_inline)) void values_f32(
     float *restrict acc, const float *restrict v, int64_t pos_stride, const float *restrict w,
-    int64_t ws, int64_t nh, int64_t n, const int64_t head_dim, const float *pf, int64_t pf_n,
-    int64_t pf_stride)
+    int64_t ws, int64_t nh, int64_t n, const int64_t head_dim, const float *restrict corr,
+    const float *pf, int64_t pf_n, int64_t pf_stride)
 {
     /* the V rows of the block ahead (pf_n of them, pf_stride apart), one per row read here,
      * for the first head (a burst of them stalled on the miss buffers) */
+#if VL == 16
+    /* with AVX-512 every head's sums (nh <= 4: 16 zmm) at once, a V row loaded once for
+     * all of them: one head at a time, a head's 4 sums were 4 chains of dependent FMAs,
+     * one position after another (the latency, not the FMA units, set the pace) */
+    if (head_dim == 64) {
+        vf a[4][4];
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h)
+            if (h < nh)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) a[h][j] = corr[h] * loadv(acc + h * 64 + VL * j);
+        for (int64_t p = 0; p < n; ++p) {
+            if (p < pf_n) prefetch_rows(pf + p * pf_stride, 1, 0, 64 * 4);
+            const float *restrict vp = v + p * pos_stride;
+            vf r[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) r[j] = loadv(vp + VL * j);
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; ++h)
+                if (h < nh) {
+                    const float pr = w[h * ws + p];
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; ++j) a[h][j] += pr * r[j];
+                }
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h)
+            if (h < nh)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) memcpy(acc + h * 64 + VL * j, &a[h][j], sizeof(vf));
+        return;
+    }
+#endif
     if (head_dim == 64) {
         for (int64_t h = 0; h < nh; ++h) {
             vf a[64 / VL];
             float *restrict ah = acc + h * 64;
 #pragma GCC unroll 16
-            for (int j = 0; j < 64 / VL; ++j) a[j] = loadv(ah + VL * j);
+            for (int j = 0; j < 64 / VL; ++j) a[j] = corr[h] * loadv(ah + VL * j);
             const float *restrict wh = w + h * ws;
             for (int64_t p = 0; p < n; ++p) {
                 if (h == 0 && p < pf_n) prefetch_rows(pf + p * pf_stride, 1, 0, 64 * 4);
@@ -282,6 +346,7 @@ static inline __attribute__((always_inline)) void values_f32(
         }
         return;
     }
+    scale_rows(acc, nh, head_dim, corr);
     if (pf_n > 0) prefetch_rows(pf, pf_n, pf_stride * 4, head_dim * 4);
     int64_t p = 0;
     for (; p + 4 <= n; p += 4) {
