@@ -210,11 +210,11 @@ def main() -> None:
         "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
         "pool_mib": args.pool_mib, "stream_copy_gbps": streams["copy"],
         "stream_read_gbps": streams["read"], "summary": summary, "rows": rows}, indent=1)
-    plot(rows, read, out.with_suffix(".png"))
+    plot(rows, read, args.baseline, out.with_suffix(".png"))
     print(f"wrote {written} and {out.with_suffix('.png')}")
 
 
-def plot(rows: list[dict[str, Any]], read_gbps: float, path: Path) -> None:
+def plot(rows: list[dict[str, Any]], read_gbps: float, baseline: str, path: Path) -> None:
     """Achieved GB/s per shape, old and new side by side, the read-only streaming rate as a
     line: how far each kernel is from the memory's roof."""
     plt = pyplot()
@@ -225,9 +225,9 @@ def plot(rows: list[dict[str, Any]], read_gbps: float, path: Path) -> None:
         sel = [r for r in rows if r["kernel"] == kernel]
         xs = range(len(sel))
         ax.bar([x - 0.2 for x in xs], [r["old_gbps"] for r in sel], 0.4, color="#9e9e9e",
-               label="before (two passes)")
+               label=f"baseline ({baseline})")
         ax.bar([x + 0.2 for x in xs], [r["new_gbps"] for r in sel], 0.4, color="#e0702a",
-               label="now (one pass)")
+               label="this tree")
         ax.axhline(read_gbps, color="black", lw=0.8, ls="--", label="read-only streaming")
         ax.set_xticks(list(xs), [f"b{r['batch']}\nctx {r['context']}" for r in sel],
                       fontsize=6)
