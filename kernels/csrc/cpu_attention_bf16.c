@@ -161,16 +161,9 @@ static inline __attribute__((always_inline)) void scores_avx512(
                                 kv);
                 }
             }
-#pragma GCC unroll 4
-            for (int h = 0; h < SCORE_HEADS; ++h)
-                if (h < nh) u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
+            scores_reduce4(u, t, c, nh);
         }
-#pragma GCC unroll 4
-        for (int h = 0; h < SCORE_HEADS; ++h)
-            if (h < nh)
-                _mm512_mask_storeu_ps(
-                    w + h * ws + p0, (__mmask16)((1u << m) - 1u),
-                    _mm512_mul_ps(reduce16(u[h][0], u[h][1], u[h][2], u[h][3]), vscale));
+        scores_store16(w + p0, ws, u, nh, m, vscale);
     }
 }
 

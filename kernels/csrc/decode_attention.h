@@ -212,6 +212,30 @@ static inline __m512 reduce16(__m512 u0, __m512 u1, __m512 u2, __m512 u3)
                          _mm512_shuffle_f32x4(w0, w1, 0xdd));
 }
 
+
+/* The end of both dtypes' AVX-512 scores for 16 positions: each head's four groups of 4
+ * positions' sums (t, reduce4'd into u[h][c] as each group c is done), then u[h] reduced
+ * to the 16 scores, scaled, and the first m stored at w[h * ws]. */
+static inline __attribute__((always_inline)) void scores_reduce4(__m512 (*u)[4],
+                                                                  __m512 (*t)[4], int c,
+                                                                  int64_t nh)
+{
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h)
+        if (h < nh) u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
+}
+
+static inline __attribute__((always_inline)) void scores_store16(float *restrict w, int64_t ws,
+                                                                  __m512 (*u)[4], int64_t nh,
+                                                                  int64_t m, __m512 vscale)
+{
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h)
+        if (h < nh)
+            _mm512_mask_storeu_ps(
+                w + h * ws, (__mmask16)((1u << m) - 1u),
+                _mm512_mul_ps(reduce16(u[h][0], u[h][1], u[h][2], u[h][3]), vscale));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
