@@ -13,6 +13,9 @@ or faster machine explains itself.
 - The workload's compute floor: its base-model FLOPs (2 x the parameters without the LM
   head per processed token, prompt and output alike, plus 2 x the LM head's per sampled
   token) at that GEMM rate. ``fraction`` of a run = floor seconds / the run's seconds.
+- Measured twice, before the first run and after the last (``higher``): these machines'
+  GEMM rate moved 1.2-1.34x within an hour, so a single measurement at the start made
+  the fraction follow the measurement's minute as much as the code's speed.
 """
 
 from __future__ import annotations
@@ -150,6 +153,14 @@ def measure(shapes: ModelShapes, dtype: str, threads: int, repeats: int = 5) -> 
                           _stream_rate(repeats))
     finally:
         torch.set_num_threads(before)
+
+
+def higher(a: Floors, b: Floors) -> Floors:
+    """Each rate the higher of two measurements of the same floors (a run's start and end):
+    the machine's best shown in that run."""
+    return Floors(a.dtype, a.threads, max(a.gemm_gflops_prefill, b.gemm_gflops_prefill),
+                  max(a.gemm_gflops_decode, b.gemm_gflops_decode),
+                  max(a.stream_gbps, b.stream_gbps))
 
 
 def compute_floor_seconds(shapes: ModelShapes, floors: Floors, num_prompt_tokens: int,

@@ -110,9 +110,14 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['tokens_per_s']:>8.1f} {vs:>7} "
               f"{r['extra'].get('fraction_of_compute_floor', 0):>6.0%}")
     for f in report["floors"].values():
+        start = report.get("floors_start", {}).get(f["dtype"])
+        end = report.get("floors_end", {}).get(f["dtype"])
+        when = (f" (the higher of the start's {start['gemm_gflops_prefill']:.0f} and the "
+                f"end's {end['gemm_gflops_prefill']:.0f} at 256 rows)" if start and end else "")
         print(f"floors ({f['dtype']}, {f['threads']} threads): GEMM "
               f"{f['gemm_gflops_prefill']:.0f} GFLOP/s at 256 rows, "
-              f"{f['gemm_gflops_decode']:.0f} at 16; streaming {f['stream_gbps']:.1f} GB/s")
+              f"{f['gemm_gflops_decode']:.0f} at 16; streaming {f['stream_gbps']:.1f} GB/s"
+              + when)
     print("'floor': the fraction of the compute floor (in the run's own dtype) reached")
     print()
     by_round = report.get("ratios_by_round", {})
