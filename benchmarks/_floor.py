@@ -81,6 +81,10 @@ class Floors:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        return (f"GEMM {self.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
+                f"{self.gemm_gflops_decode:.0f} (16 rows); streaming {self.stream_gbps:.1f} GB/s")
+
 
 def pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
     """``pack_linear_weight`` under ``LORAPLEX_CPU_GEMM=choice``, the variable restored."""

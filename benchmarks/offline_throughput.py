@@ -193,8 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = ModelShapes.from_config(hf_config)
     floors = {d: measure(shapes, d, args.threads) for d in dict.fromkeys(d for _, d in args.runs)}
     for f in floors.values():
-        log(f"floors at the start ({f.dtype}): GEMM {f.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
-            f"{f.gemm_gflops_decode:.0f} (16 rows); streaming {f.stream_gbps:.1f} GB/s")
+        log(f"floors at the start ({f.dtype}): {f.describe()}")
     spec = WorkloadSpec(args.num_requests, args.num_adapters, args.min_prompt, args.max_prompt,
                         args.min_output, args.max_output, args.zipf, args.seed)
     workload = make_workload(spec, vocab, tokenizer.all_special_ids)
@@ -259,9 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     floors_end = {d: measure(shapes, d, args.threads) for d in floors}
     best = {d: higher(floors[d], floors_end[d]) for d in floors}
     for f in floors_end.values():
-        log(f"floors at the end ({f.dtype}): GEMM {f.gemm_gflops_prefill:.0f} GFLOP/s "
-            f"(256 rows), {f.gemm_gflops_decode:.0f} (16 rows); streaming "
-            f"{f.stream_gbps:.1f} GB/s")
+        log(f"floors at the end ({f.dtype}): {f.describe()}")
     for r in results:
         floor = compute_floor_seconds(shapes, best[r.dtype], r.num_prompt_tokens,
                                       r.num_output_tokens)

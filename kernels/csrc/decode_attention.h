@@ -307,10 +307,11 @@ static inline __attribute__((always_inline)) void scores_avx2(
 
 /* acc[h * head_dim + d] = corr[h] * acc[h * head_dim + d] + sum_p w[h * ws + p] *
  * v[p * pos_stride + d] for the nh heads of one KV head (the online softmax's rescale
- * folded into the values' pass over acc). At head_dim 64 (the demo model's) a head's 64 sums stay in registers
- * for the whole block, its V rows read from L1 after the first head: 1.17x the whole
- * kernel on the AVX2 EPYC against loading and storing them every four rows, as other
- * head sizes still do (docs/benchmarks.md, "Decode attention on CPU"). */
+ * folded into the values' pass over acc). At head_dim 64 (the demo model's) a head's 64
+ * sums stay in registers for the whole block, its V rows read from L1 after the first
+ * head: 1.17x the whole kernel on the AVX2 EPYC against loading and storing them every
+ * four rows, as other head sizes still do (docs/benchmarks.md, "Decode attention on
+ * CPU"). */
 static inline __attribute__((always_inline)) void values_f32(
     float *restrict acc, const float *restrict v, int64_t pos_stride, const float *restrict w,
     int64_t ws, int64_t nh, int64_t n, const int64_t head_dim, const float *restrict corr,
