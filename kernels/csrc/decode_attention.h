@@ -212,10 +212,8 @@ static inline __m512 reduce16(__m512 u0, __m512 u1, __m512 u2, __m512 u3)
                          _mm512_shuffle_f32x4(w0, w1, 0xdd));
 }
 
-
-/* The end of both dtypes' AVX-512 scores for 16 positions: each head's four groups of 4
- * positions' sums (t, reduce4'd into u[h][c] as each group c is done), then u[h] reduced
- * to the 16 scores, scaled, and the first m stored at w[h * ws]. */
+/* The end of both dtypes' AVX-512 scores for 16 positions, in two parts: each head's four
+ * sums of group c (4 positions) reduce4'd into u[h][c] as the group is done ... */
 static inline __attribute__((always_inline)) void scores_reduce4(__m512 (*u)[4],
                                                                   __m512 (*t)[4], int c,
                                                                   int64_t nh)
@@ -225,6 +223,8 @@ static inline __attribute__((always_inline)) void scores_reduce4(__m512 (*u)[4],
         if (h < nh) u[h][c] = reduce4(t[h][0], t[h][1], t[h][2], t[h][3]);
 }
 
+/* ... then, after the four groups, u[h] reduced to the 16 scores, scaled, and the first m
+ * stored at w[h * ws]. */
 static inline __attribute__((always_inline)) void scores_store16(float *restrict w, int64_t ws,
                                                                   __m512 (*u)[4], int64_t nh,
                                                                   int64_t m, __m512 vscale)
