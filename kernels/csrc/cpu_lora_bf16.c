@@ -168,6 +168,39 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
  * ranks are few (below 64): with 4 tokens x 1 or 2 vectors the sums' dependency chains,
  * not the loads, set the pace. */
 #define SHRINK_MAX_TOKENS 8
+/* For a group of at most this many tokens (a decode step's one or two),
+ * shrink_ranks_avx512 reads the two halves of A's block side by side, their sums in two
+ * sets of registers added at the end: two runs of weights from memory in flight instead
+ * of one. Replayed in the engine on the Xeon with AMX (13 bfloat16 decode steps of the
+ * 20-adapter run, with expand_tiles2_avx512 and shrink_half_avx512's halves) the steps'
+ * LoRA cost 1.07-1.10x less, its 104 MB a step read at 19.5 GB/s instead of 17.7-18.3. A
+ * prefill's groups of 4-8 tokens, their weights in cache, ran 5 % slower so (the vector
+ * kernel alone, AMX off). */
+#define SHRINK_TWO_RUNS_TOKENS 2
+/* One pair-row i2 of a block of A^T (at `a`, `width` ranks: nv vectors and nh halves) into
+ * nt tokens' sums c / ch: its lines LORA_PREFETCH_ROWS pair-rows ahead prefetched. */
+static inline __attribute__((always_inline)) void shrink_pair_row(
+    const bf16 *restrict xb, int64_t ldx, int64_t i2, const bf16 *restrict a, const int width,
+    const int nv, const int nh, const int nt, __m512 (*restrict c)[4], __m256 *restrict ch)
+{
+#pragma GCC unroll 5
+    for (int j = 0; j < nv + nh; ++j) /* a line (32 values) per whole vector */
+        _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * width * 2 + 32 * j), _MM_HINT_T0);
+    __m512bh av[4];
+    __m256bh ah = (__m256bh)_mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
+    if (nh) ah = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + 32 * nv));
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) {
+        const __m512bh xp = pair_at(xb + t * ldx + 2 * i2);
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
+        if (nh)
+            ch[t] = _mm256_dpbf16_ps(ch[t], (__m256bh)_mm512_castsi512_si256((__m512i)xp), ah);
+    }
+}
+
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict xb, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
     int64_t k0, const int nv, const int nh, const int nt, bf16 *restrict yb)
@@ -182,27 +215,34 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
         ch[t] = _mm256_setzero_ps();
     }
     const bf16 *restrict block = at + in2 * k0 * 2;
-    for (int64_t i2 = 0; i2 < in2; ++i2) {
-        const bf16 *restrict a = block + i2 * width * 2;
-#pragma GCC unroll 5
-        for (int j = 0; j < nv + nh; ++j) /* a line (32 values) per whole vector */
-            _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * width * 2 + 32 * j),
-                         _MM_HINT_T0);
-        __m512bh av[4];
-        __m256bh ah = (__m256bh)_mm256_setzero_si256();
+    const int64_t row = width * 2; /* values per pair-row */
+    int64_t i2 = 0;
+    if (nt <= SHRINK_TWO_RUNS_TOKENS) {
+        /* the block's two halves at once, the second's sums in registers of their own */
+        __m512 d[SHRINK_MAX_TOKENS][4];
+        __m256 dh[SHRINK_MAX_TOKENS];
+#pragma GCC unroll 8
+        for (int t = 0; t < SHRINK_MAX_TOKENS; ++t) {
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
-        if (nh) ah = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + 32 * nv));
+            for (int j = 0; j < 4; ++j) d[t][j] = _mm512_setzero_ps();
+            dh[t] = _mm256_setzero_ps();
+        }
+        const int64_t half = in2 / 2;
+        for (; i2 < half; ++i2) {
+            shrink_pair_row(xb, ldx, i2, block + i2 * row, width, nv, nh, nt, c, ch);
+            shrink_pair_row(xb, ldx, i2 + half, block + (i2 + half) * row, width, nv, nh, nt,
+                            d, dh);
+        }
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
-            const __m512bh xp = pair_at(xb + t * ldx + 2 * i2);
 #pragma GCC unroll 4
-            for (int j = 0; j < nv; ++j) c[t][j] = _mm512_dpbf16_ps(c[t][j], xp, av[j]);
-            if (nh)
-                ch[t] = _mm256_dpbf16_ps(ch[t], (__m256bh)_mm512_castsi512_si256((__m512i)xp),
-                                         ah);
+            for (int j = 0; j < nv; ++j) c[t][j] = _mm512_add_ps(c[t][j], d[t][j]);
+            ch[t] = _mm256_add_ps(ch[t], dh[t]);
         }
+        i2 = 2 * half;
     }
+    for (; i2 < in2; ++i2)
+        shrink_pair_row(xb, ldx, i2, block + i2 * row, width, nv, nh, nt, c, ch);
 #pragma GCC unroll 8
     for (int t = 0; t < nt; ++t) {
 #pragma GCC unroll 4
@@ -217,9 +257,10 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
 
 /* The shrink of nt <= 8 tokens (a constant where it is inlined) for a block of 8 ranks
  * alone (a rank-8 projection's, or what is left past whole tiles): shrink_ranks_avx512 with
- * nv 0 and nh 1, but its sums in two chains, over even and odd pair-rows, added at the end:
- * one chain of half-vector dot products waited on each one's latency (a rank-8 decode
- * step read its weights no faster than padded to 16 ranks). */
+ * nv 0 and nh 1, but its sums in two chains, over the block's first and second half (two
+ * runs of weights, as SHRINK_TWO_RUNS_TOKENS), added at the end: one chain of half-vector
+ * dot products waited on each one's latency (a rank-8 decode step read its weights no
+ * faster than padded to 16 ranks). */
 static inline __attribute__((always_inline)) void shrink_half_avx512(
     const bf16 *restrict xb, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
     int64_t k0, const int nt, bf16 *restrict yb)
@@ -228,22 +269,25 @@ static inline __attribute__((always_inline)) void shrink_half_avx512(
 #pragma GCC unroll 8
     for (int t = 0; t < SHRINK_MAX_TOKENS; ++t) c0[t] = c1[t] = _mm256_setzero_ps();
     const bf16 *restrict block = at + in2 * k0 * 2; /* pair-rows of 8 ranks: 32 bytes */
+    const int64_t half = in2 / 2;
     int64_t i2 = 0;
-    for (; i2 + 2 <= in2; i2 += 2) {
-        const bf16 *restrict a = block + i2 * 16;
-        /* as many bytes ahead as 16 ranks' pair-rows are */
+    for (; i2 < half; ++i2) { /* the two halves of the block at once: two runs */
+        const bf16 *restrict a = block + i2 * 16, *restrict e = block + (i2 + half) * 16;
+        /* as many bytes ahead as 16 ranks' pair-rows are, in each */
         _mm_prefetch((const char *)(a + LORA_PREFETCH_ROWS * 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(e + LORA_PREFETCH_ROWS * 32), _MM_HINT_T0);
         const __m256bh a0 = (__m256bh)_mm256_loadu_si256((const __m256i *)a);
-        const __m256bh a1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + 16));
+        const __m256bh a1 = (__m256bh)_mm256_loadu_si256((const __m256i *)e);
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
             int32_t p0, p1;
             memcpy(&p0, xb + t * ldx + 2 * i2, sizeof p0);
-            memcpy(&p1, xb + t * ldx + 2 * i2 + 2, sizeof p1);
+            memcpy(&p1, xb + t * ldx + 2 * (i2 + half), sizeof p1);
             c0[t] = _mm256_dpbf16_ps(c0[t], (__m256bh)_mm256_set1_epi32(p0), a0);
             c1[t] = _mm256_dpbf16_ps(c1[t], (__m256bh)_mm256_set1_epi32(p1), a1);
         }
     }
+    i2 = 2 * half;
     if (i2 < in2) {
         const __m256bh a0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(block + i2 * 16));
 #pragma GCC unroll 8
@@ -325,6 +369,55 @@ static inline __attribute__((always_inline)) void expand_tile_avx512(
             bf16 *ot = og + t * out_stride + 16 * j;
             const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
             _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+}
+
+/* expand_tile_avx512 for nt <= 2 tokens into two tiles at once (`tile` and `tile2`, into
+ * og and og2): two runs of B read side by side. Each column's sum is added in the same
+ * order as expand_tile_avx512's. */
+static inline __attribute__((always_inline)) void expand_tiles2_avx512(
+    const bf16 *restrict yg, int64_t r, const bf16 *restrict tile, const bf16 *restrict tile2,
+    int64_t k2b, int64_t k2e, bf16 *restrict og, bf16 *restrict og2, int64_t out_stride,
+    const int nt)
+{
+    __m512 c[2][4], d[2][4];
+#pragma GCC unroll 2
+    for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) c[t][j] = d[t][j] = _mm512_setzero_ps();
+    for (int64_t k2 = k2b; k2 < k2e; ++k2) {
+        const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
+        const bf16 *restrict e = tile2 + (k2 - k2b) * 64 * 2;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j), _MM_HINT_T0);
+            _mm_prefetch((const char *)(e + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j), _MM_HINT_T0);
+        }
+        __m512bh bv[4], ev[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            bv[j] = as_bh(_mm512_loadu_si512(b + 32 * j));
+            ev[j] = as_bh(_mm512_loadu_si512(e + 32 * j));
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; ++t) {
+            const __m512bh yp = pair_at(yg + t * r + 2 * k2);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+                c[t][j] = _mm512_dpbf16_ps(c[t][j], yp, bv[j]);
+                d[t][j] = _mm512_dpbf16_ps(d[t][j], yp, ev[j]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            bf16 *ot = og + t * out_stride + 16 * j, *ot2 = og2 + t * out_stride + 16 * j;
+            _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(
+                                                    _mm512_add_ps(load_bf16x16(ot), c[t][j])));
+            _mm256_storeu_si256((__m256i *)ot2, (__m256i)_mm512_cvtneps_pbh(
+                                                     _mm512_add_ps(load_bf16x16(ot2), d[t][j])));
         }
 }
 
@@ -501,7 +594,25 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
         /* group after group along the whole tiles (common.h: the expand's order) */
         const int64_t full = lo + (hi - lo) / 64 * 64;
         for (int64_t g = 0; g < groups; ++g) {
-            for (int64_t o0 = lo; o0 < full; o0 += 64) {
+            const int64_t ng = LORA_GROUP_TOKENS(nt, g), tiles = (full - lo) / 64;
+            int64_t first = lo; /* the tiles left to the loop below */
+            if (ng <= 2 && tiles >= 2) { /* the first and second half of the tiles at once */
+                const int64_t half = tiles / 2;
+                const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
+                bf16 *restrict og = out + g * LORA_TOKENS * out_stride + lo;
+                for (int64_t i = 0; i < half; ++i) {
+                    const bf16 *restrict t1 = bs + i * 64 * np * 2;
+                    const bf16 *restrict t2 = bs + (i + half) * 64 * np * 2;
+                    if (ng == 1)
+                        expand_tiles2_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
+                                             og + (i + half) * 64, out_stride, 1);
+                    else
+                        expand_tiles2_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
+                                             og + (i + half) * 64, out_stride, 2);
+                }
+                first = lo + 2 * half * 64;
+            }
+            for (int64_t o0 = first; o0 < full; o0 += 64) {
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
                 bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
