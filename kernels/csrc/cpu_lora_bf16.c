@@ -172,7 +172,7 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
  * shrink_ranks_avx512 reads the two halves of A's block side by side, their sums in two
  * sets of registers added at the end: two runs of weights from memory in flight instead
  * of one. Replayed in the engine on the Xeon with AMX (13 bfloat16 decode steps of the
- * 20-adapter run, with expand_tiles2_avx512 and shrink_half_avx512's halves) the steps'
+ * 20-adapter run, with expand_tile_avx512 at runs 2 and shrink_half_avx512's halves) the steps'
  * LoRA cost 1.07-1.10x less, its 104 MB a step read at 19.5 GB/s instead of 17.7-18.3. A
  * prefill's groups of 4-8 tokens, their weights in cache, ran 5 % slower so (the vector
  * kernel alone, AMX off). */
@@ -335,90 +335,55 @@ static inline __attribute__((always_inline)) void shrink_group_avx512(
 
 /* The expand of nt <= 4 tokens (a constant where it is inlined) into one tile of 64
  * columns, over the pair-rows k2b .. k2e of the tile's block ([k2e - k2b, 64, 2], read in
- * order): og[t * out_stride + o] = bf16(og + yg[t] . B^T[ranks, o]). */
+ * order): og[t * out_stride + o] = bf16(og + yg[t] . B^T[ranks, o]). With `runs` 2 (a
+ * constant; nt <= 2) the same for a second tile, `tile2` into og2, side by side: two runs
+ * of B from memory in flight (SHRINK_TWO_RUNS_TOKENS), each column's sum in the same
+ * order. */
 static inline __attribute__((always_inline)) void expand_tile_avx512(
-    const bf16 *restrict yg, int64_t r, const bf16 *restrict tile, int64_t k2b, int64_t k2e,
-    bf16 *restrict og, int64_t out_stride, const int nt)
-{
-    __m512 c[LORA_TOKENS][4];
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; ++t)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) c[t][j] = _mm512_setzero_ps();
-    for (int64_t k2 = k2b; k2 < k2e; ++k2) {
-        const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j)
-            _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j), _MM_HINT_T0);
-        const __m512bh b0 = as_bh(_mm512_loadu_si512(b)), b1 = as_bh(_mm512_loadu_si512(b + 32)),
-                       b2 = as_bh(_mm512_loadu_si512(b + 64)),
-                       b3 = as_bh(_mm512_loadu_si512(b + 96));
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; ++t) {
-            const __m512bh yp = pair_at(yg + t * r + 2 * k2);
-            c[t][0] = _mm512_dpbf16_ps(c[t][0], yp, b0);
-            c[t][1] = _mm512_dpbf16_ps(c[t][1], yp, b1);
-            c[t][2] = _mm512_dpbf16_ps(c[t][2], yp, b2);
-            c[t][3] = _mm512_dpbf16_ps(c[t][3], yp, b3);
-        }
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; ++t)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            bf16 *ot = og + t * out_stride + 16 * j;
-            const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[t][j]);
-            _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
-        }
-}
-
-/* expand_tile_avx512 for nt <= 2 tokens into two tiles at once (`tile` and `tile2`, into
- * og and og2): two runs of B read side by side. Each column's sum is added in the same
- * order as expand_tile_avx512's. */
-static inline __attribute__((always_inline)) void expand_tiles2_avx512(
     const bf16 *restrict yg, int64_t r, const bf16 *restrict tile, const bf16 *restrict tile2,
     int64_t k2b, int64_t k2e, bf16 *restrict og, bf16 *restrict og2, int64_t out_stride,
-    const int nt)
+    const int nt, const int runs)
 {
-    __m512 c[2][4], d[2][4];
+    __m512 c[2][LORA_TOKENS][4];
+    const bf16 *restrict tiles[2] = {tile, tile2};
+    bf16 *restrict outs[2] = {og, og2};
 #pragma GCC unroll 2
-    for (int t = 0; t < nt; ++t)
+    for (int u = 0; u < runs; ++u)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) c[t][j] = d[t][j] = _mm512_setzero_ps();
+        for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) c[u][t][j] = _mm512_setzero_ps();
     for (int64_t k2 = k2b; k2 < k2e; ++k2) {
-        const bf16 *restrict b = tile + (k2 - k2b) * 64 * 2;
-        const bf16 *restrict e = tile2 + (k2 - k2b) * 64 * 2;
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j), _MM_HINT_T0);
-            _mm_prefetch((const char *)(e + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j), _MM_HINT_T0);
-        }
-        __m512bh bv[4], ev[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            bv[j] = as_bh(_mm512_loadu_si512(b + 32 * j));
-            ev[j] = as_bh(_mm512_loadu_si512(e + 32 * j));
-        }
+        __m512bh bv[2][4];
 #pragma GCC unroll 2
+        for (int u = 0; u < runs; ++u) {
+            const bf16 *restrict b = tiles[u] + (k2 - k2b) * 64 * 2;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j)
+                _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j),
+                             _MM_HINT_T0);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) bv[u][j] = as_bh(_mm512_loadu_si512(b + 32 * j));
+        }
+#pragma GCC unroll 4
         for (int t = 0; t < nt; ++t) {
             const __m512bh yp = pair_at(yg + t * r + 2 * k2);
+#pragma GCC unroll 2
+            for (int u = 0; u < runs; ++u)
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j) {
-                c[t][j] = _mm512_dpbf16_ps(c[t][j], yp, bv[j]);
-                d[t][j] = _mm512_dpbf16_ps(d[t][j], yp, ev[j]);
-            }
+                for (int j = 0; j < 4; ++j) c[u][t][j] = _mm512_dpbf16_ps(c[u][t][j], yp, bv[u][j]);
         }
     }
 #pragma GCC unroll 2
-    for (int t = 0; t < nt; ++t)
+    for (int u = 0; u < runs; ++u)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            bf16 *ot = og + t * out_stride + 16 * j, *ot2 = og2 + t * out_stride + 16 * j;
-            _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(
-                                                    _mm512_add_ps(load_bf16x16(ot), c[t][j])));
-            _mm256_storeu_si256((__m256i *)ot2, (__m256i)_mm512_cvtneps_pbh(
-                                                     _mm512_add_ps(load_bf16x16(ot2), d[t][j])));
-        }
+        for (int t = 0; t < nt; ++t)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+                bf16 *ot = outs[u] + t * out_stride + 16 * j;
+                const __m512 sum = _mm512_add_ps(load_bf16x16(ot), c[u][t][j]);
+                _mm256_storeu_si256((__m256i *)ot, (__m256i)_mm512_cvtneps_pbh(sum));
+            }
 }
 
 /* The slice's last (hi - lo) % 64 columns, wt of them from o0 (og = out + o0), for nt
@@ -604,11 +569,11 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
                     const bf16 *restrict t1 = bs + i * 64 * np * 2;
                     const bf16 *restrict t2 = bs + (i + half) * 64 * np * 2;
                     if (ng == 1)
-                        expand_tiles2_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
-                                             og + (i + half) * 64, out_stride, 1);
+                        expand_tile_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
+                                           og + (i + half) * 64, out_stride, 1, 2);
                     else
-                        expand_tiles2_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
-                                             og + (i + half) * 64, out_stride, 2);
+                        expand_tile_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
+                                           og + (i + half) * 64, out_stride, 2, 2);
                 }
                 first = lo + 2 * half * 64;
             }
@@ -616,7 +581,7 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
                 bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
-#define EXPAND(N) expand_tile_avx512(yg, r, tile, k2b, k2e, og, out_stride, N)
+#define EXPAND(N) expand_tile_avx512(yg, r, tile, tile, k2b, k2e, og, og, out_stride, N, 1)
                 LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), EXPAND)
 #undef EXPAND
             }
