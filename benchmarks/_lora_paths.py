@@ -1,17 +1,23 @@
 """Two LoRA kernel paths timed against each other in one run (``lora_prefill.py``,
-``lora_decode.py``): the demo model's projection shapes, the interleaved timing, and the
-bar plot of the two paths side by side."""
+``lora_decode.py``): the demo model's projection shapes, the interleaved timing, the bar
+plot of the two paths side by side, and a tree's LoRA slots as another revision's build
+reads them."""
 
 from __future__ import annotations
 
+import copy
+import ctypes
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from _output import pyplot, save_figure
+
+from loraplex_kernels import cpu_native
+from loraplex_kernels.lora_slots import LoRASlots, round_up, tiled_layout, vnni_pair_layout
 
 # SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers
 PROJECTIONS = {"qkv_proj": (576, [576, 192, 192]), "o_proj": (576, [576]),
@@ -62,3 +68,41 @@ def plot_paths(rows: list[dict[str, Any]], path: Path, case: str, labels: tuple[
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     save_figure(fig, path, dpi=120)
+
+
+Slices = Sequence[tuple[int, int, int, int]]
+
+
+def read_as(slots: LoRASlots, make: Callable[[torch.Tensor, torch.Tensor, Slices],
+                                              tuple[torch.Tensor, torch.Tensor]],
+             multiple: int) -> LoRASlots:
+    """A shallow copy of ``slots`` whose kernel reads ``make(at, bt, slices)`` per slot,
+    ``at`` and ``bt`` cut to the slot's ranks rounded up to ``multiple`` (the reading
+    build's), which the copy's kernel is told."""
+    other = copy.copy(slots)
+    other.native = list(slots.native)
+    other.at_ptrs, other.bt_ptrs = slots.at_ptrs.clone(), slots.bt_ptrs.clone()
+    other.ranks = slots.ranks.clone()
+    for s, pair in enumerate(slots.weights):
+        if pair is not None:
+            rank = round_up(max(r1 for _, r1, _, _ in slots.slices[s]), multiple)
+            other.native[s] = copies = make(pair[0][:, :rank], pair[1][:rank], slots.slices[s])
+            other.at_ptrs[s], other.bt_ptrs[s] = copies[0].data_ptr(), copies[1].data_ptr()
+            other.ranks[s] = rank
+    return other
+
+
+def as_build_reads(slots: LoRASlots, lib: ctypes.CDLL) -> LoRASlots:
+    """``slots`` as another build's kernel reads them: at that build's rank multiple
+    (16 before it could be asked); builds from before the tiled layout (no
+    ``loraplex_lora_tile``) read A^T and B^T in place, pair-interleaved in bfloat16."""
+    multiple = cpu_native.lora_rank_multiple_of(lib, slots.dtype)
+    if hasattr(lib, "loraplex_lora_tile"):
+        tile = cpu_native.lora_tile_of(lib)
+        pairs = slots.dtype == torch.bfloat16
+        return read_as(slots, lambda at, bt, slices: tiled_layout(at, bt, slices, tile,
+                                                                   pairs=pairs), multiple)
+    if slots.dtype == torch.bfloat16:
+        return read_as(slots, lambda at, bt, _: (vnni_pair_layout(at), vnni_pair_layout(bt)),
+                        multiple)
+    return read_as(slots, lambda at, bt, _: (at, bt), multiple)

@@ -29,11 +29,9 @@ rank padding (a revision from before the tiled layout reads A^T and B^T in place
 from __future__ import annotations
 
 import argparse
-import copy
 import ctypes
 import os
 import tempfile
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,9 @@ from _lora_paths import (  # noqa: E402
     LAYERS,
     PROJECTIONS,
     add_speedups,
+    as_build_reads,
     plot_paths,
+    read_as,
     time_interleaved,
 )
 from _output import add_out_argument, write_json  # noqa: E402
@@ -56,9 +56,7 @@ from loraplex_kernels import cpu_native  # noqa: E402
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import (  # noqa: E402
     LoRASlots,
-    round_up,
     tiled_layout,
-    vnni_pair_layout,
 )
 from loraplex_kernels.meta import SGMVMeta  # noqa: E402
 from loraplex_kernels.sgmv_ref import add_lora_ref  # noqa: E402
@@ -78,57 +76,19 @@ def _slots(in_features: int, widths: list[int], dtype: torch.dtype,
     return slots
 
 
-Slices = Sequence[tuple[int, int, int, int]]
-
-
-def _read_as(slots: LoRASlots, make: Callable[[torch.Tensor, torch.Tensor, Slices],
-                                              tuple[torch.Tensor, torch.Tensor]],
-             multiple: int) -> LoRASlots:
-    """A shallow copy of ``slots`` whose kernel reads ``make(at, bt, slices)`` per slot,
-    ``at`` and ``bt`` cut to the slot's ranks rounded up to ``multiple`` (the reading
-    build's), which the copy's kernel is told."""
-    other = copy.copy(slots)
-    other.native = list(slots.native)
-    other.at_ptrs, other.bt_ptrs = slots.at_ptrs.clone(), slots.bt_ptrs.clone()
-    other.ranks = slots.ranks.clone()
-    for s, pair in enumerate(slots.weights):
-        if pair is not None:
-            rank = round_up(max(r1 for _, r1, _, _ in slots.slices[s]), multiple)
-            other.native[s] = copies = make(pair[0][:, :rank], pair[1][:rank], slots.slices[s])
-            other.at_ptrs[s], other.bt_ptrs[s] = copies[0].data_ptr(), copies[1].data_ptr()
-            other.ranks[s] = rank
-    return other
-
-
 def block_diagonal(slots: LoRASlots) -> LoRASlots:
     """The same weights, described to the kernel as one slice per slot covering all of B
     (every rank against every column): the kernel's work before it expanded per slice."""
     tile, pairs = cpu_native.lora_tile(slots.dtype), slots.dtype == torch.bfloat16
     multiple = cpu_native.lora_rank_multiple(slots.dtype)
     assert tile is not None and multiple is not None
-    whole = _read_as(slots, lambda at, bt, _: tiled_layout(
+    whole = read_as(slots, lambda at, bt, _: tiled_layout(
         at, bt, [(0, at.shape[1], 0, bt.shape[1])], tile, pairs=pairs), multiple)
     whole.slice_table = torch.zeros_like(slots.slice_table)
     whole.slice_table[:, 0, 1] = whole.ranks
     whole.slice_table[:, 0, 3] = slots.slice_offsets[-1]
     whole.num_slices = (whole.ranks > 0).to(torch.int64)
     return whole
-
-
-def as_build_reads(slots: LoRASlots, lib: ctypes.CDLL) -> LoRASlots:
-    """``slots`` as another build's kernel reads them: at that build's rank multiple
-    (16 before it could be asked); builds from before the tiled layout (no
-    ``loraplex_lora_tile``) read A^T and B^T in place, pair-interleaved in bfloat16."""
-    multiple = cpu_native.lora_rank_multiple_of(lib, slots.dtype)
-    if hasattr(lib, "loraplex_lora_tile"):
-        tile = cpu_native.lora_tile_of(lib)
-        pairs = slots.dtype == torch.bfloat16
-        return _read_as(slots, lambda at, bt, slices: tiled_layout(at, bt, slices, tile,
-                                                                   pairs=pairs), multiple)
-    if slots.dtype == torch.bfloat16:
-        return _read_as(slots, lambda at, bt, _: (vnni_pair_layout(at), vnni_pair_layout(bt)),
-                        multiple)
-    return _read_as(slots, lambda at, bt, _: (at, bt), multiple)
 
 
 def measure(dtype_name: str, layout: str, repeats: int) -> dict[str, Any]:

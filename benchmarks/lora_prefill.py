@@ -8,13 +8,24 @@ block-diagonal expand per slot the CPU backend ran before) and ``add_lora_sliced
 shrink per slot, one expand per slice: what ``ops.add_lora`` runs now where it measured
 faster), checks that both give the same result, and prints a table. Writes JSON and a PNG.
 
-    python benchmarks/lora_prefill.py [--repeats 40] [--threads 2] [--out PATH]
+``--baseline REV`` also times the native kernel, which takes every bfloat16 prefill segment
+(and float32 ones up to 512 tokens), on the same chunk: another revision's build (compiled
+beside this tree's, ``_baseline.py``) against this tree's, per projection, interleaved.
+Each call comes right after the chunk's output was written anew, as the base GEMM writes
+it just before the LoRA in the engine (only the LoRA call is timed); the chunk's time is
+the sum over the four projections times the model's layers, the fastest of the repeats.
+
+    python benchmarks/lora_prefill.py [--repeats 40] [--threads 2] [--baseline REV]
+        [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +33,19 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from _baseline import build_baseline  # noqa: E402
 from _lora_paths import (  # noqa: E402
     DTYPES,
     LAYERS,
     PROJECTIONS,
     add_speedups,
+    as_build_reads,
     plot_paths,
     time_interleaved,
 )
 from _output import add_out_argument, write_json  # noqa: E402
 
+from loraplex_kernels import cpu_native  # noqa: E402
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
 from loraplex_kernels.lora_slots import LoRASlots  # noqa: E402
 from loraplex_kernels.meta import SGMVMeta  # noqa: E402
@@ -80,10 +94,47 @@ def measure(name: str, dtype_name: str, repeats: int) -> dict[str, Any]:
                         times)
 
 
+def versus_baseline(old: ctypes.CDLL, dtype_name: str, repeats: int) -> dict[str, Any]:
+    """The chunk's LoRA on the native kernel, ``old``'s build against this tree's: per
+    projection, the output rewritten before each call, only the call timed."""
+    per_projection = []
+    for name, (in_features, widths) in PROJECTIONS.items():
+        slots, _, x, out0 = _case(in_features, widths, DTYPES[dtype_name], seed=0)
+        token_slots = [s for s, (_, n) in enumerate(SEGMENTS) for _ in range(n)]
+        segments = SGMVMeta.build(token_slots + [-1] * BASE_TOKENS, [r for r, _ in SEGMENTS],
+                                  short_segment_len=len(token_slots)).short_segments
+        assert segments is not None
+        reads = {"old": (as_build_reads(slots, old), old), "new": (slots, None)}
+        out = out0.clone()
+        results = {}
+        for key, (read, lib) in reads.items():
+            out.copy_(out0)
+            cpu_native.add_lora(out, x, segments, read, lib=lib)
+            results[key] = out.clone()
+        times: dict[str, list[float]] = {key: [] for key in reads}
+        for _ in range(repeats):
+            for key, (read, lib) in reads.items():
+                out.copy_(out0)
+                t0 = time.perf_counter()
+                cpu_native.add_lora(out, x, segments, read, lib=lib)
+                times[key].append(time.perf_counter() - t0)
+        diff = (results["old"].double() - results["new"].double()).abs().max().item()
+        per_projection.append({"projection": name, "max_abs_diff": diff,
+                               **{f"{k}_min_ms": min(ts) * 1e3 for k, ts in times.items()}})
+    row: dict[str, Any] = {"dtype": dtype_name, "projections": per_projection}
+    for key in ("old", "new"):
+        row[f"{key}_chunk_ms"] = sum(p[f"{key}_min_ms"] for p in per_projection) * LAYERS
+    row["speedup"] = row["old_chunk_ms"] / row["new_chunk_ms"]
+    row["max_abs_diff"] = max(p["max_abs_diff"] for p in per_projection)
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time git revision REV's native kernel against this tree's")
     add_out_argument(parser, "benchmarks/results/lora_prefill")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
@@ -105,11 +156,24 @@ def main(argv: list[str] | None = None) -> None:
         totals[dt] = {"block_diagonal_ms": old, "per_slice_ms": new, "speedup": old / new}
         print(f"{dt}: all {LAYERS} layers, one chunk: {old:.1f} ms -> {new:.1f} ms "
               f"({old / new:.2f}x)")
+    versus = []
+    if args.baseline:
+        if not cpu_native.available():
+            raise SystemExit("the native CPU kernels are not available (no C compiler?)")
+        print(f"native kernel, against {args.baseline}'s (ms per chunk, all {LAYERS} layers):")
+        with tempfile.TemporaryDirectory() as tmp:
+            old = build_baseline(args.baseline, Path(tmp))
+            for dt in DTYPES:
+                v = versus_baseline(old, dt, args.repeats)
+                versus.append(v)
+                print(f"{dt:9} {v['old_chunk_ms']:8.1f} -> {v['new_chunk_ms']:8.1f} "
+                      f"({v['speedup']:.2f}x), max diff {v['max_abs_diff']:.1e}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"threads": args.threads, "repeats": args.repeats, "segments": SEGMENTS,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-              "base_tokens": BASE_TOKENS, "rows": rows, "per_chunk_totals": totals}
+              "base_tokens": BASE_TOKENS, "rows": rows, "per_chunk_totals": totals,
+              "baseline": args.baseline, "versus_baseline": versus}
     write_json(out, report)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")

@@ -81,6 +81,21 @@ static inline vh fma_half(vh sum, float v, vh a)
 #define LORA_PART_NV(K8) ((K8) * 8 / VL)
 #define LORA_PART_NH(K8) ((K8) * 8 % VL / 8)
 
+/* An opaque use of a vector just loaded, so that the compiler keeps it in a register for
+ * the uses after it. Without it GCC loaded the LoRA kernels' weight vectors from memory
+ * again for every token they multiply: a prefill group's expand had four loads of B per
+ * vector (one per token) and its shrink one of A per token, where each is loaded once,
+ * and a load port, not the multiplications, set the pace (a 2,048-token chunk's LoRA
+ * 1.11x faster in bfloat16, 1.15x in float32, on the Zen 4; benchmarks/lora_prefill.py
+ * --baseline). The kernels ask for it where a work item's group reads weights that an
+ * earlier group of the item brought into cache (`reuse`); a first group's, from memory,
+ * ran as fast or faster with the compiler's loads. */
+#if defined(__x86_64__) || defined(__i386__)
+#define keep_in_register(v) __asm__("" : "+v"(v))
+#else
+#define keep_in_register(v) ((void)0)
+#endif
+
 static inline vf loadv(const float *p)
 {
     vf v;

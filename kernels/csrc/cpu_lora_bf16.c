@@ -178,10 +178,13 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
  * kernel alone, AMX off). */
 #define SHRINK_TWO_RUNS_TOKENS 2
 /* One pair-row i2 of a block of A^T (at `a`, `width` ranks: nv vectors and nh halves) into
- * nt tokens' sums c / ch: its lines LORA_PREFETCH_ROWS pair-rows ahead prefetched. */
+ * nt tokens' sums c / ch: its lines LORA_PREFETCH_ROWS pair-rows ahead prefetched. `reuse`
+ * (a constant): the weights are in cache from the item's group before, each vector held in
+ * a register for the tokens (cpu_lora_f32.c: shrink_ranks). */
 static inline __attribute__((always_inline)) void shrink_pair_row(
     const bf16 *restrict xb, int64_t ldx, int64_t i2, const bf16 *restrict a, const int width,
-    const int nv, const int nh, const int nt, __m512 (*restrict c)[4], __m256 *restrict ch)
+    const int nv, const int nh, const int nt, const int reuse, __m512 (*restrict c)[4],
+    __m256 *restrict ch)
 {
 #pragma GCC unroll 5
     for (int j = 0; j < nv + nh; ++j) /* a line (32 values) per whole vector */
@@ -189,7 +192,10 @@ static inline __attribute__((always_inline)) void shrink_pair_row(
     __m512bh av[4];
     __m256bh ah = (__m256bh)_mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int j = 0; j < nv; ++j) av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
+    for (int j = 0; j < nv; ++j) {
+        av[j] = as_bh(_mm512_loadu_si512(a + 32 * j));
+        if (reuse) keep_in_register(av[j]);
+    }
     if (nh) ah = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + 32 * nv));
 #pragma GCC unroll 8
     for (int t = 0; t < nt; ++t) {
@@ -203,7 +209,7 @@ static inline __attribute__((always_inline)) void shrink_pair_row(
 
 static inline __attribute__((always_inline)) void shrink_ranks_avx512(
     const bf16 *restrict xb, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
-    int64_t k0, const int nv, const int nh, const int nt, bf16 *restrict yb)
+    int64_t k0, const int nv, const int nh, const int nt, const int reuse, bf16 *restrict yb)
 {
     __m512 c[SHRINK_MAX_TOKENS][4];
     __m256 ch[SHRINK_MAX_TOKENS];
@@ -229,9 +235,9 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
         }
         const int64_t half = in2 / 2;
         for (; i2 < half; ++i2) {
-            shrink_pair_row(xb, ldx, i2, block + i2 * row, width, nv, nh, nt, c, ch);
+            shrink_pair_row(xb, ldx, i2, block + i2 * row, width, nv, nh, nt, reuse, c, ch);
             shrink_pair_row(xb, ldx, i2 + half, block + (i2 + half) * row, width, nv, nh, nt,
-                            d, dh);
+                            reuse, d, dh);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
@@ -242,7 +248,7 @@ static inline __attribute__((always_inline)) void shrink_ranks_avx512(
         i2 = 2 * half;
     }
     for (; i2 < in2; ++i2)
-        shrink_pair_row(xb, ldx, i2, block + i2 * row, width, nv, nh, nt, c, ch);
+        shrink_pair_row(xb, ldx, i2, block + i2 * row, width, nv, nh, nt, reuse, c, ch);
 #pragma GCC unroll 8
     for (int t = 0; t < nt; ++t) {
 #pragma GCC unroll 4
@@ -308,13 +314,14 @@ static inline __attribute__((always_inline)) void shrink_half_avx512(
  * tokens at a time. */
 static inline __attribute__((always_inline)) void shrink_group_avx512(
     const bf16 *restrict xg, int64_t ldx, int64_t in2, const bf16 *restrict at, int64_t r,
-    const int nt, bf16 *restrict yg)
+    const int nt, const int reuse, bf16 *restrict yg)
 {
     int64_t k0 = 0;
     for (; k0 + 64 <= r; k0 += 64) {
-        shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 4, 0, nt < 4 ? nt : 4, yg);
+        shrink_ranks_avx512(xg, ldx, in2, at, r, k0, 4, 0, nt < 4 ? nt : 4, reuse, yg);
         if (nt > 4)
-            shrink_ranks_avx512(xg + 4 * ldx, ldx, in2, at, r, k0, 4, 0, nt - 4, yg + 4 * r);
+            shrink_ranks_avx512(xg + 4 * ldx, ldx, in2, at, r, k0, 4, 0, nt - 4, reuse,
+                                yg + 4 * r);
     }
     /* two groups' sums of more than 3 vectors would not fit the registers: one by one */
 #define SHRINK_PART(X, Y, K0, NV, NH)                                                     \
@@ -322,11 +329,11 @@ static inline __attribute__((always_inline)) void shrink_group_avx512(
         if ((NV) == 0) {                                                                \
             shrink_half_avx512(X, ldx, in2, at, r, K0, nt, Y);                           \
         } else if (nt > 4 && (NV) + (NH) > 3) {                                         \
-            shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, 4, Y);                  \
+            shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, 4, reuse, Y);           \
             shrink_ranks_avx512((X) + 4 * ldx, ldx, in2, at, r, K0, NV, NH, nt - 4,      \
-                                (Y) + 4 * r);                                           \
+                                reuse, (Y) + 4 * r);                                    \
         } else {                                                                        \
-            shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, nt, Y);                 \
+            shrink_ranks_avx512(X, ldx, in2, at, r, K0, NV, NH, nt, reuse, Y);          \
         }                                                                               \
     } while (0)
     LORA_SHRINK_LAST(SHRINK_PART, xg, yg, k0, r)
@@ -338,11 +345,11 @@ static inline __attribute__((always_inline)) void shrink_group_avx512(
  * order): og[t * out_stride + o] = bf16(og + yg[t] . B^T[ranks, o]). With `runs` 2 (a
  * constant; nt <= 2) the same for a second tile, `tile2` into og2, side by side: two runs
  * of B from memory in flight (SHRINK_TWO_RUNS_TOKENS), each column's sum in the same
- * order. */
+ * order. `reuse` as shrink_pair_row. */
 static inline __attribute__((always_inline)) void expand_tile_avx512(
     const bf16 *restrict yg, int64_t r, const bf16 *restrict tile, const bf16 *restrict tile2,
     int64_t k2b, int64_t k2e, bf16 *restrict og, bf16 *restrict og2, int64_t out_stride,
-    const int nt, const int runs)
+    const int nt, const int runs, const int reuse)
 {
     __m512 c[2][LORA_TOKENS][4];
     const bf16 *restrict tiles[2] = {tile, tile2};
@@ -363,7 +370,10 @@ static inline __attribute__((always_inline)) void expand_tile_avx512(
                 _mm_prefetch((const char *)(b + LORA_PREFETCH_ROWS * 64 * 2 + 32 * j),
                              _MM_HINT_T0);
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j) bv[u][j] = as_bh(_mm512_loadu_si512(b + 32 * j));
+            for (int j = 0; j < 4; ++j) {
+                bv[u][j] = as_bh(_mm512_loadu_si512(b + 32 * j));
+                if (reuse) keep_in_register(bv[u][j]);
+            }
         }
 #pragma GCC unroll 4
         for (int t = 0; t < nt; ++t) {
@@ -543,12 +553,15 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
         bf16 *restrict yg = yb + g * LORA_TOKENS * r;
         if (nt - g * LORA_TOKENS >= 2 * LORA_TOKENS) {
             /* this group and the next */
-            shrink_group_avx512(xg, ldx, in2, at, r, 2 * LORA_TOKENS, yg);
+            shrink_group_avx512(xg, ldx, in2, at, r, 2 * LORA_TOKENS, 1, yg);
             ++g;
             continue;
         }
-#define SHRINK(N) shrink_group_avx512(xg, ldx, in2, at, r, N, yg)
-        LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), SHRINK)
+#define SHRINK(N) shrink_group_avx512(xg, ldx, in2, at, r, N, 0, yg)
+        if (groups > 1 && LORA_GROUP_TOKENS(nt, g) == LORA_TOKENS)
+            shrink_group_avx512(xg, ldx, in2, at, r, LORA_TOKENS, 1, yg);
+        else
+            LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), SHRINK)
 #undef SHRINK
     }
     const bf16 *restrict bs = bt; /* the slice's tiles */
@@ -570,10 +583,10 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
                     const bf16 *restrict t2 = bs + (i + half) * 64 * np * 2;
                     if (ng == 1)
                         expand_tile_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
-                                           og + (i + half) * 64, out_stride, 1, 2);
+                                           og + (i + half) * 64, out_stride, 1, 2, 0);
                     else
                         expand_tile_avx512(yg, r, t1, t2, k2b, k2e, og + i * 64,
-                                           og + (i + half) * 64, out_stride, 2, 2);
+                                           og + (i + half) * 64, out_stride, 2, 2, 0);
                 }
                 first = lo + 2 * half * 64;
             }
@@ -581,8 +594,12 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
                 bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
-#define EXPAND(N) expand_tile_avx512(yg, r, tile, tile, k2b, k2e, og, og, out_stride, N, 1)
-                LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), EXPAND)
+#define EXPAND(N) expand_tile_avx512(yg, r, tile, tile, k2b, k2e, og, og, out_stride, N, 1, 0)
+                if (groups > 1 && ng == LORA_TOKENS)
+                    expand_tile_avx512(yg, r, tile, tile, k2b, k2e, og, og, out_stride,
+                                       LORA_TOKENS, 1, 1);
+                else
+                    LORA_BY_TOKENS(ng, EXPAND)
 #undef EXPAND
             }
         }

@@ -39,10 +39,15 @@
  * (nv <= TILE_VECTORS, nh 0 or 1 and only with AVX-512; all constants where it is
  * inlined), from the block of A^T at k0 (rows of VL * nv + 8 * nh ranks, read in order),
  * the nt x (nv + nh) vectors of sums in registers. y[t * r + k] = x[t] . A^T[:, k]. Only
- * the group's own tokens are multiplied: a decode step's groups have a token or two. */
+ * the group's own tokens are multiplied: a decode step's groups have a token or two.
+ * `reuse` (a constant): the weights were read into cache by the item's group before, so
+ * each vector is held in a register for the group's tokens (keep_in_register); from
+ * memory, a first group's weights ran faster left to the compiler's loads (a decode step
+ * of 4 tokens per slot 8 % slower held, benchmarks/lora_decode.py). */
 static inline __attribute__((always_inline)) void shrink_ranks(
     const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
-    int64_t r, int64_t k0, const int nv, const int nh, const int nt, float *restrict y)
+    int64_t r, int64_t k0, const int nv, const int nh, const int nt, const int reuse,
+    float *restrict y)
 {
     vf c[LORA_TOKENS][TILE_VECTORS];
     vh ch[LORA_TOKENS];
@@ -61,7 +66,10 @@ static inline __attribute__((always_inline)) void shrink_ranks(
             __builtin_prefetch((const char *)(a + VL * j) + LORA_F32_PREFETCH_BYTES, 0, 3);
         vf av[TILE_VECTORS];
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; ++j) av[j] = loadv(a + VL * j);
+        for (int j = 0; j < nv; ++j) {
+            av[j] = loadv(a + VL * j);
+            if (reuse) keep_in_register(av[j]);
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < nt; ++t) {
             const float v = x[t * ldx + i];
@@ -86,12 +94,13 @@ static inline __attribute__((always_inline)) void shrink_ranks(
  * constant where it is inlined. */
 static inline __attribute__((always_inline)) void shrink_group(
     const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
-    int64_t r, const int nt, float *restrict y)
+    int64_t r, const int nt, const int reuse, float *restrict y)
 {
     int64_t k0 = 0;
     for (; k0 + TILE_COLUMNS <= r; k0 += TILE_COLUMNS)
-        shrink_ranks(x, ldx, in_features, at, r, k0, TILE_VECTORS, 0, nt, y);
-#define SHRINK_PART(X, Y, K0, NV, NH) shrink_ranks(X, ldx, in_features, at, r, K0, NV, NH, nt, Y)
+        shrink_ranks(x, ldx, in_features, at, r, k0, TILE_VECTORS, 0, nt, reuse, y);
+#define SHRINK_PART(X, Y, K0, NV, NH)                                                     \
+    shrink_ranks(X, ldx, in_features, at, r, K0, NV, NH, nt, reuse, Y)
     LORA_SHRINK_LAST(SHRINK_PART, x, y, k0, r)
 #undef SHRINK_PART
 }
@@ -99,10 +108,10 @@ static inline __attribute__((always_inline)) void shrink_group(
 /* The expand of nt <= 4 tokens (a constant where it is inlined) into TILE_COLUMNS columns,
  * over ranks kb .. ke, from the tile's block `bt` ([ke - kb, TILE_COLUMNS], read in
  * order): og[t * out_stride + o] += y[t] . B^T[kb:ke, o], the nt x TILE_VECTORS vectors of
- * sums in registers. */
+ * sums in registers; `reuse` as shrink_ranks. */
 static inline __attribute__((always_inline)) void expand_tile(
     const float *restrict y, int64_t r, const float *restrict bt, int64_t kb, int64_t ke,
-    float *restrict og, int64_t out_stride, const int nt)
+    float *restrict og, int64_t out_stride, const int nt, const int reuse)
 {
     vf c[LORA_TOKENS][TILE_VECTORS];
 #pragma GCC unroll 4
@@ -116,7 +125,10 @@ static inline __attribute__((always_inline)) void expand_tile(
             __builtin_prefetch((const char *)(b + VL * j) + LORA_F32_PREFETCH_BYTES, 0, 3);
         vf bv[TILE_VECTORS];
 #pragma GCC unroll 4
-        for (int j = 0; j < TILE_VECTORS; ++j) bv[j] = loadv(b + VL * j);
+        for (int j = 0; j < TILE_VECTORS; ++j) {
+            bv[j] = loadv(b + VL * j);
+            if (reuse) keep_in_register(bv[j]);
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < nt; ++t) {
             const float v = y[t * r + k];
@@ -149,8 +161,11 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
         const int64_t ng = LORA_GROUP_TOKENS(nt, g);
         const float *restrict xg = x + g * LORA_TOKENS * ldx;
         float *restrict yg = y + g * LORA_TOKENS * r;
-#define SHRINK(N) shrink_group(xg, ldx, in_features, at, r, N, yg)
-        LORA_BY_TOKENS(ng, SHRINK)
+#define SHRINK(N) shrink_group(xg, ldx, in_features, at, r, N, 0, yg)
+        if (groups > 1 && ng == LORA_TOKENS)
+            shrink_group(xg, ldx, in_features, at, r, LORA_TOKENS, 1, yg);
+        else
+            LORA_BY_TOKENS(ng, SHRINK)
 #undef SHRINK
     }
     const float *restrict bs = bt; /* the slice's tiles */
@@ -165,8 +180,11 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
                 const float *restrict yg = y + g * LORA_TOKENS * r;
                 float *restrict og = out + g * LORA_TOKENS * out_stride + o0;
                 const int64_t ng = LORA_GROUP_TOKENS(nt, g);
-#define EXPAND(N) expand_tile(yg, r, tile, kb, ke, og, out_stride, N)
-                LORA_BY_TOKENS(ng, EXPAND)
+#define EXPAND(N) expand_tile(yg, r, tile, kb, ke, og, out_stride, N, 0)
+                if (groups > 1 && ng == LORA_TOKENS)
+                    expand_tile(yg, r, tile, kb, ke, og, out_stride, LORA_TOKENS, 1);
+                else
+                    LORA_BY_TOKENS(ng, EXPAND)
 #undef EXPAND
             }
         const int64_t o0 = full;
