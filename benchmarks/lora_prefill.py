@@ -43,7 +43,7 @@ from _lora_paths import (  # noqa: E402
     plot_paths,
     time_interleaved,
 )
-from _output import add_out_argument, write_json  # noqa: E402
+from _output import add_out_argument, pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex_kernels import cpu_native  # noqa: E402
 from loraplex_kernels.lora_prefill import add_lora_sliced  # noqa: E402
@@ -177,12 +177,34 @@ def main(argv: list[str] | None = None) -> None:
     write_json(out, report)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    if versus:
+        path = out.with_name(f"{out.name}_baseline.png")
+        plot_versus(versus, args.baseline, path)
+        print(f"wrote {path}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plot_paths(rows, path, "projection", ("one expand per slot (block-diagonal B)",
                                           "one expand per slice"),
                "ms per prefill chunk, one layer (min)", "Prefill LoRA on CPU, demo model shapes")
+
+
+def plot_versus(versus: list[dict[str, Any]], baseline: str, path: Path) -> None:
+    """The native kernel's ms per chunk and projection, ``baseline``'s build and this tree's."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(versus), figsize=(4 * len(versus), 3.5), squeeze=False)
+    for ax, v in zip(axes[0], versus, strict=True):
+        names = [p["projection"] for p in v["projections"]]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [p["old_min_ms"] * LAYERS for p in v["projections"]],
+               0.4, color="#9e9e9e", label=f"{baseline} ({v['old_chunk_ms']:.0f} ms)")
+        ax.bar([x + 0.2 for x in xs], [p["new_min_ms"] * LAYERS for p in v["projections"]],
+               0.4, color="#e0702a", label=f"this tree ({v['new_chunk_ms']:.0f} ms)")
+        ax.set_xticks(list(xs), names, fontsize=7)
+        ax.set_ylabel("ms per 2,048-token chunk, all layers")
+        ax.set_title(f"native prefill LoRA, {v['dtype']}", fontsize=9)
+        ax.legend(fontsize=7)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":
