@@ -87,9 +87,10 @@ static inline vh fma_half(vh sum, float v, vh a)
  * vector (one per token) and its shrink one of A per token, where each is loaded once,
  * and a load port, not the multiplications, set the pace (a 2,048-token chunk's LoRA
  * 1.11x faster in bfloat16, 1.15x in float32, on the Zen 4; benchmarks/lora_prefill.py
- * --baseline). The kernels ask for it where a work item's group reads weights that an
- * earlier group of the item brought into cache (`reuse`); a first group's, from memory,
- * ran as fast or faster with the compiler's loads. */
+ * --baseline). The kernels ask for it in the full groups of a work item of several
+ * (`reuse`: a prefill's, whose weights the later groups read from cache); an item of one
+ * group (a decode step's), its weights read once from memory, ran as fast or faster with
+ * the compiler's loads. */
 #if defined(__x86_64__) || defined(__i386__)
 #define keep_in_register(v) __asm__("" : "+v"(v))
 #else

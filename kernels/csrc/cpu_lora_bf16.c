@@ -179,8 +179,8 @@ static void lora_tokens_portable(const float *restrict xb, bf16 *restrict out,
 #define SHRINK_TWO_RUNS_TOKENS 2
 /* One pair-row i2 of a block of A^T (at `a`, `width` ranks: nv vectors and nh halves) into
  * nt tokens' sums c / ch: its lines LORA_PREFETCH_ROWS pair-rows ahead prefetched. `reuse`
- * (a constant): the weights are in cache from the item's group before, each vector held in
- * a register for the tokens (cpu_lora_f32.c: shrink_ranks). */
+ * (a constant): a full group of a work item of several, each vector held in a register for
+ * the tokens (cpu_lora_f32.c: shrink_ranks). */
 static inline __attribute__((always_inline)) void shrink_pair_row(
     const bf16 *restrict xb, int64_t ldx, int64_t i2, const bf16 *restrict a, const int width,
     const int nv, const int nh, const int nt, const int reuse, __m512 (*restrict c)[4],

@@ -40,10 +40,11 @@
  * inlined), from the block of A^T at k0 (rows of VL * nv + 8 * nh ranks, read in order),
  * the nt x (nv + nh) vectors of sums in registers. y[t * r + k] = x[t] . A^T[:, k]. Only
  * the group's own tokens are multiplied: a decode step's groups have a token or two.
- * `reuse` (a constant): the weights were read into cache by the item's group before, so
- * each vector is held in a register for the group's tokens (keep_in_register); from
- * memory, a first group's weights ran faster left to the compiler's loads (a decode step
- * of 4 tokens per slot 8 % slower held, benchmarks/lora_decode.py). */
+ * `reuse` (a constant): the group is a full one of a work item of several (a prefill's,
+ * whose later groups read the weights from cache), so each vector is held in a register
+ * for the group's tokens (keep_in_register). An item of one group (a decode step's) reads
+ * its weights from memory once, and ran as fast or faster left to the compiler's loads
+ * (held, a decode step of 4 tokens per slot 8 % slower, benchmarks/lora_decode.py). */
 static inline __attribute__((always_inline)) void shrink_ranks(
     const float *restrict x, int64_t ldx, int64_t in_features, const float *restrict at,
     int64_t r, int64_t k0, const int nv, const int nh, const int nt, const int reuse,
