@@ -193,6 +193,23 @@ LOAD_PAIRS(load_pairs_half, vh, vhu)
     default: GROUP_CALL(4); break;                                                      \
     }
 
+/* LORA_BY_TOKENS with a second constant, `reuse`: 1 for a full group of a work item of
+ * GROUPS > 1 groups (a prefill's, whose weights its groups read from cache after the first:
+ * the kernels hold them in registers, keep_in_register), else 0. */
+#define LORA_BY_GROUP(NG, GROUPS, GROUP_CALL)                                             \
+    do {                                                                                \
+        if ((GROUPS) > 1 && (NG) == LORA_TOKENS) {                                      \
+            GROUP_CALL(LORA_TOKENS, 1);                                                 \
+            break;                                                                      \
+        }                                                                               \
+        switch (NG) {                                                                   \
+        case 1: GROUP_CALL(1, 0); break;                                                \
+        case 2: GROUP_CALL(2, 0); break;                                                \
+        case 3: GROUP_CALL(3, 0); break;                                                \
+        default: GROUP_CALL(4, 0); break;                                               \
+        }                                                                               \
+    } while (0)
+
 /* The expand's order, in every LoRA kernel: group after group of a work item's tokens,
  * each along all of a slice's tiles, so that a group's rows of out are read and written in
  * order. Tile after tile, each through all groups (the earlier order), touched every row of

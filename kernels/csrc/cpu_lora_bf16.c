@@ -557,11 +557,8 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
             ++g;
             continue;
         }
-#define SHRINK(N) shrink_group_avx512(xg, ldx, in2, at, r, N, 0, yg)
-        if (groups > 1 && LORA_GROUP_TOKENS(nt, g) == LORA_TOKENS)
-            shrink_group_avx512(xg, ldx, in2, at, r, LORA_TOKENS, 1, yg);
-        else
-            LORA_BY_TOKENS(LORA_GROUP_TOKENS(nt, g), SHRINK)
+#define SHRINK(N, REUSE) shrink_group_avx512(xg, ldx, in2, at, r, N, REUSE, yg)
+        LORA_BY_GROUP(LORA_GROUP_TOKENS(nt, g), groups, SHRINK);
 #undef SHRINK
     }
     const bf16 *restrict bs = bt; /* the slice's tiles */
@@ -594,12 +591,9 @@ static void lora_tokens_avx512(const bf16 *restrict xb, int64_t ldx, bf16 *restr
                 const bf16 *restrict tile = bs + (o0 - lo) * np * 2;
                 const bf16 *restrict yg = yb + g * LORA_TOKENS * r;
                 bf16 *restrict og = out + g * LORA_TOKENS * out_stride + o0;
-#define EXPAND(N) expand_tile_avx512(yg, r, tile, tile, k2b, k2e, og, og, out_stride, N, 1, 0)
-                if (groups > 1 && ng == LORA_TOKENS)
-                    expand_tile_avx512(yg, r, tile, tile, k2b, k2e, og, og, out_stride,
-                                       LORA_TOKENS, 1, 1);
-                else
-                    LORA_BY_TOKENS(ng, EXPAND)
+#define EXPAND(N, REUSE)                                                                  \
+    expand_tile_avx512(yg, r, tile, NULL, k2b, k2e, og, NULL, out_stride, N, 1, REUSE)
+                LORA_BY_GROUP(ng, groups, EXPAND);
 #undef EXPAND
             }
         }

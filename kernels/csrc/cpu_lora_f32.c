@@ -162,11 +162,8 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
         const int64_t ng = LORA_GROUP_TOKENS(nt, g);
         const float *restrict xg = x + g * LORA_TOKENS * ldx;
         float *restrict yg = y + g * LORA_TOKENS * r;
-#define SHRINK(N) shrink_group(xg, ldx, in_features, at, r, N, 0, yg)
-        if (groups > 1 && ng == LORA_TOKENS)
-            shrink_group(xg, ldx, in_features, at, r, LORA_TOKENS, 1, yg);
-        else
-            LORA_BY_TOKENS(ng, SHRINK)
+#define SHRINK(N, REUSE) shrink_group(xg, ldx, in_features, at, r, N, REUSE, yg)
+        LORA_BY_GROUP(ng, groups, SHRINK);
 #undef SHRINK
     }
     const float *restrict bs = bt; /* the slice's tiles */
@@ -181,11 +178,8 @@ static void lora_tokens(const float *restrict x, int64_t ldx, float *restrict ou
                 const float *restrict yg = y + g * LORA_TOKENS * r;
                 float *restrict og = out + g * LORA_TOKENS * out_stride + o0;
                 const int64_t ng = LORA_GROUP_TOKENS(nt, g);
-#define EXPAND(N) expand_tile(yg, r, tile, kb, ke, og, out_stride, N, 0)
-                if (groups > 1 && ng == LORA_TOKENS)
-                    expand_tile(yg, r, tile, kb, ke, og, out_stride, LORA_TOKENS, 1);
-                else
-                    LORA_BY_TOKENS(ng, EXPAND)
+#define EXPAND(N, REUSE) expand_tile(yg, r, tile, kb, ke, og, out_stride, N, REUSE)
+                LORA_BY_GROUP(ng, groups, EXPAND);
 #undef EXPAND
             }
         const int64_t o0 = full;
