@@ -185,12 +185,12 @@ int64_t skinny_amx_share(const uint32_t *xp, const bf16 *w, const bf16 *bias, bf
     float cbuf[256] __attribute__((aligned(64)));
     const int64_t kh = k / 2, xblocks = (rows + 15) / 16, wblocks = n / 16;
     /* weight blocks per unit of work: as many as C tiles the x blocks leave (more than
-     * two x blocks: two, against two x blocks at a time) */
+     * two x blocks: two, against two x blocks at a time). The threads share the blocks
+     * evenly, a thread's last unit short where its blocks are not a whole number of
+     * units: shared by whole units, 36 blocks (576 outputs) at one x block went 16 / 20
+     * and 60 (960) 28 / 32, one thread waiting on the other at the next barrier. */
     const int64_t per = xblocks == 1 ? 4 : 2;
-    const int64_t units = (wblocks + per - 1) / per;
-    const int64_t b0 = units * t / nt * per;
-    const int64_t b1 = units * (t + 1) / nt * per < wblocks ? units * (t + 1) / nt * per
-                                                            : wblocks;
+    const int64_t b0 = wblocks * t / nt, b1 = wblocks * (t + 1) / nt;
     for (int64_t wb = b0; wb < b1; wb += per) {
         const int64_t na = b1 - wb < per ? b1 - wb : per;
         if (xblocks == 1) {
