@@ -13,15 +13,16 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def update(self, request: Request) -> str | None:
-        """Re-decodes the output; returns the stop string that ended it, if one did.
+    def update(self, request: Request, final: bool = False) -> str | None:
+        """Extends the text by the latest token; returns the stop string that ended it, if
+        one did. ``final``: the sequence ends with this token (its text is then the whole
+        output decoded at once).
 
         Text is truncated at a stop string (kept with ``include_stop_str_in_output``).
         """
         params = request.params
-        text = self.tokenizer.decode(request.output_token_ids,
-                                     skip_special_tokens=params.skip_special_tokens)
         previous = len(request.output_text)
+        text = self._decode_all(request) if final else self._extend(request)
         request.output_text = text
         if not params.stop or request.num_output_tokens < params.min_tokens:
             return None
@@ -38,6 +39,33 @@ class Detokenizer:
         request.output_text = text[: idx + len(stop)] if params.include_stop_str_in_output \
             else text[:idx]
         return stop
+
+    def _decode_all(self, request: Request) -> str:
+        return self.tokenizer.decode(request.output_token_ids,
+                                     skip_special_tokens=request.params.skip_special_tokens)
+
+    def _extend(self, request: Request) -> str:
+        """The text with the output's latest tokens, decoding only a window of them: the
+        tokens since the text last grew (from read_offset), with the ones before those
+        (from prefix_offset) as context; the new text is what the window adds to its
+        context's. Re-decoding the whole output for every token cost O(n) a token, O(n^2)
+        a sequence. A window that ends mid-character (U+FFFD) waits for the next token. If
+        a window's text does not extend its context's (a decoder that rewrites across the
+        cut), the sequence decodes its whole output from then on (prefix_offset -1)."""
+        start, read = request.detok_prefix_offset, request.detok_read_offset
+        if start < 0:
+            return self._decode_all(request)
+        ids = request.output_token_ids
+        skip = request.params.skip_special_tokens
+        context = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
+        window = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        if not window.startswith(context):
+            request.detok_prefix_offset = -1
+            return self._decode_all(request)
+        if len(window) == len(context) or window.endswith(_REPLACEMENT):
+            return request.output_text
+        request.detok_prefix_offset, request.detok_read_offset = read, len(ids)
+        return request.output_text + window[len(context):]
 
     @staticmethod
     def take_text_delta(request: Request, final: bool) -> str:

@@ -365,7 +365,7 @@ class LLMEngine:
                 request.constraint.advance(token.token_id)
                 if request.constraint.is_finished:  # the grammar admits nothing more
                     status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
-            stop_string = self.detokenizer.update(request)
+            stop_string = self.detokenizer.update(request, final=status is not None)
             if stop_string is not None:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
             if status is not None:

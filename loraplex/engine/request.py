@@ -84,9 +84,12 @@ class Request:
     # The draft model's KV reaches this far in the sequence's blocks: every position before
     # it holds the draft's KV of the sequence's token there. Never past num_computed_tokens.
     num_draft_computed_tokens: int = 0
-    # Text state kept by the engine's detokenizer.
+    # Text state kept by the engine's detokenizer: the text so far, how much of it was sent,
+    # and the window of output tokens it decodes next (detokenizer.py).
     output_text: str = ""
     num_text_sent: int = 0
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
     # Structured output: the sequence's position in its grammar (a grammar.Constraint,
     # which keeps torch out of this module); it only ever reads this sequence's output.
     constraint: Any = None
