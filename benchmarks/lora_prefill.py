@@ -57,6 +57,13 @@ SEGMENTS = [(8, 300), (16, 180), (32, 250), (8, 120), (16, 400), (32, 90), (16, 
 BASE_TOKENS = 198
 
 
+def _chunk_meta(short_segment_len: int) -> SGMVMeta:
+    """The chunk's tokens: each segment's in order, then the base model's."""
+    token_slots = [s for s, (_, n) in enumerate(SEGMENTS) for _ in range(n)]
+    return SGMVMeta.build(token_slots + [-1] * BASE_TOKENS, [r for r, _ in SEGMENTS],
+                          short_segment_len=short_segment_len)
+
+
 def _case(in_features: int, widths: list[int], dtype: torch.dtype,
           seed: int) -> tuple[LoRASlots, SGMVMeta, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -66,13 +73,12 @@ def _case(in_features: int, widths: list[int], dtype: torch.dtype,
     for s, r in enumerate(ranks):
         slots.set(s, [(torch.randn(r, in_features, generator=g) / in_features ** 0.5,
                        torch.randn(w, r, generator=g) / r ** 0.5) for w in widths], 2.0)
-    token_slots = [s for s, (_, n) in enumerate(SEGMENTS) for _ in range(n)]
-    token_slots += [-1] * BASE_TOKENS
     # every segment long: the two matmul paths are what is compared (the engine sends
     # segments of up to 512 float32 tokens, and all bfloat16 ones, to the native kernel)
-    meta = SGMVMeta.build(token_slots, ranks, short_segment_len=0)
-    x = torch.randn(len(token_slots), in_features, generator=g).to(dtype)  # [tokens, in]
-    out = torch.randn(len(token_slots), sum(widths), generator=g).to(dtype)  # [tokens, out]
+    meta = _chunk_meta(short_segment_len=0)
+    tokens = sum(n for _, n in SEGMENTS) + BASE_TOKENS
+    x = torch.randn(tokens, in_features, generator=g).to(dtype)  # [tokens, in]
+    out = torch.randn(tokens, sum(widths), generator=g).to(dtype)  # [tokens, out]
     return slots, meta, x, out
 
 
@@ -98,12 +104,11 @@ def versus_baseline(old: ctypes.CDLL, dtype_name: str, repeats: int) -> dict[str
     """The chunk's LoRA on the native kernel, ``old``'s build against this tree's: per
     projection, the output rewritten before each call, only the call timed."""
     per_projection = []
+    # every segment short: all of them to the native kernel
+    segments = _chunk_meta(short_segment_len=sum(n for _, n in SEGMENTS)).short_segments
+    assert segments is not None
     for name, (in_features, widths) in PROJECTIONS.items():
         slots, _, x, out0 = _case(in_features, widths, DTYPES[dtype_name], seed=0)
-        token_slots = [s for s, (_, n) in enumerate(SEGMENTS) for _ in range(n)]
-        segments = SGMVMeta.build(token_slots + [-1] * BASE_TOKENS, [r for r, _ in SEGMENTS],
-                                  short_segment_len=len(token_slots)).short_segments
-        assert segments is not None
         reads = {"old": (as_build_reads(slots, old), old), "new": (slots, None)}
         out = out0.clone()
         results = {}
