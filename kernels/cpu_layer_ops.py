@@ -39,6 +39,7 @@ def _kernels() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
         "rope_store_kv": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr,
                            _ptr, _i64, _int], _int),
         "silu_and_mul": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _int], None),
+        "argmax_rows": ([_ptr, _i64, _ptr, _i64, _i64, _int], None),
     }
     kernels = {}
     for op, (argtypes, restype) in signatures.items():
@@ -146,4 +147,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _kernel("silu_and_mul", gate_up.dtype)(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, n, inter,
         torch.get_num_threads())
+    return out
+
+
+def can_argmax(x: torch.Tensor) -> bool:
+    return _rows(x) and x.size(1) > 0
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first maximum, int64 [rows], as ``x.max(dim=-1).indices``
+    (a NaN counts as the maximum); takes what ``can_argmax`` accepts."""
+    out = torch.empty(x.size(0), dtype=torch.int64)
+    _kernel("argmax_rows", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), x.size(0),
+                                    x.size(1), torch.get_num_threads())
     return out

@@ -390,7 +390,16 @@ def silu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch
     return silu_and_mul_ref(gate_up)
 
 
+def argmax_rows(logits: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """Each row's index of its first maximum (a NaN counts as the maximum), int64
+    [num_rows], of ``logits`` [num_rows, vocab] in any float dtype: greedy sampling."""
+    if _native_layer_ops(logits, backend) and cpu_layer_ops.can_argmax(logits):
+        return cpu_layer_ops.argmax_rows(logits)
+    # max's indices are argmax's, 3-5x faster than argmax on CPU (its reduction is scalar)
+    return logits.max(dim=-1).indices
+
+
 __all__ = ["AttentionMeta", "Backend", "LoRASlots", "PackedWeight", "Rope", "SGMVMeta",
-           "add_lora", "cpu_gemm_choice", "fused_add_rms_norm", "linear", "linear_lora",
+           "add_lora", "argmax_rows", "cpu_gemm_choice", "fused_add_rms_norm", "linear", "linear_lora",
            "pack_linear_weight", "paged_attention", "resolve_backend", "rms_norm",
            "rope_store_kv", "sgmv_expand", "sgmv_shrink", "silu_and_mul", "store_kv"]

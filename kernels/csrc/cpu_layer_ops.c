@@ -291,3 +291,58 @@ void silu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_
         }
     }
 }
+
+/* ---- Greedy argmax -------------------------------------------------------------------- */
+
+/* The index of a row's first maximum, as torch's `max(dim=-1).indices`: a NaN counts as
+ * the maximum (the first NaN wins); a row of -inf gives 0. Two passes, both vectorised: the
+ * maximum (and whether there is a NaN), then the first element equal to it, found a block
+ * at a time. A logits row (a vocabulary of floats) stays in L2 between them. */
+enum { ARGMAX_BLOCK = 64 };
+
+#define ARGMAX_ROW(load)                                                                  \
+    float m = -INFINITY;                                                                  \
+    int nan = 0;                                                                          \
+    _Pragma("omp simd reduction(max : m) reduction(| : nan)")                             \
+    for (int64_t i = 0; i < n; ++i) {                                                     \
+        const float v = load(x[i]);                                                       \
+        m = v > m ? v : m;                                                                \
+        nan |= v != v;                                                                    \
+    }                                                                                     \
+    for (int64_t b = 0; b < n; b += ARGMAX_BLOCK) {                                       \
+        const int64_t e = n - b < ARGMAX_BLOCK ? n : b + ARGMAX_BLOCK;                    \
+        int hit = 0;                                                                      \
+        _Pragma("omp simd reduction(| : hit)")                                            \
+        for (int64_t i = b; i < e; ++i) {                                                 \
+            const float v = load(x[i]);                                                   \
+            hit |= nan ? v != v : v == m;                                                 \
+        }                                                                                 \
+        if (hit)                                                                          \
+            for (int64_t i = b; i < e; ++i) {                                             \
+                const float v = load(x[i]);                                               \
+                if (nan ? v != v : v == m) return i;                                      \
+            }                                                                             \
+    }                                                                                     \
+    return 0;
+
+static inline float load_f32(float v) { return v; }
+
+static int64_t argmax_row_f32(const float *restrict x, int64_t n) { ARGMAX_ROW(load_f32) }
+static int64_t argmax_row_bf16(const bf16 *restrict x, int64_t n) { ARGMAX_ROW(bf16_to_f32) }
+
+#undef ARGMAX_ROW
+
+/* x: [rows, n] rows x_stride apart, n >= 1; out: [rows] int64 */
+void argmax_rows_f32(const float *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t n,
+                     int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * n >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row_f32(x + r * x_stride, n);
+}
+
+void argmax_rows_bf16(const bf16 *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t n,
+                      int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * n >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row_bf16(x + r * x_stride, n);
+}

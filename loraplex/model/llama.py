@@ -182,6 +182,8 @@ class LlamaModel(nn.Module):
         return self.norm.add_forward(x, residual, backend)[0]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, None,
-                      self.packed_lm_head).float()  # [num_rows, vocab]
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[num_rows, vocab]: float32, or with ``float32=False`` the model's dtype (for a
+        sampler that widens them only where it needs to)."""
+        logits = linear(hidden, self.lm_head, None, self.packed_lm_head)
+        return logits.float() if float32 else logits

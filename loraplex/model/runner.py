@@ -26,7 +26,7 @@ from loraplex.model.sampler import SampledToken, SamplingRow, sample, verify
 from loraplex_kernels import cpu_native
 from loraplex_kernels.lora_slots import SlotWeights
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta, short_segment_limit
-from loraplex_kernels.ops import Backend, cpu_gemm_choice
+from loraplex_kernels.ops import Backend, argmax_rows, cpu_gemm_choice
 
 if TYPE_CHECKING:
     from loraplex.model.adapter_loader import LoRAAdapter
@@ -330,7 +330,8 @@ class ModelRunner:
         rows = [start + len(s.token_ids) - 1
                 for s, start in zip(batch.seqs, starts, strict=True) if s.samplings]
         return self.model.compute_logits(
-            hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device)))
+            hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device)),
+            float32=False)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int,
                          seq: SeqInput) -> list[SampledToken]:
@@ -365,7 +366,7 @@ class ModelRunner:
             hidden, starts = self._hidden(batch, num_layers)
             logits = self.model.compute_logits(hidden.index_select(
                 0, torch.tensor(starts, dtype=torch.int64, device=self.device)))
-            for i, token in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(live, argmax_rows(logits).tolist(), strict=True):
                 proposals[i].append(token)
                 s = current[i]
                 current[i] = SeqInput([token], s.num_computed + 1, s.block_table, s.lora_slot)

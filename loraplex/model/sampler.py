@@ -23,6 +23,8 @@ from typing import Final
 
 import torch
 
+from loraplex_kernels.ops import argmax_rows
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -56,6 +58,12 @@ class SamplingRow:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy on the model's own logits: nothing applied to them, no logprobs."""
+        return (self.is_greedy and self.num_logprobs is None and not self.has_penalties
+                and not self.logit_bias and not self.banned_ids and self.allowed is None)
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -66,13 +74,15 @@ class SampledToken:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None) -> list[SampledToken]:
-    """Samples one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
+    """Samples one token per row of ``logits`` ``[num_rows, vocab]``: float32, or the
+    model's dtype, widened to float32 unless every row is plainly greedy (the argmax of
+    bfloat16 logits is that of their exact float32 values)."""
     num_rows = logits.shape[0]
+    if logits.dtype is not torch.float32 and not all(r.is_plain_greedy for r in rows):
+        logits = logits.float()
     raw = logits
     logits = apply_allowed(apply_penalties(apply_bias(logits, rows), rows), raw, rows)
-    # [num_rows]; replaced below for random rows. max's indices are argmax's (the first
-    # maximum; NaN counts as one), 3-5x faster on CPU: argmax's reduction is scalar.
-    token_ids = logits.max(dim=-1).indices
+    token_ids = argmax_rows(logits)  # [num_rows]; replaced below for random rows
     random_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
@@ -120,7 +130,7 @@ def verify(logits: torch.Tensor, draft_ids: Sequence[int], row: SamplingRow,
     """
     num_draft = len(draft_ids)
     if row.is_greedy:
-        best = logits.argmax(dim=-1).tolist()
+        best = argmax_rows(logits).tolist()
         num_accepted = 0
         while num_accepted < num_draft and best[num_accepted] == draft_ids[num_accepted]:
             num_accepted += 1

@@ -1,6 +1,7 @@
 """Native per-layer CPU ops (``csrc/cpu_layer_ops.c``: RMSNorm, fused add + RMSNorm,
-RoPE + KV store, SiLU-and-mul), float32 and bfloat16, against the PyTorch reference
-(``layer_ops_ref.py``) and a float64 computation on the same inputs.
+RoPE + KV store, SiLU-and-mul, greedy argmax), float32 and bfloat16, against the PyTorch reference
+(``layer_ops_ref.py``) and a float64 computation on the same inputs; greedy argmax
+against torch's ``max(dim=-1).indices``.
 
 bfloat16 outputs are rounded where the reference rounds, so they match it to the bit
 except where a float32 result sits at a rounding boundary and the kernel's float32 sum
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraplex_kernels import cpu_layer_ops, ops
 from loraplex_kernels.layer_ops_ref import rms_norm_ref, silu_and_mul_ref
@@ -226,6 +229,52 @@ def test_silu_and_mul(shape: tuple[int, int], dtype: torch.dtype) -> None:
     _near_reference(out, silu_and_mul_ref(gate_up), "silu_and_mul vs reference")
     g64, u64 = gate_up.double().chunk(2, dim=-1)
     _near_float64(out, g64 * torch.sigmoid(g64) * u64, "silu_and_mul vs float64")
+
+
+# --------------------------------------------------------------------------- argmax
+
+# Few distinct values, so rows tie often; NaN, the infinities and both zeros among them.
+_ARGMAX_VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e30, -1e30, float("inf"),
+                                  float("-inf"), float("nan")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 200), dtype=st.sampled_from(DTYPES),
+       cells=st.lists(st.tuples(st.integers(0, 10 ** 6), _ARGMAX_VALUES), max_size=12),
+       seed=st.integers(0, 2 ** 16))
+def test_argmax_rows_is_torchs_first_maximum(rows: int, vocab: int, dtype: torch.dtype,
+                                            cells: list[tuple[int, float]],
+                                            seed: int) -> None:
+    """Ties give the first maximum, a NaN counts as the maximum (its first), a row of -inf
+    gives 0: torch's ``max(dim=-1).indices``, on strided rows of either dtype."""
+    x = _strided(rows, vocab, dtype, seed=seed)
+    for at, value in cells:
+        x[at % rows, (at // rows) % vocab] = value
+    if cells and cells[0][0] % 3 == 0:
+        x[0] = cells[0][1]  # a whole row of one value
+    out = ops.argmax_rows(x, backend="cpu")
+    assert out.dtype == torch.int64 and out.shape == (rows,)
+    assert torch.equal(out, x.max(dim=-1).indices)
+    assert torch.equal(out, x.float().max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 49152), (7, 49152), (64, 1000), (2, 40000)], ids=str)
+def test_argmax_rows_large(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Rows of a vocabulary's width, split over threads (>= GRAIN elements), the maximum
+    in the last block, the first, or in a tie between blocks."""
+    rows, vocab = shape
+    x = _strided(rows, vocab, dtype, seed=vocab + rows, scale=3.0)
+    x[0, -1] = 50.0
+    if rows > 1:
+        x[1, 0] = 50.0
+    if rows > 2:
+        x[2, 70] = x[2, vocab - 3] = 60.0
+        x[3, 5] = float("-inf")
+        x[4, vocab // 2] = float("nan")
+    expected = x.max(dim=-1).indices
+    assert torch.equal(ops.argmax_rows(x, backend="cpu"), expected)
+    assert torch.equal(ops.argmax_rows(x, backend="torch"), expected)
 
 
 # --------------------------------------------------------------------------- dispatch

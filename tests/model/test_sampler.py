@@ -51,6 +51,22 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
 
 
+def test_bfloat16_logits_sample_as_their_float32_values() -> None:
+    """The runner hands over the model's bfloat16 logits; they are widened only where a row
+    needs more than their argmax. Either way every row gets what their exact float32
+    values give: plain greedy, greedy with logprobs, penalised, seeded random."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(5, 300, generator=gen) * 4).bfloat16()
+    def rows() -> list[SamplingRow]:
+        return [SamplingRow(), SamplingRow(num_logprobs=2),
+                SamplingRow(repetition_penalty=1.5, output_token_ids=[3, 7]),
+                SamplingRow(temperature=0.8, generator=_gen(11)), SamplingRow()]
+    assert torch.equal(logits.max(-1).indices, logits.float().max(-1).indices)
+    assert sample(logits, rows()) == sample(logits.float(), rows())
+    plain = sample(logits, [SamplingRow()] * 5)
+    assert [t.token_id for t in plain] == logits.float().argmax(-1).tolist()
+
+
 def test_temperature_sampling_follows_the_distribution() -> None:
     counts = _counts(SamplingRow(temperature=1.0, generator=_gen(0)))
     expected = [0.5, 0.25, 0.15, 0.07, 0.03]
