@@ -11,6 +11,8 @@
  * Rows are split over `num_threads` OpenMP threads only when a call has enough work to pay
  * for waking them (GRAIN elements; a decode step's rows are far below it).
  */
+#include <omp.h>
+
 #include "common.h"
 #include "bf16.h"
 #include "kernels.h"
@@ -297,10 +299,10 @@ void silu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_
 /* The index of a row's first maximum, as torch's `max(dim=-1).indices`: a NaN counts as
  * the maximum (the first NaN wins); a row of -inf gives 0. Two passes, both vectorised: the
  * maximum (and whether there is a NaN), then the first element equal to it, found a block
- * at a time. A logits row (a vocabulary of floats) stays in L2 between them. */
+ * at a time; a thread's part of a row stays in its L2 between them. */
 enum { ARGMAX_BLOCK = 64 };
 
-#define ARGMAX_ROW(load)                                                                  \
+#define ARGMAX_PART(load)                                                                 \
     float m = -INFINITY;                                                                  \
     int nan = 0;                                                                          \
     _Pragma("omp simd reduction(max : m) reduction(| : nan)")                             \
@@ -327,22 +329,64 @@ enum { ARGMAX_BLOCK = 64 };
 
 static inline float load_f32(float v) { return v; }
 
-static int64_t argmax_row_f32(const float *restrict x, int64_t n) { ARGMAX_ROW(load_f32) }
-static int64_t argmax_row_bf16(const bf16 *restrict x, int64_t n) { ARGMAX_ROW(bf16_to_f32) }
+/* x[0..n), n >= 1 */
+static int64_t argmax_part_f32(const float *restrict x, int64_t n) { ARGMAX_PART(load_f32) }
+static int64_t argmax_part_bf16(const bf16 *restrict x, int64_t n) { ARGMAX_PART(bf16_to_f32) }
 
-#undef ARGMAX_ROW
+#undef ARGMAX_PART
 
-/* x: [rows, n] rows x_stride apart, n >= 1; out: [rows] int64 */
+/* Whether a part's first maximum `v` (NaN counting as the maximum) beats the best of the
+ * parts before it, `best`: only a strictly greater value or a first NaN does. */
+static inline int argmax_beats(float v, float best)
+{
+    return best == best && (v != v || v > best);
+}
+
+/* x: [rows, n] rows x_stride apart, n >= 1; out: [rows] int64. With more than one thread
+ * each takes the same share of every row's columns (as the skinny GEMM that wrote the
+ * logits shares its outputs, so each reads what its own core wrote), and the shares'
+ * maxima are combined in column order. */
+#define ARGMAX_ROWS(T, part, load)                                                        \
+    if (num_threads < 2 || rows * n < GRAIN || n < 2 * ARGMAX_BLOCK) {                    \
+        for (int64_t r = 0; r < rows; ++r) out[r] = part(x + r * x_stride, n);            \
+        return;                                                                           \
+    }                                                                                     \
+    const int nt = num_threads;                                                           \
+    int64_t *idx = malloc(sizeof *idx * (size_t)(rows * nt));                             \
+    if (idx == NULL) {                                                                    \
+        for (int64_t r = 0; r < rows; ++r) out[r] = part(x + r * x_stride, n);            \
+        return;                                                                           \
+    }                                                                                     \
+    _Pragma("omp parallel num_threads(nt)")                                               \
+    {                                                                                     \
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();                 \
+        const int64_t lo = n * t / team, hi = n * (t + 1) / team;                         \
+        for (int64_t r = 0; r < rows; ++r)                                                \
+            idx[r * nt + t] = lo + part(x + r * x_stride + lo, hi - lo);                  \
+        _Pragma("omp barrier")                                                            \
+        _Pragma("omp for")                                                                \
+        for (int64_t r = 0; r < rows; ++r) {                                              \
+            const T *xr = x + r * x_stride;                                               \
+            int64_t best = idx[r * nt];                                                   \
+            for (int u = 1; u < team; ++u) {                                              \
+                const int64_t i = idx[r * nt + u];                                        \
+                if (argmax_beats(load(xr[i]), load(xr[best]))) best = i;                  \
+            }                                                                             \
+            out[r] = best;                                                                \
+        }                                                                                 \
+    }                                                                                     \
+    free(idx);
+
 void argmax_rows_f32(const float *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t n,
                      int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * n >= GRAIN)
-    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row_f32(x + r * x_stride, n);
+    ARGMAX_ROWS(float, argmax_part_f32, load_f32)
 }
 
 void argmax_rows_bf16(const bf16 *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t n,
                       int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * n >= GRAIN)
-    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row_bf16(x + r * x_stride, n);
+    ARGMAX_ROWS(bf16, argmax_part_bf16, bf16_to_f32)
 }
+
+#undef ARGMAX_ROWS

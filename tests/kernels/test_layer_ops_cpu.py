@@ -258,6 +258,24 @@ def test_argmax_rows_is_torchs_first_maximum(rows: int, vocab: int, dtype: torch
     assert torch.equal(out, x.float().max(dim=-1).indices)
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(33000, 50000), dtype=st.sampled_from(DTYPES),
+       cells=st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0, 1, 2, 3, 4, 5, 6]),
+                                st.sampled_from([1e30, float("inf"), float("nan")])),
+                      max_size=8))
+def test_argmax_rows_split_over_threads(rows: int, vocab: int, dtype: torch.dtype,
+                                        cells: list[tuple[int, int, float]]) -> None:
+    """Rows wide enough that each thread takes a share of every row's columns: maxima,
+    ties and NaNs at the shares' edges (a row's start, middle and end) combine to the
+    first one, as torch's ``max(dim=-1).indices``."""
+    x = _strided(rows, vocab, dtype, seed=vocab)
+    edges = [0, vocab // 2 - 1, vocab // 2, vocab // 2 + 1, vocab // 3, 2 * vocab // 3,
+             vocab - 1]
+    for row, edge, value in cells:
+        x[row % rows, edges[edge]] = value
+    assert torch.equal(ops.argmax_rows(x, backend="cpu"), x.max(dim=-1).indices)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 49152), (7, 49152), (64, 1000), (2, 40000)], ids=str)
 def test_argmax_rows_large(shape: tuple[int, int], dtype: torch.dtype) -> None:
