@@ -40,6 +40,27 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
     pyplot().close(fig)
 
 
+def command_line(script: str, args: argparse.Namespace) -> str:
+    """The command that reproduces a run: ``script`` with every option it was given but
+    ``--out`` (unset ones left out), for the JSON document."""
+    return f"python benchmarks/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        if v is not None and k != "out")
+
+
+def save_loglog(fig: Any, ax: Any, out: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Finishes a plot of cost against a doubling size (x in powers of two, y on a log
+    scale) and writes it as ``out``.png."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    save_figure(fig, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.png')}")
+
+
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is often empty)
     and the vector instruction set torch runs there, e.g. "AMD EPYC (AVX2)": the same

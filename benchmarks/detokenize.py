@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _output import add_out_argument, cpu_name, pyplot, save_figure, write_json
+from _output import add_out_argument, command_line, cpu_name, pyplot, save_loglog, write_json
 from _workload import resolve_model
 
 from loraplex.engine.detokenizer import Detokenizer
@@ -101,23 +101,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": "detokenize", "machine": cpu_name(),
            "tokenizer": tokenizer.name_or_path,
-           "command": "python benchmarks/detokenize.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if v is not None and k != "out"),
+           "command": command_line("detokenize.py", args),
            "rows": rows}
     print(f"wrote {write_json(out, doc)}")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in ways:
         ax.plot(lengths, [r["us_per_token"][name] for r in rows], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("output tokens per sequence")
-    ax.set_ylabel("microseconds per token")
-    ax.set_title(f"Detokenization, {args.batch} sequences interleaved")
-    ax.legend()
-    save_figure(fig, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.png')}")
+    save_loglog(fig, ax, out, "output tokens per sequence", "microseconds per token",
+                f"Detokenization, {args.batch} sequences interleaved")
 
 
 if __name__ == "__main__":

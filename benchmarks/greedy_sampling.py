@@ -30,7 +30,14 @@ apply_defaults()  # the OpenMP wait the engine runs with, before torch loads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _output import add_out_argument, cpu_name, pyplot, save_figure, write_json  # noqa: E402
+from _output import (  # noqa: E402
+    add_out_argument,
+    command_line,
+    cpu_name,
+    pyplot,
+    save_loglog,
+    write_json,
+)
 
 from loraplex.malloc import keep_freed_memory  # noqa: E402
 from loraplex.model.sampler import SamplingRow, sample  # noqa: E402
@@ -117,8 +124,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": "greedy_sampling", "machine": cpu_name(),
-           "command": "python benchmarks/greedy_sampling.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+           "command": command_line("greedy_sampling.py", args),
            "results": results}
     print(f"wrote {write_json(out, doc)}")
     plt = pyplot()
@@ -128,14 +134,8 @@ def main() -> None:
         for w, style in zip(ways, ("-", "--"), strict=True):
             ax.plot([r["rows"] for r in mine], [r["ms_per_step"][w] for r in mine],
                     linestyle=style, marker="o", label=f"{w}, {name}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("greedy rows in the step")
-    ax.set_ylabel("milliseconds per step")
-    ax.set_title(f"Greedy argmax of {args.vocab:,} logits a row, {args.threads} threads")
-    ax.legend()
-    save_figure(fig, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.png')}")
+    save_loglog(fig, ax, out, "greedy rows in the step", "milliseconds per step",
+                f"Greedy argmax of {args.vocab:,} logits a row, {args.threads} threads")
 
 
 if __name__ == "__main__":
