@@ -347,13 +347,10 @@ static inline int argmax_beats(float v, float best)
  * logits shares its outputs, so each reads what its own core wrote), and the shares'
  * maxima are combined in column order. */
 #define ARGMAX_ROWS(T, part, load)                                                        \
-    if (num_threads < 2 || rows * n < GRAIN || n < 2 * ARGMAX_BLOCK) {                    \
-        for (int64_t r = 0; r < rows; ++r) out[r] = part(x + r * x_stride, n);            \
-        return;                                                                           \
-    }                                                                                     \
     const int nt = num_threads;                                                           \
-    int64_t *idx = malloc(sizeof *idx * (size_t)(rows * nt));                             \
-    if (idx == NULL) {                                                                    \
+    int64_t *idx = nt < 2 || rows * n < GRAIN || n < 2 * ARGMAX_BLOCK                     \
+        ? NULL : malloc(sizeof *idx * (size_t)(rows * nt));                               \
+    if (idx == NULL) { /* one thread (or no memory for the shares) */                     \
         for (int64_t r = 0; r < rows; ++r) out[r] = part(x + r * x_stride, n);            \
         return;                                                                           \
     }                                                                                     \
