@@ -1,18 +1,24 @@
 """This machine's floors, measured in the same run as a benchmark: so a result from a slower
 or faster machine explains itself.
 
-- GEMM rate at the model's own shapes (every linear layer of a decoder layer and the LM
-  head, at a prefill-sized and a decode-sized number of rows), at the run's thread count
-  and dtype: GFLOP/s of the fastest of ``torch.nn.functional.linear``, oneDNN's packed
-  weight and the native skinny GEMM (``_gemm_rate``), the best of a few repeats. For
+- GEMM rate at the model's own shapes, at the run's thread count and dtype: GFLOP/s of the
+  fastest of ``torch.nn.functional.linear``, oneDNN's packed weight and the native skinny
+  GEMM (``_gemm_rate``), the best of a few repeats. Two rates: a decoder layer's linear
+  layers (at a prefill-sized and a decode-sized number of rows), and the LM head apart
+  (prefill-sized), each weighted in the floor by its own FLOPs in the workload. (Until
+  2026-12-05 one rate covered one of each layer shape and the head: the head, 28 M of the
+  32 M weights in that sum for the demo model, set 89 % of it, and it alone moved: on a
+  Xeon the layers' shapes measured 280-310
+  GFLOP/s at the start and end of a run, the head 205-240 at the start and about 300 after
+  the engine had run, which the old rate read as the machine speeding up 1.2x.) For
   bfloat16 on a CPU without bf16 GEMM instructions (AVX2 only: torch's bf16 GEMM ran at a
   sixth of its float32 one there), the float32 rate where that is higher: a bf16 GEMM
   with float32 sums computes exactly that way (loraplex does, ``ops.pack_linear_weight``),
   so the floor never credits a run for beating a slow bf16 GEMM.
 - Streaming bandwidth: GB/s of copying a buffer far larger than the caches (read + write).
 - The workload's compute floor: its base-model FLOPs (2 x the parameters without the LM
-  head per processed token, prompt and output alike, plus 2 x the LM head's per sampled
-  token) at that GEMM rate. ``fraction`` of a run = floor seconds / the run's seconds.
+  head per processed token, prompt and output alike, at the layers' rate, plus 2 x the LM
+  head's per sampled token at the head's rate). ``fraction`` of a run = floor seconds / the run's seconds.
 - Measured twice, before the first run and after the last (``higher``): these machines'
   GEMM rate moved 1.2-1.34x within an hour, so a single measurement at the start made
   the fraction follow the measurement's minute as much as the code's speed.
@@ -74,16 +80,18 @@ class ModelShapes:
 class Floors:
     dtype: str
     threads: int
-    gemm_gflops_prefill: float  # rows = 256
-    gemm_gflops_decode: float  # rows = 16
+    gemm_gflops_prefill: float  # a decoder layer's linear layers, rows = 256
+    gemm_gflops_decode: float  # the same, rows = 16
     stream_gbps: float
+    gemm_gflops_head: float  # the LM head, rows = 256
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"GEMM {self.gemm_gflops_prefill:.0f} GFLOP/s (256 rows), "
-                f"{self.gemm_gflops_decode:.0f} (16 rows); streaming {self.stream_gbps:.1f} GB/s")
+        return (f"GEMM {self.gemm_gflops_prefill:.0f} GFLOP/s (layers, 256 rows), "
+                f"{self.gemm_gflops_decode:.0f} (16 rows), head {self.gemm_gflops_head:.0f}; "
+                f"streaming {self.stream_gbps:.1f} GB/s")
 
 
 def pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
@@ -99,12 +107,12 @@ def pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
             os.environ[_GEMM_VARIABLE] = saved
 
 
-def _gemm_rate(shapes: ModelShapes, rows: int, dtype: torch.dtype, repeats: int) -> float:
-    """GFLOP/s of the model's linear layers, each through the fastest of ``F.linear``, a
+def _gemm_rate(layers: list[tuple[int, int]], rows: int, dtype: torch.dtype,
+               repeats: int) -> float:
+    """GFLOP/s of linear layers of shapes ``layers`` ((in, out) each), each through the fastest of ``F.linear``, a
     oneDNN-packed weight and the native skinny GEMM (``ops.linear``; from 65 rows oneDNN
     on the plain weight): the machine's rate, not one library's (MKL's float32 sgemm takes
     its AVX2 path on AMD CPUs, at half oneDNN's AVX-512 rate there)."""
-    layers = shapes.layer_linears() + [(shapes.hidden, shapes.vocab)]
     weights = [torch.randn(out, inp, dtype=dtype) * 0.02 for inp, out in layers]
     inputs = [torch.randn(rows, inp, dtype=dtype) for inp, _ in layers]
     flops = sum(2 * rows * inp * out for inp, out in layers)
@@ -148,13 +156,15 @@ def measure(shapes: ModelShapes, dtype: str, threads: int, repeats: int = 5) -> 
             kinds = [_DTYPES[dtype]]
             if dtype == "bfloat16" and not onednn_bf16_gemm():
                 kinds.append(torch.float32)
+            layers, head = shapes.layer_linears(), [(shapes.hidden, shapes.vocab)]
             rates = []
             for t in kinds:
-                _gemm_rate(shapes, 16, t, 1)  # warm-up: oneDNN primitives, page faults
-                rates.append((_gemm_rate(shapes, 256, t, repeats),
-                              _gemm_rate(shapes, 16, t, repeats)))
+                _gemm_rate(layers + head, 16, t, 1)  # warm-up: oneDNN primitives, page faults
+                rates.append((_gemm_rate(layers, 256, t, repeats),
+                              _gemm_rate(layers, 16, t, repeats),
+                              _gemm_rate(head, 256, t, repeats)))
             return Floors(dtype, threads, max(r[0] for r in rates), max(r[1] for r in rates),
-                          _stream_rate(repeats))
+                          _stream_rate(repeats), max(r[2] for r in rates))
     finally:
         torch.set_num_threads(before)
 
@@ -164,12 +174,14 @@ def higher(a: Floors, b: Floors) -> Floors:
     the machine's best shown in that run."""
     return Floors(a.dtype, a.threads, max(a.gemm_gflops_prefill, b.gemm_gflops_prefill),
                   max(a.gemm_gflops_decode, b.gemm_gflops_decode),
-                  max(a.stream_gbps, b.stream_gbps))
+                  max(a.stream_gbps, b.stream_gbps),
+                  max(a.gemm_gflops_head, b.gemm_gflops_head))
 
 
 def compute_floor_seconds(shapes: ModelShapes, floors: Floors, num_prompt_tokens: int,
                           num_output_tokens: int) -> float:
-    """The seconds the workload's base-model FLOPs take at the prefill-shaped GEMM rate."""
-    flops = (2 * shapes.body_params * (num_prompt_tokens + num_output_tokens)
-             + 2 * shapes.head_params * num_output_tokens)
-    return flops / (floors.gemm_gflops_prefill * 1e9)
+    """The seconds the workload's base-model FLOPs take at the prefill-shaped GEMM rates:
+    the layers' at theirs, the LM head's at its own."""
+    body = 2 * shapes.body_params * (num_prompt_tokens + num_output_tokens)
+    head = 2 * shapes.head_params * num_output_tokens
+    return body / (floors.gemm_gflops_prefill * 1e9) + head / (floors.gemm_gflops_head * 1e9)
