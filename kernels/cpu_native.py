@@ -93,14 +93,14 @@ def _cpu_signature() -> str:
 @functools.cache
 def native_lora_any_length() -> bool:
     """Whether float32 LoRA segments of every length go to the native kernel (else those
-    past ``meta.SHORT_SEGMENT_LEN`` go to per-slot matmuls): where the kernel has AVX-512
-    and the CPU is not Intel's, whose MKL sgemm (torch's float32 matmul) takes its AVX2
-    path on other vendors' CPUs. On a Zen 4 EPYC the native kernel measured 1.37-1.82x the
-    matmuls at 512 tokens, 1.23-1.64x at 1,024 and 1.07-1.54x at a whole 2,048-token chunk
-    (ranks 32 and 8; benchmarks/lora_decode.py --crossover, docs/benchmarks.md); on a Zen 5
-    1.74-1.95x at 512 tokens and 1.51-1.70x at 2,048."""
-    return ("avx512f" in _cpu_signature().split()
-            and _cpuinfo("vendor_id") not in (None, "GenuineIntel") and available())
+    past ``meta.SHORT_SEGMENT_LEN`` go to per-slot matmuls): where the kernel has AVX-512.
+    On a Zen 4 EPYC the native kernel measured 1.37-1.82x the matmuls at 512 tokens,
+    1.23-1.64x at 1,024 and 1.07-1.54x at a whole 2,048-token chunk (ranks 32 and 8;
+    benchmarks/lora_decode.py --crossover, docs/benchmarks.md); on a Zen 5 1.74-1.95x at
+    512 tokens and 1.51-1.70x at 2,048 (torch's float32 matmul there is MKL's sgemm on its
+    AVX2 path); on a Xeon with AMX, where MKL runs its AVX-512 kernels, 1.37-1.43x at 512
+    tokens, 1.28-1.36x at 1,024 and 1.23-1.45x at 2,048 (two runs)."""
+    return "avx512f" in _cpu_signature().split() and available()
 
 
 def _compiler() -> str | None:

@@ -15,8 +15,9 @@ import torch
 # there measured the same on the offline workload as 512, so one limit serves both); in
 # bfloat16 the native kernel measured faster at every length up to a whole 2,048-token
 # chunk, so there it takes them all (benchmarks/lora_decode.py --crossover). So does
-# float32 where the native kernel has AVX-512 and torch's float32 matmul is MKL's sgemm on
-# its AVX2 path, as on AMD's CPUs (cpu_native.native_lora_any_length).
+# float32 where the native kernel has AVX-512, since its tiled layout and sums in registers
+# measured faster at every length on AMD's and Intel's CPUs alike
+# (cpu_native.native_lora_any_length).
 SHORT_SEGMENT_LEN = 512
 _NO_LIMIT = 1 << 62
 
