@@ -117,7 +117,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"floors ({f['dtype']}, {f['threads']} threads): GEMM "
               f"{f['gemm_gflops_prefill']:.0f} GFLOP/s at 256 rows, "
               f"{f['gemm_gflops_decode']:.0f} at 16 (a decoder layer's shapes), LM head "
-              f"{f.get('gemm_gflops_head', 0):.0f}; streaming {f['stream_gbps']:.1f} GB/s"
+              f"{f['gemm_gflops_head']:.0f}; streaming {f['stream_gbps']:.1f} GB/s"
               + when)
     print("'floor': the fraction of the compute floor (in the run's own dtype) reached")
     print()
