@@ -8,20 +8,22 @@ or faster machine explains itself.
   (prefill-sized), each weighted in the floor by its own FLOPs in the workload. (Until
   2026-12-05 one rate covered one of each layer shape and the head: the head, 28 M of the
   32 M weights in that sum for the demo model, set 89 % of it, and it alone moved: on a
-  Xeon the layers' shapes measured 280-310
-  GFLOP/s at the start and end of a run, the head 205-240 at the start and about 300 after
-  the engine had run, which the old rate read as the machine speeding up 1.2x.) For
-  bfloat16 on a CPU without bf16 GEMM instructions (AVX2 only: torch's bf16 GEMM ran at a
-  sixth of its float32 one there), the float32 rate where that is higher: a bf16 GEMM
-  with float32 sums computes exactly that way (loraplex does, ``ops.pack_linear_weight``),
-  so the floor never credits a run for beating a slow bf16 GEMM.
+  Xeon the layers' shapes measured 280-310 GFLOP/s at the start and end of a run, the
+  head 205-240 at the start and about 300 after the engine had run, which the old rate
+  read as the machine speeding up 1.2x.) For bfloat16 on a CPU without bf16 GEMM
+  instructions (AVX2 only: torch's bf16 GEMM ran at a sixth of its float32 one there),
+  the float32 rate where that is higher: a bf16 GEMM with float32 sums computes exactly
+  that way (loraplex does, ``ops.pack_linear_weight``), so the floor never credits a run
+  for beating a slow bf16 GEMM.
 - Streaming bandwidth: GB/s of copying a buffer far larger than the caches (read + write).
 - The workload's compute floor: its base-model FLOPs (2 x the parameters without the LM
   head per processed token, prompt and output alike, at the layers' rate, plus 2 x the LM
-  head's per sampled token at the head's rate). ``fraction`` of a run = floor seconds / the run's seconds.
+  head's per sampled token at the head's rate). ``fraction`` of a run = floor seconds /
+  the run's seconds.
 - Measured twice, before the first run and after the last (``higher``): these machines'
-  GEMM rate moved 1.2-1.34x within an hour, so a single measurement at the start made
-  the fraction follow the measurement's minute as much as the code's speed.
+  GEMM rate moved 1.2-1.34x within an hour (on the Xeon, the head's measurement, above),
+  so a single measurement at the start made the fraction follow the measurement's minute
+  as much as the code's speed.
 """
 
 from __future__ import annotations
@@ -109,10 +111,11 @@ def pack_as(weight: torch.Tensor, choice: str) -> PackedWeight | None:
 
 def _gemm_rate(layers: list[tuple[int, int]], rows: int, dtype: torch.dtype,
                repeats: int) -> float:
-    """GFLOP/s of linear layers of shapes ``layers`` ((in, out) each), each through the fastest of ``F.linear``, a
-    oneDNN-packed weight and the native skinny GEMM (``ops.linear``; from 65 rows oneDNN
-    on the plain weight): the machine's rate, not one library's (MKL's float32 sgemm takes
-    its AVX2 path on AMD CPUs, at half oneDNN's AVX-512 rate there)."""
+    """GFLOP/s of linear layers of shapes ``layers`` ((in, out) each), each through the
+    fastest of ``F.linear``, a oneDNN-packed weight and the native skinny GEMM
+    (``ops.linear``; from 65 rows oneDNN on the plain weight): the machine's rate, not one
+    library's (MKL's float32 sgemm takes its AVX2 path on AMD CPUs, at half oneDNN's AVX-512
+    rate there)."""
     weights = [torch.randn(out, inp, dtype=dtype) * 0.02 for inp, out in layers]
     inputs = [torch.randn(rows, inp, dtype=dtype) for inp, _ in layers]
     flops = sum(2 * rows * inp * out for inp, out in layers)
