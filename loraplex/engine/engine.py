@@ -268,7 +268,7 @@ class LLMEngine:
         # start from the same (empty) output.
         prompt_ids, output_ids = ((request.prompt_token_ids, request.output_token_ids)
                                   if p.has_penalties else ((), ()))
-        return [SamplingRow(p.temperature, top_k, p.top_p, p.min_p,
+        return [SamplingRow(0.0 if p.is_greedy else p.temperature, top_k, p.top_p, p.min_p,
                             self._generator(seq_id, i if starts_group else request.sample_index,
                                             p), p.logprobs, p.presence_penalty,
                             p.frequency_penalty, p.repetition_penalty, p.logit_bias, banned,

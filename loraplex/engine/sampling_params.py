@@ -26,6 +26,11 @@ MAX_SOURCE_BYTES: Final = 64 * 1024  # schemas, regexes, grammars, choice lists
 MAX_CHOICES: Final = 1024
 
 
+# Temperatures below this sample greedily, as vLLM's do: the distribution is all but the
+# argmax's long before, and under about 1e-45 the temperature is 0 in float32 (the
+# sampler's dtype), a division by zero.
+GREEDY_TEMPERATURE: Final = 1e-5
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """A request's output constraint. ``source``: the JSON schema (canonical JSON text), the
@@ -156,7 +161,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -5,6 +5,7 @@ JSON type (and, where no layer below does, its range) and raises an
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Final
 
 from loraplex.errors import InvalidRequestError
@@ -61,14 +62,26 @@ def read_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     return value
 
 
+def as_float(key: str, value: Any, what: str = "a number") -> float:
+    """A JSON number as a float; 400 naming ``key`` for any other value or for an integer
+    past float's range (JSON's integers have no bound: 1 followed by 400 zeros is one)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise bad(key, f"expected {what}, got {type_name(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise bad(key, f"expected {what}, got an integer too large for one") from None
+
+
+_TOKEN_KEY: Final = re.compile(r"-?[0-9]+")
+
+
 def read_float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
            lo_open: bool = False) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise bad(key, f"expected a number, got {type_name(value)}")
-    value = float(value)
+    value = as_float(key, value)
     if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise bad(key, f"must be in {bracket}{lo:g}, {hi:g}], got {value:g}")
@@ -80,9 +93,7 @@ def read_number(body: dict[str, Any], key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise bad(key, f"expected a number, got {type_name(value)}")
-    return float(value)
+    return as_float(key, value)
 
 
 def read_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -91,16 +102,20 @@ def read_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(value, dict):
         raise bad("logit_bias", f"expected an object, got {type_name(value)}")
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, bias in value.items():
-        # OpenAI's keys are token ids written as JSON strings.
-        if not key.strip().lstrip("-").isdecimal():
-            raise bad("logit_bias", f"keys must be token ids, got {key!r}")
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise bad("logit_bias", f"values must be numbers, got {type_name(bias)} for "
-                                     f"{key!r}")
-        pairs.append((int(key), float(bias)))
-    return tuple(pairs)
+        # OpenAI's keys are token ids written as JSON strings, in ASCII digits (a sign is
+        # let through for the range check to name). Two spellings of one id ("7", "07")
+        # would add their biases past the limit: the second is refused.
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad("logit_bias", f"keys must be token ids, got {key[:40]!r}")
+        if len(key) > 18:
+            raise bad("logit_bias", f"token id {key[:20]}... is out of range")
+        token = int(key)
+        if token in pairs:
+            raise bad("logit_bias", f"token id {token} appears twice")
+        pairs[token] = as_float("logit_bias", bias, f"numbers as values, for {key!r}")
+    return tuple(pairs.items())
 
 
 def read_bool(body: dict[str, Any], key: str, default: bool) -> bool:

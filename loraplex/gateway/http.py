@@ -98,7 +98,19 @@ def parse_time_param(params: Mapping[str, str], name: str) -> datetime | None:
     except ValueError:
         raise InvalidRequestError(f"{name} must be an ISO 8601 time, got {raw!r}",
                                   param=name) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    try:  # in UTC here, so that no later step meets the calendar's ends
+        return value.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:00-14:00 is past year 9999 in UTC
+        raise InvalidRequestError(f"{name} is out of range in UTC, got {raw!r}",
+                                  param=name) from None
+
+
+def check_window(since: datetime | None, until: datetime | None) -> None:
+    """400 unless ``since`` is before ``until`` (where both are given)."""
+    if since is not None and until is not None and since >= until:
+        raise InvalidRequestError("since must be before until", param="since")
 
 
 def query_flag(request: Request, name: str) -> bool:

@@ -37,7 +37,7 @@ from loraplex.gateway.fields import (
     read_token_ids,
     type_name,
 )
-from loraplex.gateway.tools import ToolCall, ToolUse, parse_tools
+from loraplex.gateway.tools import ToolCall, ToolUse, parse_tools, tool_arguments
 
 MAX_SEED: Final = (1 << 63) - 1  # the engine seeds a 64-bit generator
 CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
@@ -371,6 +371,7 @@ def _tool_calls(param: str, raw: Any) -> tuple[ToolCall, ...]:
                               "{\"name\", \"arguments\"}} with strings")
         for text in (call["id"], fn["name"], fn["arguments"]):
             check_text(where, text)
+        tool_arguments(fn["arguments"], f"{where}.function.arguments")
         calls.append(ToolCall(fn["name"], fn["arguments"], call["id"]))
     return tuple(calls)
 

@@ -71,6 +71,12 @@ class Tokenizers:
             except Exception as exc:  # jinja's TemplateError, or raise_exception() in it
                 raise InvalidRequestError(f"the chat template refused the messages: {exc}",
                                           param="messages") from None
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate from JSON inside the request
+                raise InvalidRequestError("the rendered messages hold a lone surrogate, "
+                                          "which is not valid Unicode",
+                                          param="messages") from None
             return list(self._encoder.encode(text, add_special_tokens=False))
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]],

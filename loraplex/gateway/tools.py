@@ -200,12 +200,24 @@ def fallback_system_text(tools: tuple[Tool, ...]) -> str:
             + '{"name": "...", "arguments": {...}}' + CALL_CLOSE + ".")
 
 
-def _arguments(text: str) -> Any:
-    # OpenAI sends arguments as JSON text; templates (and the model) see the object.
+def tool_arguments(text: str, param: str = "messages") -> Any:
+    """A tool call's ``arguments`` as templates (and the model) see them: OpenAI sends JSON
+    text, so the object it holds, or the text itself where it is not JSON (or nested past
+    the parser's depth). InvalidRequestError naming ``param`` where the object holds a
+    string that is not valid Unicode: an escaped lone surrogate (``"\\ud800"``) is valid
+    JSON text but no tokenizer takes what it decodes to."""
     try:
-        return json.loads(text)
-    except ValueError:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
         return text
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        return text
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{param}: the arguments hold a lone surrogate, which is "
+                                  "not valid Unicode", param=param) from None
+    return value
 
 
 def template_input(messages: Sequence[ChatMessage], tools: ToolUse | None,
@@ -223,7 +235,7 @@ def template_input(messages: Sequence[ChatMessage], tools: ToolUse | None,
             if m.tool_calls:
                 entry["tool_calls"] = [
                     {"id": c.id, "type": "function",
-                     "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                     "function": {"name": c.name, "arguments": tool_arguments(c.arguments)}}
                     for c in m.tool_calls]
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
@@ -233,7 +245,7 @@ def template_input(messages: Sequence[ChatMessage], tools: ToolUse | None,
                         "content": f"<tool_response>{m.content}</tool_response>"})
         else:
             calls = "".join(
-                CALL_OPEN + json.dumps({"name": c.name, "arguments": _arguments(c.arguments)},
+                CALL_OPEN + json.dumps({"name": c.name, "arguments": tool_arguments(c.arguments)},
                                        ensure_ascii=False) + CALL_CLOSE
                 for c in m.tool_calls)
             out.append({"role": m.role, "content": (m.content or "") + calls})

@@ -270,6 +270,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = before >= top_ps[:, None]
+        drop_sorted[:, 0] = False  # a top_p under float32's least (1e-300) is 0 there
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     min_ps = torch.tensor([r.min_p for r in rows], device=logits.device)

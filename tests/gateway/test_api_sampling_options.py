@@ -70,6 +70,20 @@ def test_completion_options_match_offline_stream_and_not(
     assert expected[0] != plain[0]  # the option did something
 
 
+@pytest.mark.parametrize("options", [{"temperature": 1e-300}, {"temperature": 5e-6},
+                                     {"temperature": 1.0, "top_p": 1e-300}],
+                         ids=["temperature-1e-300", "temperature-5e-6", "top_p-1e-300"])
+def test_vanishing_temperature_or_top_p_samples_the_greedy_tokens(
+        live: LiveServer, offline: LLM, options: dict[str, Any]) -> None:
+    # 1e-300 is 0 in float32, the sampler's tensors: a temperature that small (or under
+    # GREEDY_TEMPERATURE) samples greedily, and a top_p that small keeps the top token.
+    expected = _offline(offline, PROMPT, max_tokens=16, temperature=0.0)
+    with live.openai("alice") as client:
+        got = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16,
+                                        seed=3, **options)
+    assert [c.text for c in got.choices] == expected
+
+
 def test_chat_penalties_and_bias(live: LiveServer, offline: LLM) -> None:
     messages = [{"role": "user", "content": "hello world, how are you today?"}]
     text = offline.tokenizer.apply_chat_template(messages, tokenize=False,

@@ -86,6 +86,13 @@ COMPLETION_CASES = [
     ({"logit_bias": {"1": 100.5}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"-1": 5}}, "logit_bias", ">= 0"),
     ({"logit_bias": {"999999": 5}}, "logit_bias", "out of range"),
+    ({"logit_bias": {"9" * 5000: 5}}, "logit_bias", "out of range"),
+    ({"logit_bias": {"7": 100, "07": 100}}, "logit_bias", "twice"),  # not +200 on 7
+    ({"logit_bias": {" 7": 5}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"\u0663": 5}}, "logit_bias", "token ids"),  # an Arabic-Indic 3
+    ({"logit_bias": {"1": 10**400}}, "logit_bias", "too large"),
+    ({"temperature": 10**400}, "temperature", "too large"),
+    ({"presence_penalty": -(10**400)}, "presence_penalty", "too large"),
     ({"stop_token_ids": [999999]}, "stop_token_ids", "out of range"),
 ]
 
@@ -132,6 +139,9 @@ CHAT_CASES = [
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
      "messages[0].tool_calls[0]", "function"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "string"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f", "arguments": '"\\ud800"'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "surrogate"),  # escaped in the JSON
     ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "schema"),
@@ -169,6 +179,31 @@ def test_bad_chat_parameters_are_400_naming_the_param(
     error = error_of(post(live, "/v1/chat/completions", body), 400)
     assert error["param"] == param
     assert word in error["message"]
+
+
+def test_tool_call_arguments_nested_past_the_parser_are_text(live: LiveServer) -> None:
+    call = {"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": "[" * 20_000}}
+    body = {"model": live.served_name, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c", "content": "42"}]}
+    response = post(live, "/v1/chat/completions", body)
+    # rendered as the text it is, or refused as too long for the context; never a 500
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert error_of(response, 400)["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("query", ["since=9999-12-31T23:59:59-14:00",
+                                   "since=0001-01-01T00:00:00%2B14:00",
+                                   "since=2030-01-01T00:00:00&until=2029-01-01T00:00:00"])
+def test_usage_windows_past_the_calendar_or_reversed_are_400(live: LiveServer,
+                                                             query: str) -> None:
+    with live.http() as http:
+        response = http.get(f"/v1/usage?{query}",
+                            headers={"Authorization": f"Bearer {live.keys['alice']}"})
+    assert error_of(response, 400)["param"] == "since"
 
 
 def test_unknown_fields_are_400_as_openai_answers(live: LiveServer) -> None:
