@@ -7,10 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_commands
 from loraplex.cli_serve import add_serve_command
-from loraplex.errors import ConfigError, LoraplexError
+from loraplex.errors import ConfigError, LoraplexError, first_line
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -157,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LoraplexError as exc:
+        print(f"loraplex: error: {exc}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as exc:  # serve's registry: an unreachable or unusable database
+        print(f"loraplex: error: database: {first_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
         print(f"loraplex: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -437,6 +437,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _row_id(text: str) -> int:
+    """An id or version: a positive integer that fits the database's integer columns."""
+    value = _positive_int(text)
+    if value > db.MAX_INT32:
+        raise argparse.ArgumentTypeError(f"must be at most {db.MAX_INT32}: {value}")
+    return value
+
+
 def add_registry_commands(subparsers: Any) -> None:
     """Registers ``db``, ``tenants``, ``keys`` and ``adapters`` on the main parser's
     subparsers. Each leaf sets ``func``: call ``args.func(args)`` and exit with its result."""
@@ -489,7 +497,7 @@ def add_registry_commands(subparsers: Any) -> None:
     p.add_argument("--admin", action="store_true", help="an admin key (default: tenant)")
     p.add_argument("--name", dest="key_name", metavar="LABEL", help="a label for humans")
     p = leaf(keys, "revoke", _keys_revoke, "revoke an API key")
-    p.add_argument("id", type=int)
+    p.add_argument("id", type=_row_id)
     p = leaf(keys, "list", _keys_list, "list API keys (prefixes only)")
     p.add_argument("--tenant", metavar="NAME")
 
@@ -514,7 +522,7 @@ def add_registry_commands(subparsers: Any) -> None:
              "delete an adapter: new requests stop at once, running ones finish")
     p.add_argument("--tenant", required=True, metavar="NAME")
     p.add_argument("--name", required=True, metavar="NAME")
-    p.add_argument("--version", type=_positive_int, help="only this version (default: all)")
+    p.add_argument("--version", type=_row_id, help="only this version (default: all)")
     p = leaf(adapters, "list", _adapters_list, "list adapters")
     p.add_argument("--tenant", metavar="NAME",
                    help="what this tenant can call (own and public, latest versions)")

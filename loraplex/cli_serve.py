@@ -43,7 +43,7 @@ def add_serve_command(subparsers: Any) -> None:
                     "process.")
     add_registry_options(p, json_flag=False)
     p.add_argument("--host", default=defaults.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=defaults.port,
+    p.add_argument("--port", type=_port, default=defaults.port,
                    help="port to listen on (0: any free port)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help=f"Redis for rate limits shared by all processes (env {ENV_REDIS_URL}; "
@@ -128,6 +128,16 @@ def _ensure_admin_key(args: argparse.Namespace, admin_key: str | None) -> str | 
             return ensure_admin_key(session, admin_key)
     finally:
         engine.dispose()
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535: {value}")
+    return value
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -218,22 +228,23 @@ def _serve(args: argparse.Namespace) -> int:
             from loraplex.config import check_shared_state
 
             check_shared_state(server_config, registry_config_from_args(args))
+        # Checked before anything is written: a key created before a refusal is never shown.
+        limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
+                              max_unpacked_bytes=args.max_upload_bytes)
+        registry = replace(registry_config_from_args(args), sweep_grace_s=args.sweep_grace_s,
+                           sweep_interval_s=args.sweep_interval_s)
         model = model_arg(args.model)
         _prepare_registry(args)
         if server_config.admin_key is not None:  # a bad LORAPLEX_ADMIN_KEY fails before loading
             _ensure_admin_key(args, server_config.admin_key)
         engine_config = engine_config_from_args(args, model)
         client = _make_backend(args, engine_config, server_config)
-        # Created only now: a key created before a failed load would never have been shown.
-        created = (_ensure_admin_key(args, None) if server_config.admin_key is None
-                   else None)
         try:
-            limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
-                                  max_unpacked_bytes=args.max_upload_bytes)
-            registry = replace(registry_config_from_args(args),
-                               sweep_grace_s=args.sweep_grace_s,
-                               sweep_interval_s=args.sweep_interval_s)
             app = create_app(server_config, registry, client, upload_limits=limits)
+            # Created only now: a key created before a failed load or app would never have
+            # been shown.
+            created = (_ensure_admin_key(args, None) if server_config.admin_key is None
+                       else None)
             # After the model's progress bars, so nothing is drawn over it.
             print(admin_banner(admin_url(server_config.host, server_config.port), created),
                   file=sys.stderr, flush=True)

@@ -36,6 +36,8 @@ class ModelConfig:
                  f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  "max_model_len must be positive")
+        _require(-(2**63) <= self.seed < 2**64,  # torch.Generator.manual_seed's range
+                 f"seed must be a 64-bit integer, got {self.seed}")
 
 
 @dataclass(frozen=True)

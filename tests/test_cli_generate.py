@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from loraplex import LLM, LoRARequest, SamplingParams
 
 
@@ -85,6 +88,33 @@ def test_generate_refuses_a_bad_adapter_in_one_line(tiny_llama_dir: Path,
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("loraplex: error:") and "128" in last and "64" in last
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    (("--device", "bogus"), "device must be cpu, cuda or cuda:N"),
+    (("--seed", "9" * 23), "seed must be a 64-bit integer"),
+    (("--num-kv-blocks", str(10**12)), "cannot allocate the KV cache"),
+    (("--max-model-len", str(10**8)), "above the model's max_position_embeddings"),
+    (("--temperature", "nan"), "temperature"),
+])
+def test_engine_options_this_machine_cannot_honour_are_one_line(
+        tiny_llama_dir: Path, option: tuple[str, str], words: str) -> None:
+    # Each had ended in a traceback (--max-model-len 10**8 built its rotary tables for
+    # minutes first).
+    proc = _cli("generate", "--model", str(tiny_llama_dir), "--prompt", "hi",
+                "--max-tokens", "2", *option)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loraplex: error:") and words in last, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_cuda_device_is_one_line(tiny_llama_dir: Path) -> None:
+    proc = _cli("generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--device",
+                "cuda")
+    assert proc.returncode == 2 and "no CUDA device here" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
 

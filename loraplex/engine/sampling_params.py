@@ -125,8 +125,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN too
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -20,11 +20,10 @@ from starlette.types import Receive, Scope, Send
 
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.errors import ClientDisconnected, PayloadTooLargeError
+from loraplex.registry.db import MAX_INT32
 
 T = TypeVar("T")
 
-# Ids and limits are 32-bit integer columns: a larger number is not looked up or stored.
-MAX_INT32: Final = 2**31 - 1
 
 
 # --- bodies ------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ _REQUIRED_CONFIG_KEYS = ("model_type", "hidden_size", "num_attention_heads",
 # The layer index must be canonical so `layers.01` cannot alias `layers.1`.
 # (layer, module) -> float32 (lora_A, lora_B), finite, as read from the weights file.
 _Arrays = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>0|[1-9][0-9]*)\."
@@ -182,6 +183,9 @@ class TargetShapes:
         intermediate = int(config.intermediate_size)
         q_out = num_heads * head_dim
         kv_out = num_kv_heads * head_dim
+        if min(hidden, num_heads, num_kv_heads, head_dim, intermediate) <= 0:
+            raise ValueError("hidden_size, the head counts, head_dim and intermediate_size "
+                             "must be positive")
         return cls(
             num_layers=int(config.num_hidden_layers),
             shapes={
@@ -210,7 +214,8 @@ class TargetShapes:
             if missing:
                 raise ValueError(f"missing {', '.join(missing)}")
             return cls.from_hf_config(SimpleNamespace(**config))
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, ArithmeticError, RecursionError) as e:
+            # ArithmeticError: num_attention_heads 0 (a division), hidden_size Infinity (int)
             raise ModelLoadError(f"cannot read config.json in {model_dir}: {_one_line(e)}") from e
 
 
@@ -320,6 +325,7 @@ def _check_adapter(
 
     # Same float operations as peft's LoraLayer.update_layer, so scaling matches exactly.
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    _check_scaling(alpha, scaling, weights)
     return CheckedAdapter(
         name=name if name is not None else adapter_dir.name,
         path=str(adapter_dir),
@@ -391,6 +397,17 @@ def _config_alpha(config: dict[str, Any]) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise AdapterError(f"adapter_config lora_alpha must be a finite number, got {alpha!r}")
     return float(alpha)
+
+
+def _check_scaling(alpha: float, scaling: float, weights: _Arrays) -> None:
+    """The engine keeps each slot's scaling in a float32 tensor and folds it into lora_B in
+    float32 (lora_slots.py): both must stay finite there. A larger alpha would be
+    accepted here and then stop the engine at the adapter's first request, for every
+    tenant."""
+    peak = max((float(np.abs(b).max(initial=0.0)) for _, b in weights.values()), default=0.0)
+    if abs(scaling) > _FLOAT32_MAX or abs(scaling) * peak > _FLOAT32_MAX:
+        raise AdapterError(f"adapter_config lora_alpha {alpha:g} scales lora_B past "
+                           f"float32's range (scaling {scaling:g})")
 
 
 def _read_weights(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.errors import ModelLoadError, first_line
+from loraplex.errors import ConfigError, ModelLoadError, first_line
 from loraplex.model.args import ModelArgs
 from loraplex.model.llama import LlamaModel
 
@@ -125,6 +125,10 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, num_slot
 
     config = load_hf_config(model_dir)
     args = ModelArgs.from_hf_config(config)
+    if max_positions is not None and max_positions > args.max_position_embeddings:
+        # as vLLM: past what the model was trained on its outputs are not the model's
+        raise ConfigError(f"max_model_len {max_positions} is above the model's "
+                          f"max_position_embeddings ({args.max_position_embeddings})")
     torch_dtype = DTYPES[dtype]
     model = LlamaModel(args, num_slots, max_rank, torch_dtype, device,
                        max_positions or args.max_position_embeddings)

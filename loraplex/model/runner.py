@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
-from loraplex.errors import ConfigError
+from loraplex.errors import ConfigError, first_line
 from loraplex.malloc import keep_freed_memory
 from loraplex.model.args import ModelArgs
 from loraplex.model.draft import DraftModel
@@ -82,9 +82,19 @@ class SeqOutput:
 
 
 def pick_device(device: str | None) -> torch.device:
+    """``device``, or CUDA where there is one and else the CPU; ConfigError for a device this
+    machine does not have."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: no CUDA device here")
+    if chosen.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return chosen
 
 
 class ModelRunner:
@@ -127,14 +137,22 @@ class ModelRunner:
                         if draft_model is not None else None)
         self.num_blocks = self._num_blocks(cache_config)
         shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        # Per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.args.num_layers)]
         host_shape = (cache_config.swap_space_blocks,) + shape[1:]
-        self.host_caches = [(torch.zeros(host_shape, dtype=self.dtype),
-                             torch.zeros(host_shape, dtype=self.dtype))
-                            for _ in range(self.args.num_layers)] if host_shape[0] else []
+        try:
+            # Per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device))
+                              for _ in range(self.args.num_layers)]
+            self.host_caches = [(torch.zeros(host_shape, dtype=self.dtype),
+                                 torch.zeros(host_shape, dtype=self.dtype))
+                                for _ in range(self.args.num_layers)] if host_shape[0] else []
+        except (RuntimeError, MemoryError) as exc:  # torch's "can't allocate memory"
+            raise ConfigError(
+                f"cannot allocate the KV cache ({self.num_blocks} blocks, "
+                f"{cache_config.swap_space_blocks} on the host, "
+                f"{self.num_blocks * self.block_bytes:,} bytes on the device): "
+                f"{first_line(exc)}; lower --num-kv-blocks, --kv-cache-memory or "
+                "--swap-space-blocks") from None
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.block_size,
                                   cache_config.swap_space_blocks, self.device)

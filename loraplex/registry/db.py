@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -18,6 +18,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.errors import ConfigError
 from loraplex.registry.names import check_text
+
+# Ids and limits are 32-bit integer columns: a larger number is not looked up or stored.
+MAX_INT32: Final = 2**31 - 1
 
 # Alembic's version table; also used to tell "never migrated" from "out of date".
 VERSION_TABLE = "alembic_version"

@@ -179,6 +179,34 @@ def test_a_busy_port_fails_before_loading_anything(tiny_llama_dir: Path, tmp_pat
     assert not (tmp_path / "home").exists()  # neither the registry nor the model was touched
 
 
+def test_bad_registry_options_fail_before_any_key_is_created(tiny_llama_dir: Path,
+                                                              tmp_path: Path) -> None:
+    # The admin key had been created (and never shown) before --max-upload-bytes was read.
+    db_file = tmp_path / "registry.db"
+    for option in (("--max-upload-bytes", "0"), ("--sweep-grace-s", "-1")):
+        done = subprocess.run(serve_command("--model", str(tiny_llama_dir), "--port", "0",
+                                            "--database-url", f"sqlite:///{db_file}", *option),
+                              env=clean_env(tmp_path / "home"), capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("loraplex: error:")
+        assert not db_file.exists()  # nothing migrated, no key made
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    (("--database-url", "postgresql://nobody@127.0.0.1:1/none"), "database"),
+    (("--database-url", "sqlite:////"), "database"),
+    (("--port", "70000"), "must be in 0..65535"),
+])
+def test_serve_options_that_cannot_work_are_refused_without_a_traceback(
+        tiny_llama_dir: Path, tmp_path: Path, option: tuple[str, str], words: str) -> None:
+    done = subprocess.run(serve_command("--model", str(tiny_llama_dir), "--port", "0", *option),
+                          env=clean_env(tmp_path / "home"), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_admin_url_is_one_a_browser_here_can_open() -> None:
     assert admin_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/admin/"
     assert admin_url("0.0.0.0", 80) == "http://127.0.0.1:80/admin/"

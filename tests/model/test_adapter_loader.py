@@ -153,6 +153,20 @@ def test_target_shapes_refuses_unknown_arch_and_missing_dir(tmp_path: Path) -> N
         TargetShapes.from_model_dir(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("change", [{"num_attention_heads": 0}, {"hidden_size": math.inf},
+                                    {"intermediate_size": -5}])
+def test_target_shapes_refuses_impossible_counts_in_one_error(
+        tiny_llama_dir: Path, tmp_path: Path, change: dict[str, Any]) -> None:
+    # a division by zero and int(Infinity) had escaped as tracebacks from `adapters upload`
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config.pop("head_dim", None)
+    (model / "config.json").write_text(json.dumps(config | change))  # Infinity: Python's JSON
+    with pytest.raises(ModelLoadError, match="cannot read config.json"):
+        TargetShapes.from_model_dir(model)
+
+
 # ---------------------------------------------------------------- good adapters
 
 
@@ -371,6 +385,31 @@ def test_malformed_rank_is_refused(rank: Any, r8: Path, llama_target: TargetShap
 def test_malformed_alpha_is_refused(alpha: Any, r8: Path, llama_target: TargetShapes) -> None:
     edit_config(r8, lora_alpha=alpha)
     assert "lora_alpha" in refused(r8, llama_target)
+
+
+@pytest.mark.parametrize("alpha", [1e308, -3e39])
+def test_alpha_past_float32_once_scaled_is_refused(alpha: float, r8: Path,
+                                                   llama_target: TargetShapes) -> None:
+    # Finite in float64, but not the scaling (alpha / 8) or lora_B times it in float32,
+    # which the engine keeps per slot: accepted, it stopped the engine at its first request.
+    edit_config(r8, lora_alpha=alpha)
+    assert "float32's range" in refused(r8, llama_target)
+
+
+def test_lora_b_past_float32_once_scaled_is_refused(r8: Path,
+                                                    llama_target: TargetShapes) -> None:
+    path = r8 / "adapter_model.safetensors"
+    tensors = load_file(path)
+    assert max(float(t.abs().max()) for k, t in tensors.items() if "lora_B" in k) > 1e-3
+    save_file({k: t * 1e35 if "lora_B" in k else t for k, t in tensors.items()}, path)
+    edit_config(r8, lora_alpha=8e8)  # scaling 1e8, finite; lora_B * 1e8 is not
+    assert "float32's range" in refused(r8, llama_target)
+
+
+def test_large_alpha_within_float32_loads(r8: Path, llama_target: TargetShapes) -> None:
+    edit_config(r8, lora_alpha=1e6)
+    adapter = load_adapter(r8, llama_target, max_lora_rank=64)
+    assert adapter.scaling == 1e6 / 8
 
 
 def test_non_bool_rslora_is_refused(r8: Path, llama_target: TargetShapes) -> None:

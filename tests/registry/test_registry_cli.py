@@ -376,6 +376,21 @@ def test_tenants_limits_text_output(cli: Cli, capsys: pytest.CaptureFixture[str]
     assert "must be positive: 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["keys", "revoke", "9" * 23],
+                                  ["adapters", "delete", "--tenant", "acme", "--name", "a",
+                                   "--version", str(2**31)]])
+def test_ids_past_the_integer_columns_are_refused_by_the_parser(
+        cli: Cli, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # on SQLite they had reached the driver: "Python int too large to convert"
+    cli("db", "upgrade")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_registry_cli([*argv, "--database-url", cli.url])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be at most 2147483647" in err and "Traceback" not in err
+
+
 def test_adapters_add_imports_neither_torch_nor_transformers(
         cli: Cli, make_adapter: Callable[..., Path]) -> None:
     # Importing them was most of the command's 8.9 s; validation needs neither.
