@@ -195,8 +195,22 @@ class Scheduler:
         while self.swapped and not out.preempted and budget > 0 \
                 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            if request.adapter is not None and not self.adapters.can_acquire(request.adapter.key):
-                break
+            ref = request.adapter
+            if ref is not None:
+                # Its adapter may have been deleted (or its host copy evicted and its files
+                # gone) while it was out: that fails this request, as at admission, and
+                # not the step.
+                error = self.adapters.failure(ref)
+                if error is not None:
+                    self.swapped.popleft()
+                    self.kv.free(request.request_id)
+                    out.failed.append((request, error))
+                    continue
+                if not self.adapters.can_acquire(ref.key):
+                    break
+                if not self.adapters.is_ready(ref):
+                    self.adapters.prefetch(ref)
+                    break
             if not self.kv.can_swap_in(request.request_id):
                 break
             pairs = self.kv.swap_in(request.request_id)
@@ -210,10 +224,16 @@ class Scheduler:
                 request.status = RequestStatus.PREEMPTED
                 self.waiting.appendleft(request)
                 continue
+            try:
+                slot = self._pin(request)
+            except AdapterError as exc:  # the host copy went and the reload failed
+                self.kv.free(request.request_id)
+                out.failed.append((request, exc))
+                continue
             out.swap_in.extend(pairs)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledSeq(request, num_new, self._pin(request)))
+            out.scheduled.append(ScheduledSeq(request, num_new, slot))
             budget -= num_new
 
         # 3. waiting requests
@@ -266,7 +286,12 @@ class Scheduler:
             if num_new > budget:
                 if starving and ref is not None:
                     continue  # a chunked prompt could end after the slot's horizon
-                if not self.config.enable_chunked_prefill:
+                # Without chunked prefill a prompt waits for a step it fits whole, unless no
+                # step ever can: a request preempted by recompute comes back with its
+                # outputs, past max_num_batched_tokens, and is prefilled in chunks (it had
+                # stood at the head of the queue and stalled it for good).
+                if (not self.config.enable_chunked_prefill
+                        and num_new <= self.config.max_num_batched_tokens):
                     break
                 num_new = budget
             if self.kv.allocate_slots(request.request_id, request.all_token_ids, num_computed,

@@ -10,6 +10,7 @@ from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.errors import AdapterError
 
 
 class Clock:
@@ -256,3 +257,69 @@ def test_a_slow_engine_takes_as_many_steps_as_a_fast_one_under_slot_pressure() -
     assert fast == slow == 38
     assert slow_first == fast_first
     assert slow_first["c0"] == 29  # when b0's slot frees: its wait is bounded as before
+
+
+def test_a_swapped_request_whose_adapter_was_deleted_fails_alone() -> None:
+    # Its adapter deleted (host copy dropped, files gone) while it was swapped out: the
+    # reload failed inside schedule() and had stopped the engine for every request.
+    deleted: set[str] = set()
+
+    def load(ref: AdapterRef) -> object:
+        if ref.adapter_id in deleted:
+            raise AdapterError(f"adapter {ref.adapter_id}: files are gone")
+        return SimpleNamespace(rank=4, ref=ref)
+
+    adapters = AdapterManager(2, 4, load_from_disk=load, install=lambda slot, a: None)
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      preemption_mode="swap"),
+                      KVCacheManager(12, 4, num_host_blocks=32), adapters,
+                      max_adapter_wait_s=1.0, clock=clock)
+    for i in range(2):
+        sched.add(_request(f"base{i}", 8, None, clock, max_tokens=24))
+    sched.add(_request("x", 8, "a", clock, max_tokens=24))  # the newest: the victim
+    adapters.prefetch(_ref("a"))
+    _drain_loads(adapters)
+    failed: list[tuple[Request, AdapterError]] = []
+    for _ in range(200):
+        out = sched.schedule()
+        failed.extend(out.failed)
+        _complete_step(sched, out)
+        for load in list(adapters._loading.values()):
+            load.exception()  # waits; a failed load is the scheduler's to report
+        if sched.swapped and not deleted:
+            assert sched.swapped[0].request_id == "x"
+            deleted.add("a")
+            adapters.forget(_ref("a").key)
+        if not sched.has_unfinished():
+            break
+    assert deleted, "x was never swapped out"
+    assert [(r.request_id, "gone" in str(e)) for r, e in failed] == [("x", True)]
+    assert not sched.has_unfinished()  # the base requests ran to their end
+    assert sched.kv.num_free_blocks() == 12
+    sched.kv.check_invariants()
+
+
+def test_without_chunked_prefill_a_recomputed_request_past_the_budget_still_runs() -> None:
+    # Preempted by recompute after some outputs, its prompt and outputs together exceed
+    # max_num_batched_tokens; it had waited at the head of the queue, and everything
+    # behind it, for good.
+    adapters = AdapterManager(2, 4, load_from_disk=lambda ref: None,
+                              install=lambda slot, a: None)
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=9,
+                                      enable_chunked_prefill=False),
+                      KVCacheManager(8, 4, enable_prefix_caching=False), adapters,
+                      max_adapter_wait_s=1.0, clock=clock)
+    for i in range(2):
+        sched.add(_request(f"r{i}", 8, None, clock, max_tokens=20))
+    preempted: set[str] = set()
+    for _ in range(300):
+        out = sched.schedule()
+        preempted.update(r.request_id for r in out.preempted)
+        _complete_step(sched, out)
+        if not sched.has_unfinished():
+            break
+    assert preempted, "nothing was preempted"
+    assert not sched.has_unfinished()
+    sched.kv.check_invariants()
