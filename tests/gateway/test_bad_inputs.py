@@ -196,14 +196,17 @@ def test_tool_call_arguments_nested_past_the_parser_are_text(live: LiveServer) -
 
 
 @pytest.mark.parametrize("query", ["since=9999-12-31T23:59:59-14:00",
-                                   "since=0001-01-01T00:00:00%2B14:00",
+                                   "until=0001-01-01T00:00:00%2B14:00",
                                    "since=2030-01-01T00:00:00&until=2029-01-01T00:00:00"])
-def test_usage_windows_past_the_calendar_or_reversed_are_400(live: LiveServer,
-                                                             query: str) -> None:
+def test_usage_windows_past_the_calendar_or_reversed_are_empty(live: LiveServer,
+                                                               query: str) -> None:
+    # Valid date-times all (the OpenAPI document's fuzzer sends such); past the calendar
+    # in UTC they had been a 500.
     with live.http() as http:
         response = http.get(f"/v1/usage?{query}",
                             headers={"Authorization": f"Bearer {live.keys['alice']}"})
-    assert error_of(response, 400)["param"] == "since"
+    assert response.status_code == 200, response.text
+    assert response.json()["data"] == []
 
 
 def test_unknown_fields_are_400_as_openai_answers(live: LiveServer) -> None:

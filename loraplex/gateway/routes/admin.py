@@ -16,7 +16,7 @@ from starlette.routing import Route
 from loraplex.engine.stats import combine_stats
 from loraplex.errors import AdapterNotFoundError, InvalidRequestError
 from loraplex.gateway.auth import admin_principal
-from loraplex.gateway.http import MAX_INT32, check_window, parse_time_param
+from loraplex.gateway.http import MAX_INT32, parse_time_param
 from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.db import transaction
@@ -105,7 +105,8 @@ async def usage(request: Request) -> Response:
     now = datetime.now(UTC)
     until = parse_time_param(request.query_params, "until") or now + timedelta(hours=1)
     since = parse_time_param(request.query_params, "since") or now - DEFAULT_USAGE_WINDOW
-    check_window(since, until)
+    if since >= until:
+        raise InvalidRequestError("since must be before until", param="since")
     if until - since > MAX_USAGE_WINDOW:
         raise InvalidRequestError("the usage window is limited to 366 days", param="since")
     tenant = request.query_params.get("tenant") or None
