@@ -25,6 +25,8 @@ a retried call never counts a request twice.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import threading
 import time
@@ -290,6 +292,11 @@ return 1
 """
 
 
+# When an acquire's reply is lost, its lease is released after these waits, in turn.
+_ABANDONED_RELEASE_DELAYS_S = (0.0, 1.0, 5.0)
+logger = logging.getLogger("loraplex.gateway.ratelimit")
+
+
 class RedisRateLimiter(RateLimiter):
     """Rate limits shared by every gateway process through one Redis."""
 
@@ -328,6 +335,7 @@ class RedisRateLimiter(RateLimiter):
         self._lease_key_ttl_ms = math.ceil(lease_ttl_s * 1000) + 1000
         self._acquire_script = self._redis.register_script(_ACQUIRE_LUA)
         self._release_script = self._redis.register_script(_RELEASE_LUA)
+        self._background: set[asyncio.Task[None]] = set()
 
     def _keys(self, tenant_id: str) -> tuple[str, str, str, str, str]:
         # The hash tag keeps one tenant's keys in one Redis Cluster slot, as scripts need.
@@ -344,21 +352,28 @@ class RedisRateLimiter(RateLimiter):
         """See ``RateLimiter.acquire``."""
         _check_acquire_args(limits, reserved_tokens)
         lease_id = uuid.uuid4().hex
-        result = await self._acquire_script(
-            keys=list(self._keys(tenant_id)),
-            args=[
-                lease_id,
-                self._window_us,
-                self._lease_ttl_us,
-                limits.requests_per_minute or 0,
-                limits.tokens_per_minute or 0,
-                limits.max_concurrent or 0,
-                reserved_tokens,
-                self._concurrency_retry_us,
-                self._log_ttl_ms,
-                self._lease_key_ttl_ms,
-            ],
-        )
+        try:
+            result = await self._acquire_script(
+                keys=list(self._keys(tenant_id)),
+                args=[
+                    lease_id,
+                    self._window_us,
+                    self._lease_ttl_us,
+                    limits.requests_per_minute or 0,
+                    limits.tokens_per_minute or 0,
+                    limits.max_concurrent or 0,
+                    reserved_tokens,
+                    self._concurrency_retry_us,
+                    self._log_ttl_ms,
+                    self._lease_key_ttl_ms,
+                ],
+            )
+        except BaseException:
+            # The reply was lost (a slow Redis, a cancelled request), not necessarily the
+            # script's run: a lease it made would hold the tenant's concurrency and tokens
+            # until lease_ttl_s. Released in the background; one never made is not found.
+            self._release_later(Lease(tenant_id, lease_id, reserved_tokens))
+            raise
         admitted, limit, retry_us = result
         if int(admitted) != 1:
             name = limit.decode() if isinstance(limit, bytes) else str(limit)
@@ -383,6 +398,22 @@ class RedisRateLimiter(RateLimiter):
             return bool(await self._redis.ping())
         except (RedisError, OSError):
             return False
+
+    def _release_later(self, lease: Lease) -> None:
+        async def attempts() -> None:
+            for delay in _ABANDONED_RELEASE_DELAYS_S:
+                await asyncio.sleep(delay)
+                try:
+                    await self.release(lease, 0)
+                    return
+                except Exception:  # Redis still away: the next attempt, then the TTL
+                    continue
+            logger.warning("lease %s of tenant %s not released: it expires in its TTL",
+                           lease.lease_id, lease.tenant_id)
+
+        task = asyncio.get_running_loop().create_task(attempts())
+        self._background.add(task)  # held: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
         """Closes the connection pool."""

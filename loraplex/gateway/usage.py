@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 
@@ -44,6 +45,7 @@ class UsageMeter:
         # write the same records twice or interleave their retries.
         self._flush_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     def add(self, record: UsageRecord) -> None:
         """Queues one record; never blocks on I/O."""
@@ -72,22 +74,39 @@ class UsageMeter:
             service.record_usage(session, batch)
 
     async def flush(self) -> None:
-        """Writes every pending record now; on failure they stay pending and this raises."""
+        """Writes every pending record now; on failure they stay pending and this raises.
+        Cancelled while the write runs (a request's read-your-writes flush whose client
+        left), the write goes on in its thread and its own outcome settles the batch: put
+        back for the next flush had it been written twice once it committed."""
         async with self._flush_lock:
             with self._lock:
                 batch, self._pending = self._pending, []
             if not batch:
                 return
+            write = asyncio.ensure_future(run_in_threadpool(self._write, batch))
             try:
-                await run_in_threadpool(self._write, batch)
-            except BaseException:
-                with self._lock:
-                    self._pending[:0] = batch
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                write.add_done_callback(functools.partial(self._settle, batch))
                 raise
+            except BaseException:
+                self._restore(batch)
+                raise
+
+    def _restore(self, batch: list[UsageRecord]) -> None:
+        with self._lock:
+            self._pending[:0] = batch
+
+    def _settle(self, batch: list[UsageRecord], write: asyncio.Future[None]) -> None:
+        if write.cancelled() or write.exception() is not None:
+            self._restore(batch)
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):  # stop() ends the wait, never a write
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+            if self._stopping.is_set():
+                return
             try:
                 await self.flush()
             except Exception:
@@ -97,6 +116,7 @@ class UsageMeter:
     def start(self) -> None:
         """Starts the periodic flusher on the running event loop."""
         if self._task is None:
+            self._stopping.clear()
             self._task = asyncio.get_running_loop().create_task(self._run(),
                                                                 name="loraplex-usage")
 
@@ -104,9 +124,8 @@ class UsageMeter:
         """Stops the flusher and writes what is left, once the requests still open have
         ended (or ``close_grace_s`` has passed)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stopping.set()  # a flush under way ends first
+            await self._task
             self._task = None
         try:
             await asyncio.wait_for(self._all_closed.wait(), self._close_grace_s)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -409,3 +411,67 @@ def test_make_rate_limiter_picks_the_backend(redis_prefix: str) -> None:
 def test_limits_must_be_positive(field: str, value: int) -> None:
     with pytest.raises(ConfigError):
         TenantLimits(**{field: value})
+
+
+def test_a_lease_whose_reply_was_lost_is_released(redis_prefix: str) -> None:
+    # Redis slower than the client's timeout: the acquire script ran and recorded its lease,
+    # the reply came too late, the request got a 503, and the lease held the tenant's one
+    # concurrency slot for lease_ttl_s (600 s). Here a proxy in front of the real Redis
+    # holds its replies back while `slow` is set.
+    url = urlsplit(REDIS_URL)
+    slow = asyncio.Event()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   delayed: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if delayed and slow.is_set():
+                    await asyncio.sleep(0.6)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(url.hostname, url.port or 6379)
+        writers.extend([client_w, server_w])
+        tasks.extend([asyncio.create_task(pipe(client_r, server_w, False)),
+                      asyncio.create_task(pipe(server_r, client_w, True))])
+
+    tasks: list[asyncio.Task[None]] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def scenario() -> None:
+        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+        port = proxy.sockets[0].getsockname()[1]
+        limiter = RedisRateLimiter(f"redis://127.0.0.1:{port}{url.path}",
+                                   key_prefix=redis_prefix, timeout_s=0.3)
+        one = TenantLimits(max_concurrent=1)
+        try:
+            await limiter.release(await limiter.acquire("t", one, 0), 0)  # script loaded
+            slow.set()
+            with pytest.raises(Exception, match="(?i)timeout"):
+                await limiter.acquire("t", one, 0)
+            slow.clear()
+            for _ in range(50):  # the lease goes back in the background
+                await asyncio.sleep(0.1)
+                try:
+                    lease = await limiter.acquire("t", one, 0)
+                    break
+                except RateLimitExceeded:
+                    continue
+            else:
+                pytest.fail("the lost acquire's lease still holds the slot")
+            await limiter.release(lease, 0)
+        finally:
+            await limiter.close()
+            proxy.close()
+            await proxy.wait_closed()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for writer in writers:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    run(scenario())
