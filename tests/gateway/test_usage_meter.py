@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -74,66 +74,67 @@ def test_a_failed_flush_keeps_the_records(factory: sessionmaker[Session]) -> Non
     asyncio.run(scenario())
 
 
-def _locked_write(factory: sessionmaker[Session]) -> sqlite3.Connection:
-    """Another connection holding SQLite's write lock: the meter's write waits on it (the
-    registry's busy timeout) until it is released."""
-    url = factory.kw["bind"].url
-    holder = sqlite3.connect(url.database, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")
-    return holder
+def _one_record_while_the_write_is_locked(
+        factory: sessionmaker[Session], interval_s: float,
+        during: Callable[[UsageMeter, Callable[[], None]], Coroutine[Any, Any, None]],
+) -> tuple[int, int]:
+    """One record of 10 prompt tokens queued, then ``during(meter, release)`` with another
+    connection holding SQLite's write lock (the meter's write waits on it, the registry's
+    busy timeout) until ``release()``; then the meter stops (its final flush). Returns the
+    tenant's (requests, prompt tokens) as written."""
+    with db.transaction(factory) as session:
+        tenant_id = service.create_tenant(session, "acme").id
+    holder = sqlite3.connect(factory.kw["bind"].url.database, isolation_level=None)
+
+    def release() -> None:
+        if holder.in_transaction:
+            holder.rollback()
+
+    async def scenario() -> None:
+        meter = UsageMeter(factory, interval_s=interval_s)
+        meter.add(UsageRecord(tenant_id, None, datetime.now(UTC), prompt_tokens=10))
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            await during(meter, release)
+        finally:
+            release()
+        await meter.stop()
+        assert meter.num_pending == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        holder.close()
+    with db.transaction(factory) as session:
+        totals = service.usage_totals(session, tenant_id)
+    return totals.requests, totals.prompt_tokens
 
 
 def test_a_flush_cancelled_while_writing_is_counted_once(
         factory: sessionmaker[Session]) -> None:
     # A read-your-writes flush whose request was cancelled mid-write: the thread committed
     # the batch, and the batch, put back, had been written again by the next flush.
-    with db.transaction(factory) as session:
-        tenant_id = service.create_tenant(session, "acme").id
-
-    async def scenario() -> None:
-        meter = UsageMeter(factory, interval_s=3600)
-        meter.add(UsageRecord(tenant_id, None, datetime.now(UTC), prompt_tokens=10))
-        holder = _locked_write(factory)
+    async def during(meter: UsageMeter, release: Callable[[], None]) -> None:
         flush = asyncio.create_task(meter.flush())
         await asyncio.sleep(0.3)  # the write waits on the lock
         flush.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await flush
-        holder.rollback()
-        holder.close()
-        for _ in range(100):  # the write commits in its thread
-            await asyncio.sleep(0.05)
-            with db.transaction(factory) as session:
-                if service.usage_totals(session, tenant_id).requests:
-                    break
-        await meter.flush()
-        assert meter.num_pending == 0
+        release()
+        await asyncio.sleep(0.5)  # the write commits in its thread
 
-    asyncio.run(scenario())
-    with db.transaction(factory) as session:
-        totals = service.usage_totals(session, tenant_id)
-    assert (totals.requests, totals.prompt_tokens) == (1, 10)
+    assert _one_record_while_the_write_is_locked(factory, 3600, during) == (1, 10)
 
 
 def test_stop_during_a_periodic_flush_writes_each_record_once(
         factory: sessionmaker[Session]) -> None:
-    with db.transaction(factory) as session:
-        tenant_id = service.create_tenant(session, "acme").id
-
-    async def scenario() -> None:
-        meter = UsageMeter(factory, interval_s=0.1)
+    # stop() had cancelled the flusher inside its write, then written the batch again.
+    async def during(meter: UsageMeter, release: Callable[[], None]) -> None:
         meter.start()
-        meter.add(UsageRecord(tenant_id, None, datetime.now(UTC), prompt_tokens=10))
-        holder = _locked_write(factory)
         await asyncio.sleep(0.4)  # the periodic flush is inside its write
         stopping = asyncio.create_task(meter.stop())
         await asyncio.sleep(0.2)
-        holder.rollback()
-        holder.close()
+        release()
         await stopping
-        assert meter.num_pending == 0
 
-    asyncio.run(scenario())
-    with db.transaction(factory) as session:
-        totals = service.usage_totals(session, tenant_id)
-    assert (totals.requests, totals.prompt_tokens) == (1, 10)
+    assert _one_record_while_the_write_is_locked(factory, 0.1, during) == (1, 10)
