@@ -24,12 +24,11 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"
 KINDS: Final = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_BYTES: Final = 64 * 1024  # schemas, regexes, grammars, choice lists
 MAX_CHOICES: Final = 1024
-
-
 # Temperatures below this sample greedily, as vLLM's do: the distribution is all but the
 # argmax's long before, and under about 1e-45 the temperature is 0 in float32 (the
 # sampler's dtype), a division by zero.
 GREEDY_TEMPERATURE: Final = 1e-5
+
 
 @dataclass(frozen=True)
 class GrammarSpec:

@@ -62,6 +62,10 @@ def read_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     return value
 
 
+# A logit_bias key: a token id in ASCII digits (the sign is left to the range check).
+_TOKEN_KEY: Final = re.compile(r"-?[0-9]+")
+
+
 def as_float(key: str, value: Any, what: str = "a number") -> float:
     """A JSON number as a float; 400 naming ``key`` for any other value or for an integer
     past float's range (JSON's integers have no bound: 1 followed by 400 zeros is one)."""
@@ -71,9 +75,6 @@ def as_float(key: str, value: Any, what: str = "a number") -> float:
         return float(value)
     except OverflowError:
         raise bad(key, f"expected {what}, got an integer too large for one") from None
-
-
-_TOKEN_KEY: Final = re.compile(r"-?[0-9]+")
 
 
 def read_float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,

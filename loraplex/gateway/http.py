@@ -25,7 +25,6 @@ from loraplex.registry.db import MAX_INT32
 T = TypeVar("T")
 
 
-
 # --- bodies ------------------------------------------------------------------------------
 
 

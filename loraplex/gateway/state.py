@@ -16,6 +16,7 @@ from starlette.requests import HTTPConnection
 from loraplex.config import RegistryConfig, ServerConfig
 from loraplex.engine.backend import EngineBackend
 from loraplex.errors import InvalidRequestError
+from loraplex.gateway.fields import check_text
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.gateway.ratelimit import RateLimiter
 from loraplex.gateway.tools import CALL_OPEN
@@ -71,12 +72,7 @@ class Tokenizers:
             except Exception as exc:  # jinja's TemplateError, or raise_exception() in it
                 raise InvalidRequestError(f"the chat template refused the messages: {exc}",
                                           param="messages") from None
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate from JSON inside the request
-                raise InvalidRequestError("the rendered messages hold a lone surrogate, "
-                                          "which is not valid Unicode",
-                                          param="messages") from None
+            check_text("messages", text)  # a lone surrogate decoded from JSON inside them
             return list(self._encoder.encode(text, add_special_tokens=False))
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]],
