@@ -58,6 +58,15 @@ int loraplex_skinny_impls(void)
     return impls;
 }
 
+/* The fewest rows at which a projection's GEMM reads its LoRA weights into cache as it
+ * goes (lora.h: struct lora_prefetch). Below it the GEMM streams its weights about as fast
+ * as memory gives them, so the LoRA's reads would only share the bus. On AVX2 (the Zen 1
+ * and Zen 3 kinds, not measured with it) never. */
+#ifdef __AVX512F__
+#define SKINNY_LORA_PREFETCH_ROWS 8
+#else
+#define SKINNY_LORA_PREFETCH_ROWS INT64_MAX
+#endif
 #define NB 4 /* weight rows (output columns) per group */
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2
@@ -114,11 +123,13 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d)
 static inline __attribute__((always_inline)) void group_f32(
     const float *restrict x, int64_t ldx, const float *restrict w, int64_t k,
     const float *restrict bias, float *restrict out, int64_t ldo, int64_t n0, int nb,
-    const int mb, const char **pf, const int pf_lines)
+    const int mb, const char **pf, const int pf_lines, struct lora_prefetch *lpf,
+    const int lpf_step)
 {
     SKINNY_SETUP(float)
     for (int64_t p = 0; p < k; p += 16) {
         prefetch_ahead(pf, pf_lines);
+        if (lpf_step) lora_prefetch_some(lpf, lpf_step);
         const __mmask16 m = k - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - p)) - 1);
         __m512 wv[NB];
 #pragma GCC unroll 4
@@ -144,11 +155,13 @@ static inline __attribute__((always_inline)) void group_f32(
 static inline __attribute__((always_inline)) void group_bf16(
     const bf16 *restrict x, int64_t ldx, const bf16 *restrict w, int64_t k,
     const bf16 *restrict bias, bf16 *restrict out, int64_t ldo, int64_t n0, int nb,
-    const int mb, const char **pf, const int pf_lines)
+    const int mb, const char **pf, const int pf_lines, struct lora_prefetch *lpf,
+    const int lpf_step)
 {
     SKINNY_SETUP(bf16)
     for (int64_t p = 0; p < k; p += 32) {
         prefetch_ahead(pf, pf_lines);
+        if (lpf_step) lora_prefetch_some(lpf, lpf_step);
         const __mmask32 m = k - p >= 32 ? (__mmask32)0xffffffffu
                                         : (__mmask32)((1u << (k - p)) - 1);
         __m512i wv[NB];
@@ -255,8 +268,11 @@ static inline __m256 tail_bf16(const bf16 *p, int64_t n)
 static inline __attribute__((always_inline)) void group_f32(
     const float *restrict x, int64_t ldx, const float *restrict w, int64_t k,
     const float *restrict bias, float *restrict out, int64_t ldo, int64_t n0, int nb,
-    const int mb, const char **pf, const int pf_lines)
+    const int mb, const char **pf, const int pf_lines, struct lora_prefetch *lpf,
+    const int lpf_step)
 {
+    (void)lpf; /* SKINNY_LORA_PREFETCH_ROWS: AVX-512 builds only */
+    (void)lpf_step;
     SKINNY_AVX2_SUMS(float, LOAD_F32, tail_f32)
     SKINNY_AVX2_STORE(AS_F32, AS_F32)
 }
@@ -264,8 +280,11 @@ static inline __attribute__((always_inline)) void group_f32(
 static inline __attribute__((always_inline)) void group_bf16(
     const bf16 *restrict x, int64_t ldx, const bf16 *restrict w, int64_t k,
     const bf16 *restrict bias, bf16 *restrict out, int64_t ldo, int64_t n0, int nb,
-    const int mb, const char **pf, const int pf_lines)
+    const int mb, const char **pf, const int pf_lines, struct lora_prefetch *lpf,
+    const int lpf_step)
 {
+    (void)lpf; /* SKINNY_LORA_PREFETCH_ROWS: AVX-512 builds only */
+    (void)lpf_step;
     SKINNY_AVX2_SUMS(bf16, LOAD_BF16, tail_bf16)
     SKINNY_AVX2_STORE(bf16_to_f32, f32_to_bf16)
 }
@@ -336,7 +355,8 @@ static inline __attribute__((always_inline)) void xt_group(
 
 /* One thread's share: groups g0 .. g1 of NB weight rows, every row of x for each. */
 #define SKINNY_CHUNK(GROUP, MB_)                                                          \
-    GROUP(x + r * ldx, ldx, w, k, bias, out + r * ldo, ldo, n0, nb, MB_, &pf, pf_lines)
+    GROUP(x + r * ldx, ldx, w, k, bias, out + r * ldo, ldo, n0, nb, MB_, &pf, pf_lines, lpf, \
+          lpf_step)
 #define SKINNY_RANGE(GROUP)                                                               \
     for (int64_t g = g0; g < g1; ++g) {                                                 \
         const int64_t n0 = g * NB;                                                      \
@@ -348,6 +368,8 @@ static inline __attribute__((always_inline)) void xt_group(
         const int64_t steps_ = ((k + VEC - 1) / VEC) * ((rows + MB - 1) / MB);          \
         const int64_t steps = steps_ > 0 ? steps_ : 1;                                  \
         const int pf_lines = (int)((NB * k * (int64_t)sizeof(*w) / 64 + steps) / steps); \
+        /* and the LoRA's weights, a group's share of them (lora_prefetch_spread) */     \
+        const int lpf_step = lora_prefetch_per_step(lpf, steps);                        \
         int64_t r = 0;                                                                  \
         for (; r + MB <= rows; r += MB) SKINNY_CHUNK(GROUP, MB);                        \
         switch (rows - r) { /* fewer than MB */                                         \
@@ -367,6 +389,7 @@ static inline __attribute__((always_inline)) void xt_group(
         const int64_t groups = (n + NB - 1) / NB;                                       \
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();             \
         const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;                 \
+        if (lpf) lora_prefetch_spread(lpf, g1 - g0);                                    \
         SKINNY_RANGE(GROUP)                                                             \
     }
 #define SKINNY_PARALLEL(THREAD)                                                           \
@@ -469,7 +492,7 @@ static inline void transpose8(__m256 r[8])
 /* Rows r0 .. rows - 1 (at most 4) of the group at n0 (nb outputs) through the
  * dot-product groups, NB outputs and up to MB rows at a time. */
 #define XT_DOT_CHUNK(GROUP, MB_)                                                          \
-    GROUP(x + r * ldx, ldx, w, k, bias, out + r * ldo, ldo, n0 + s_, nb_, MB_, &pf, 0)
+    GROUP(x + r * ldx, ldx, w, k, bias, out + r * ldo, ldo, n0 + s_, nb_, MB_, &pf, 0, NULL, 0)
 #define XT_DOT_ROWS(GROUP)                                                                \
     for (int s_ = 0; s_ < nb; s_ += NB) {                                               \
         const int nb_ = nb - s_ < NB ? nb - s_ : NB;                                    \
@@ -498,6 +521,7 @@ static inline void transpose8(__m256 r[8])
     float *const xt = xt_buffer((size_t)(k * ldt + (wide ? XT_NO * k : 0)));             \
     if (!xt) {                                                                          \
         const int64_t g0 = o0 / NB, g1 = (o1 + NB - 1) / NB;                            \
+        struct lora_prefetch *const lpf = NULL;                                         \
         SKINNY_RANGE(GROUP)                                                             \
         return;                                                                         \
     }                                                                                   \
@@ -573,6 +597,7 @@ int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *
                       int num_threads)
 {
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
+    struct lora_prefetch *const lpf = NULL;
     SKINNY_PARALLEL(SKINNY_F32_THREAD)
     return 0;
 #else
@@ -592,6 +617,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
     uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k,
                                            rows <= SKINNY_AMX_OWN_ROWS ? num_threads : 1);
+    struct lora_prefetch *const lpf = NULL;
     SKINNY_PARALLEL(SKINNY_BF16_THREAD)
     return 0;
 #else
@@ -605,7 +631,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
  * parallel region: a decode step's projection wakes the team once, not twice (between
  * regions libgomp's idle threads sleep after a short spin, loraplex/openmp.py, and waking
  * them took about as long as a decode step's LoRA). Returns as lora_segments_*. */
-#define SKINNY_LORA(THREAD, PREPARE, TEAM, IMPL)                                             \
+#define SKINNY_LORA(THREAD, PREPARE, TEAM, IMPL, PAIRS)                                             \
     struct lora_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,         \
                           num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,   \
                           max_slices, IMPL, num_threads, 0, 0, NULL};                   \
@@ -615,6 +641,8 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     struct spin_team team = {0}; /* the GEMM's outputs written before LoRA adds to them */ \
     _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")               \
     {                                                                                   \
+        struct lora_prefetch lpf_, *const lpf = rows >= SKINNY_LORA_PREFETCH_ROWS ? &lpf_ : NULL; \
+        if (lpf) lora_prefetch_init(lpf, &c, PAIRS, omp_get_thread_num(), omp_get_num_threads()); \
         THREAD                                                                          \
         int phase = 0;                                                                  \
         spin_team_wait(&team, omp_get_num_threads(), &phase);                           \
@@ -636,7 +664,7 @@ int skinny_lora_f32(const float *x, int64_t ldx, const float *w, const float *bi
                     SKINNY_LORA_ARGS)
 {
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
-    SKINNY_LORA(SKINNY_F32_THREAD, lora_f32_prepare, lora_f32_team, 0)
+    SKINNY_LORA(SKINNY_F32_THREAD, lora_f32_prepare, lora_f32_team, 0, 0)
 #else
     SKINNY_LORA_UNUSED;
     return -2;
@@ -652,7 +680,7 @@ int skinny_lora_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
     uint32_t *const xp = skinny_amx_buffer(x, ldx, rows, n, k,
                                            rows <= SKINNY_AMX_OWN_ROWS ? num_threads : 1);
-    SKINNY_LORA(SKINNY_BF16_THREAD, lora_bf16_prepare, lora_bf16_team, impl)
+    SKINNY_LORA(SKINNY_BF16_THREAD, lora_bf16_prepare, lora_bf16_team, impl, 1)
 #else
     SKINNY_LORA_UNUSED;
     (void)impl;
@@ -675,6 +703,8 @@ int skinny_team_f32(const float *x, int64_t ldx, const float *w, const float *bi
                     const struct lora_call *c, struct spin_team *team, int *phase)
 {
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
+    struct lora_prefetch lpf_, *const lpf = c && rows >= SKINNY_LORA_PREFETCH_ROWS ? &lpf_ : NULL;
+    if (lpf) lora_prefetch_init(lpf, c, 0, omp_get_thread_num(), omp_get_num_threads());
     SKINNY_F32_THREAD
     if (!c) return 0;
     spin_team_wait(team, omp_get_num_threads(), phase);
@@ -696,6 +726,8 @@ int skinny_team_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
                      int *phase)
 {
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
+    struct lora_prefetch lpf_, *const lpf = c && rows >= SKINNY_LORA_PREFETCH_ROWS ? &lpf_ : NULL;
+    if (lpf) lora_prefetch_init(lpf, c, 1, omp_get_thread_num(), omp_get_num_threads());
     SKINNY_BF16_THREAD
     if (!c) return 0;
     spin_team_wait(team, omp_get_num_threads(), phase);

@@ -142,6 +142,117 @@ static inline int lora_team_items(const struct lora_call *c,
     return failed;
 }
 
+/* A thread's LoRA weights read into cache while its share of the projection's GEMM runs
+ * (cpu_skinny_gemm.c): the items it will run after the GEMM (lora_team_items: its own where
+ * planned, else every team-size-th), their A then their B, a line or two per step of the
+ * GEMM's inner loop, so that the LoRA reads them from cache instead of waiting on memory
+ * after the GEMM. */
+#ifndef LORA_PREFETCH_HINT
+#define LORA_PREFETCH_HINT 2 /* __builtin_prefetch's locality */
+#endif
+struct lora_prefetch {
+    const struct lora_call *c;
+    int me, nt, pairs;
+    int64_t item;        /* the item being read, c->num_groups past the last */
+    int part;            /* 0: its A, 1: its B */
+    const char *p, *end; /* the run's next line, its end; p NULL when all are read */
+    int64_t lines;       /* lines per GEMM group (lora_prefetch_spread) */
+};
+
+/* Elements of a slot's B in the tiled layout: its slices' diagonal blocks (bfloat16's
+ * ranks in whole pairs). */
+static inline int64_t lora_b_elems(const int64_t *slices, int64_t num_slices, int pairs)
+{
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_slices; ++s) {
+        const int64_t kb = slices[4 * s], ke = slices[4 * s + 1];
+        const int64_t rows = pairs ? 2 * ((ke + 1) / 2 - kb / 2) : ke - kb;
+        n += rows * (slices[4 * s + 3] - slices[4 * s + 2]);
+    }
+    return n;
+}
+
+static inline int64_t lora_a_elems(const struct lora_call *c, int64_t slot, int pairs)
+{
+    return (pairs ? (c->in_features + 1) / 2 * 2 : c->in_features) * c->ranks[slot];
+}
+
+static inline int lora_prefetch_owns(const struct lora_prefetch *f, int64_t g)
+{
+    const struct lora_call *c = f->c;
+    return c->planned == f->nt ? c->work[3 * c->num_groups + g] == f->me : g % f->nt == f->me;
+}
+
+/* Points f at its item's part (A or B), or at the next owned item's A. */
+static inline void lora_prefetch_run(struct lora_prefetch *f)
+{
+    const struct lora_call *c = f->c;
+    const int64_t elem = f->pairs ? 2 : 4;
+    for (; f->item < c->num_groups; ++f->item, f->part = 0) {
+        if (!lora_prefetch_owns(f, f->item)) continue;
+        const int64_t slot = c->work[3 * f->item + 2];
+        if (f->part == 0) {
+            f->p = (const char *)(intptr_t)c->at_ptrs[slot];
+            f->end = f->p + lora_a_elems(c, slot, f->pairs) * elem;
+        } else {
+            f->p = (const char *)(intptr_t)c->bt_ptrs[slot];
+            f->end = f->p + lora_b_elems(c->slice_table + slot * c->max_slices * 4,
+                                         c->num_slices[slot], f->pairs) * elem;
+        }
+        return;
+    }
+    f->p = f->end = NULL;
+}
+
+/* Thread `me` of a team of `nt`, about to run its share of a projection with LoRA `c`. */
+static inline void lora_prefetch_init(struct lora_prefetch *f, const struct lora_call *c,
+                                      int pairs, int me, int nt)
+{
+    *f = (struct lora_prefetch){c, me, nt, pairs, 0, 0, NULL, NULL, 0};
+    lora_prefetch_run(f);
+}
+
+/* Spreads the thread's weights over its `groups` groups of the GEMM. */
+static inline void lora_prefetch_spread(struct lora_prefetch *f, int64_t groups)
+{
+    const struct lora_call *c = f->c;
+    int64_t elems = 0;
+    for (int64_t g = 0; g < c->num_groups; ++g) {
+        if (!lora_prefetch_owns(f, g)) continue;
+        const int64_t slot = c->work[3 * g + 2];
+        elems += lora_a_elems(c, slot, f->pairs)
+                 + lora_b_elems(c->slice_table + slot * c->max_slices * 4,
+                                c->num_slices[slot], f->pairs);
+    }
+    const int64_t lines = (elems * (f->pairs ? 2 : 4) + 63) / 64;
+    f->lines = groups > 0 ? (lines + groups - 1) / groups : 0;
+}
+
+/* Lines per step of a group's inner loop (`steps` of them). */
+static inline int lora_prefetch_per_step(const struct lora_prefetch *f, int64_t steps)
+{
+    if (!f || !f->p) return 0;
+    return (int)((f->lines + steps - 1) / steps);
+}
+
+/* The next n lines. */
+static inline void lora_prefetch_some(struct lora_prefetch *f, int n)
+{
+    for (int l = 0; l < n && f->p; ++l) {
+        __builtin_prefetch(f->p, 0, LORA_PREFETCH_HINT);
+        f->p += 64;
+        if (f->p >= f->end) {
+            if (f->part == 0) {
+                f->part = 1;
+            } else {
+                f->part = 0;
+                ++f->item;
+            }
+            lora_prefetch_run(f);
+        }
+    }
+}
+
 /* skinny_lora_* as one thread's part of a region every thread runs (cpu_skinny_gemm.c). */
 int skinny_team_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                     float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,
