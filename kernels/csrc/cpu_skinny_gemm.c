@@ -22,6 +22,7 @@
  * half: products exact, sums float32), so a decode step streams half the bytes of its
  * float32 weights; the sums are rounded to bf16 as torch rounds. `loraplex_skinny_impls`
  * says what a build holds. */
+#include <cpuid.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,15 +59,32 @@ int loraplex_skinny_impls(void)
     return impls;
 }
 
-/* The fewest rows at which a projection's GEMM reads its LoRA weights into cache as it
- * goes (lora.h: struct lora_prefetch). Below it the GEMM streams its weights about as fast
- * as memory gives them, so the LoRA's reads would only share the bus. On AVX2 (the Zen 1
- * and Zen 3 kinds, not measured with it) never. */
+/* The fewest rows at which a projection's GEMM reads the LoRA weights that come after it
+ * into cache as it goes (lora.h: struct lora_prefetch): 8 on AMD's family 25 with AVX-512
+ * (Zen 4), where it measured faster; below 8 rows the GEMM streams its weights about as
+ * fast as memory gives them, so these reads would only share the bus. Elsewhere never: on
+ * the Zen 5 and the Xeon with AMX, reads of the same weights during the GEMM measured
+ * slower (docs/benchmarks.md, "Decode LoRA on CPU"), and the AVX2 kinds were not measured
+ * with it. */
+static int64_t skinny_lora_prefetch_rows(void)
+{
 #ifdef __AVX512F__
-#define SKINNY_LORA_PREFETCH_ROWS 8
+    static int64_t rows = -1; /* computed once; a race computes the same value */
+    if (rows < 0) {
+        unsigned a, b, c, d, family = 0;
+        /* "AuthenticAMD": the vendor string's first word, in ebx */
+        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u
+            && __get_cpuid(1, &a, &b, &c, &d)) {
+            family = (a >> 8) & 0xfu;
+            if (family == 0xfu) family += (a >> 20) & 0xffu;
+        }
+        rows = family == 0x19u ? 8 : INT64_MAX;
+    }
+    return rows;
 #else
-#define SKINNY_LORA_PREFETCH_ROWS INT64_MAX
+    return INT64_MAX;
 #endif
+}
 #define NB 4 /* weight rows (output columns) per group */
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2
@@ -271,7 +289,7 @@ static inline __attribute__((always_inline)) void group_f32(
     const int mb, const char **pf, const int pf_lines, struct lora_prefetch *lpf,
     const int lpf_step)
 {
-    (void)lpf; /* SKINNY_LORA_PREFETCH_ROWS: AVX-512 builds only */
+    (void)lpf; /* skinny_lora_prefetch_rows: AVX-512 builds only */
     (void)lpf_step;
     SKINNY_AVX2_SUMS(float, LOAD_F32, tail_f32)
     SKINNY_AVX2_STORE(AS_F32, AS_F32)
@@ -283,7 +301,7 @@ static inline __attribute__((always_inline)) void group_bf16(
     const int mb, const char **pf, const int pf_lines, struct lora_prefetch *lpf,
     const int lpf_step)
 {
-    (void)lpf; /* SKINNY_LORA_PREFETCH_ROWS: AVX-512 builds only */
+    (void)lpf; /* skinny_lora_prefetch_rows: AVX-512 builds only */
     (void)lpf_step;
     SKINNY_AVX2_SUMS(bf16, LOAD_BF16, tail_bf16)
     SKINNY_AVX2_STORE(bf16_to_f32, f32_to_bf16)
@@ -631,7 +649,7 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
  * parallel region: a decode step's projection wakes the team once, not twice (between
  * regions libgomp's idle threads sleep after a short spin, loraplex/openmp.py, and waking
  * them took about as long as a decode step's LoRA). Returns as lora_segments_*. */
-#define SKINNY_LORA(THREAD, PREPARE, TEAM, IMPL, PAIRS)                                             \
+#define SKINNY_LORA(THREAD, PREPARE, TEAM, IMPL, PAIRS)                                    \
     struct lora_call c = {x, ldx, out, ldo, k, n, seg_first, seg_len, seg_slot,         \
                           num_segs, at_ptrs, bt_ptrs, ranks, slice_table, num_slices,   \
                           max_slices, IMPL, num_threads, 0, 0, NULL};                   \
@@ -641,7 +659,8 @@ int skinny_linear_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bi
     struct spin_team team = {0}; /* the GEMM's outputs written before LoRA adds to them */ \
     _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")               \
     {                                                                                   \
-        struct lora_prefetch lpf_, *const lpf = rows >= SKINNY_LORA_PREFETCH_ROWS ? &lpf_ : NULL; \
+        struct lora_prefetch lpf_;                                                      \
+        struct lora_prefetch *const lpf = rows >= skinny_lora_prefetch_rows() ? &lpf_ : NULL; \
         if (lpf) lora_prefetch_init(lpf, &c, PAIRS, omp_get_thread_num(), omp_get_num_threads()); \
         THREAD                                                                          \
         int phase = 0;                                                                  \
@@ -703,7 +722,8 @@ int skinny_team_f32(const float *x, int64_t ldx, const float *w, const float *bi
                     const struct lora_call *c, struct spin_team *team, int *phase)
 {
 #if defined(__AVX512F__) || defined(SKINNY_AVX2)
-    struct lora_prefetch lpf_, *const lpf = c && rows >= SKINNY_LORA_PREFETCH_ROWS ? &lpf_ : NULL;
+    struct lora_prefetch lpf_;
+    struct lora_prefetch *const lpf = c && rows >= skinny_lora_prefetch_rows() ? &lpf_ : NULL;
     if (lpf) lora_prefetch_init(lpf, c, 0, omp_get_thread_num(), omp_get_num_threads());
     SKINNY_F32_THREAD
     if (!c) return 0;
@@ -726,7 +746,8 @@ int skinny_team_bf16(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias
                      int *phase)
 {
 #if defined(__AVX512BF16__) || defined(SKINNY_AVX2)
-    struct lora_prefetch lpf_, *const lpf = c && rows >= SKINNY_LORA_PREFETCH_ROWS ? &lpf_ : NULL;
+    struct lora_prefetch lpf_;
+    struct lora_prefetch *const lpf = c && rows >= skinny_lora_prefetch_rows() ? &lpf_ : NULL;
     if (lpf) lora_prefetch_init(lpf, c, 1, omp_get_thread_num(), omp_get_num_threads());
     SKINNY_BF16_THREAD
     if (!c) return 0;
