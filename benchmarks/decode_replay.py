@@ -15,6 +15,11 @@ processes on these machines; replayed steps compare two builds within one proces
 
     python benchmarks/decode_replay.py [--dtype float32] [--baseline HEAD] [--every 20]
         [--repeats 7] [--out PATH]      # ~1.5 minutes on 2 cores
+
+``--read-ahead-ab`` compares this tree's library with itself instead: the GEMM's LoRA
+read-ahead (``cpu_native.lora_read_ahead``) off as the baseline, on as the new, whatever
+this CPU's default, which is restored after each replay (to try it on a kind of machine
+where it is off by default).
 """
 
 from __future__ import annotations
@@ -45,11 +50,25 @@ from _workload import (  # noqa: E402
     with_adapters,
 )
 
-from loraplex_kernels import cpu_decode  # noqa: E402
+from loraplex_kernels import cpu_decode, cpu_native  # noqa: E402
 
 # LoRA weights per unit of rank, per layer, of an adapter on all seven modules of the
 # demo model (A: 576 x (3 + 1 + 2) + 1536 inputs; B: 960 + 576 + 3072 + 576 outputs)
 _WEIGHTS_PER_RANK = 4992 + 5184
+
+
+class _ReadAhead:
+    """This tree's library with the LoRA read-ahead forced on or off for each call."""
+
+    def __init__(self, lib: Any, on: bool) -> None:
+        self.lib, self.on = lib, on
+
+    def decode_layers(self, *args: Any) -> int:
+        cpu_native.lora_read_ahead(self.on, self.lib)
+        try:
+            return int(self.lib.decode_layers(*args))
+        finally:
+            cpu_native.lora_read_ahead("auto", self.lib)
 
 
 def _declare(lib: Any) -> Any:
@@ -138,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--baseline", metavar="REV", default="HEAD",
                         help="the git revision whose kernels the replays compare against")
+    parser.add_argument("--read-ahead-ab", action="store_true",
+                        help="this tree with the GEMM's LoRA read-ahead off, then on, "
+                             "instead of --baseline against this tree")
     parser.add_argument("--every", type=int, default=20, help="replay every N-th LoRA step")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--adapters", type=int, default=20)
@@ -158,8 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     items = with_adapters(make_workload(spec, len(tokenizer), tokenizer.all_special_ids)
                           [:args.num_requests], args.adapters, spec.zipf_exponent, spec.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"old": _declare(build_baseline(args.baseline, Path(tmp))),
-                "new": _declare(cpu_decode._lib())}
+        if args.read_ahead_ab:
+            if not cpu_native.lora_read_ahead(True):
+                raise SystemExit("this build has no LoRA read-ahead (no AVX-512)")
+            cpu_native.lora_read_ahead("auto")
+            args.baseline = "read-ahead off"
+            lib = _declare(cpu_decode._lib())
+            libs: dict[str, Any] = {"old": _ReadAhead(lib, False), "new": _ReadAhead(lib, True)}
+        else:
+            libs = {"old": _declare(build_baseline(args.baseline, Path(tmp))),
+                    "new": _declare(cpu_decode._lib())}
         replayer = Replayer(libs, args.every, args.repeats,
                             system.llm.engine.runner.slot_ranks)
         cpu_decode.run = replayer

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -188,6 +188,9 @@ def load(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "loraplex_skinny_amx"):  # a build of an older revision may lack it
         lib.loraplex_skinny_amx.restype = ctypes.c_int
         lib.loraplex_skinny_amx.argtypes = [ctypes.c_int]
+    if hasattr(lib, "loraplex_lora_read_ahead"):  # as above
+        lib.loraplex_lora_read_ahead.restype = ctypes.c_int
+        lib.loraplex_lora_read_ahead.argtypes = [ctypes.c_int]
     if hasattr(lib, "decode_layers"):  # a build of an older revision may lack it
         lib.decode_layers.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float]
@@ -497,6 +500,22 @@ def skinny_amx(enable: bool | None = None) -> bool:
     if enable is not None:
         return _set_skinny_amx(lib, enable)
     return bool(hasattr(lib, "loraplex_skinny_amx") and lib.loraplex_skinny_amx(-1))
+
+
+def lora_read_ahead(enable: bool | Literal["auto"] | None = None,
+                    lib: ctypes.CDLL | None = None) -> bool:
+    """Whether a decode projection's skinny GEMM reads the LoRA weights that come after it
+    into cache as it goes (csrc/lora.h, ``struct lora_prefetch``): by default where it
+    measured faster, AMD's Zen 4 (csrc/cpu_skinny_gemm.c). ``enable`` True or False forces
+    it, "auto" goes back to the CPU's default, for the whole process (``lib``: this
+    tree's library, or another build a benchmark loaded); None only reports. Results are
+    the same bit for bit either way: benchmarks time the two in one process, tests run
+    both. False where the build has no AVX-512 (its GEMM leaves it out)."""
+    lib = lib or _library()
+    if lib is None or not hasattr(lib, "loraplex_lora_read_ahead"):
+        return False
+    mode = -1 if enable is None else 2 if enable == "auto" else int(bool(enable))
+    return bool(lib.loraplex_lora_read_ahead(mode))
 
 
 def _skinny_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

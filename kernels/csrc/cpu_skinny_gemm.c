@@ -59,32 +59,52 @@ int loraplex_skinny_impls(void)
     return impls;
 }
 
-/* The fewest rows at which a projection's GEMM reads the LoRA weights that come after it
- * into cache as it goes (lora.h: struct lora_prefetch): 8 on AMD's family 25 with AVX-512
- * (Zen 4), where it measured faster; below 8 rows the GEMM streams its weights about as
- * fast as memory gives them, so these reads would only share the bus. Elsewhere never: on
- * the Zen 5 and the Xeon with AMX, reads of the same weights during the GEMM measured
- * slower (docs/benchmarks.md, "Decode LoRA on CPU"), and the AVX2 kinds were not measured
- * with it. */
+/* Whether a projection's GEMM reads the LoRA weights that come after it into cache as it
+ * goes (lora.h: struct lora_prefetch), at 8 rows or more: by default on AMD's family 25
+ * with AVX-512 (Zen 4), where it measured faster; below 8 rows the GEMM streams its
+ * weights about as fast as memory gives them, so these reads would only share the bus.
+ * Elsewhere off by default: on the Zen 5 and the Xeon with AMX, reads of the same weights
+ * during the GEMM measured slower (docs/benchmarks.md, "Decode LoRA on CPU"), and the
+ * AVX2 kinds were not measured with it (their builds leave it out).
+ * loraplex_lora_read_ahead: 1 on, 0 off, 2 the CPU's default; -1 only reports. Returns
+ * whether it is on now (set once per process by benchmarks and tests; read by every
+ * projection). */
+#ifdef __AVX512F__
+static int read_ahead = -1; /* -1: not yet decided */
+
+static int read_ahead_default(void)
+{
+    unsigned a, b, c, d, family = 0;
+    /* "AuthenticAMD": the vendor string's first word, in ebx */
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && __get_cpuid(1, &a, &b, &c, &d)) {
+        family = (a >> 8) & 0xfu;
+        if (family == 0xfu) family += (a >> 20) & 0xffu;
+    }
+    return family == 0x19u;
+}
+#endif
+
+int loraplex_lora_read_ahead(int mode)
+{
+#ifdef __AVX512F__
+    if (mode == 0 || mode == 1) read_ahead = mode;
+    else if (mode == 2 || read_ahead < 0) read_ahead = read_ahead_default();
+    return read_ahead;
+#else
+    (void)mode;
+    return 0;
+#endif
+}
+
 static int64_t skinny_lora_prefetch_rows(void)
 {
 #ifdef __AVX512F__
-    static int64_t rows = -1; /* computed once; a race computes the same value */
-    if (rows < 0) {
-        unsigned a, b, c, d, family = 0;
-        /* "AuthenticAMD": the vendor string's first word, in ebx */
-        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u
-            && __get_cpuid(1, &a, &b, &c, &d)) {
-            family = (a >> 8) & 0xfu;
-            if (family == 0xfu) family += (a >> 20) & 0xffu;
-        }
-        rows = family == 0x19u ? 8 : INT64_MAX;
-    }
-    return rows;
+    return (read_ahead < 0 ? loraplex_lora_read_ahead(-1) : read_ahead) ? 8 : INT64_MAX;
 #else
     return INT64_MAX;
 #endif
 }
+
 #define NB 4 /* weight rows (output columns) per group */
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2

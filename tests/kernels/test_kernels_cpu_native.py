@@ -312,3 +312,42 @@ def test_skinny_gemm_and_lora_in_one_call(runs: list[tuple[int, int]], ranks: li
     expected = ops.linear(many, torch.empty(0), bias, packed)
     cpu_native.add_lora(expected, many, meta65.short_segments, slots)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_native.can_skinny(torch.float32),
+                    reason="this CPU has neither AVX-512 nor AVX2 with FMA (the skinny GEMM's)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lora_read_ahead_changes_no_result(dtype: torch.dtype, threads: int) -> None:
+    """A decode step's projection with the GEMM reading its LoRA weights ahead (csrc/lora.h)
+    and without: the same output bit for bit, forced either way whatever this CPU's default
+    (AMD's Zen 4 has it on), and the default back after. 21 rows over 9 slots of three
+    ranks and two slices, as in the offline workload's decode steps, base rows between."""
+    if dtype == torch.bfloat16 and not cpu_native.can_skinny(dtype):
+        pytest.skip("the bfloat16 skinny GEMM does not run here")
+    default = cpu_native.lora_read_ahead()
+    slots_of = (-1, 0, 0, 1, 2, 2, 2, 3, -1, 4, 5, 5, 6, 7, 8, 8, -1, 1, 3, 6, 7)
+    case = SGMVCase("decode", tuple(sorted(slots_of)), (8, 16, 32, 8, 16, 32, 8, 16, 32),
+                    96, (64, 96))
+    inp = make_sgmv_inputs(case, dtype, "cpu")
+    slots = lora_slots(case, inp, "per_slot")
+    g = torch.Generator().manual_seed(21)
+    weight = torch.randn(inp.slice_offsets[-1], 96, generator=g).to(dtype)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None and packed.kind == "skinny"
+    meta = SGMVMeta.build(case.token_slots, case.slot_ranks)
+    assert meta.has_lora and meta.short_segments is not None
+    outs = {}
+    try:
+        built = cpu_native.lora_read_ahead(True)  # False: an AVX2 build leaves it out
+        with torch_threads(threads):
+            for on in (False, True):
+                assert cpu_native.lora_read_ahead(on) == (on and built)
+                outs[on] = ops.linear_lora(inp.x, torch.empty(0), None, packed, slots,
+                                           inp.scales, meta)
+    finally:
+        assert cpu_native.lora_read_ahead("auto") == default
+    assert torch.equal(outs[True], outs[False])
+    apart = cpu_native.skinny_linear(inp.x, weight)
+    cpu_native.add_lora(apart, inp.x, meta.short_segments, slots)
+    assert torch.equal(outs[True], apart)
