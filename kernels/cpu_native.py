@@ -53,6 +53,7 @@ _ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
 _ENV_CACHE = "LORAPLEX_KERNEL_CACHE"
 _ENV_BF16 = "LORAPLEX_CPU_BF16"
 _ENV_AMX = "LORAPLEX_CPU_AMX"
+_ENV_READ_AHEAD = "LORAPLEX_CPU_LORA_READ_AHEAD"
 # implementation name -> the C kernels' `impl` (csrc/bf16.h), best first
 BF16_IMPLS = {"avx512_bf16": 1, "portable": 0}
 
@@ -466,6 +467,17 @@ def amx_choice() -> str:
     return choice
 
 
+def read_ahead_choice() -> Literal["auto", "0", "1"]:
+    """``LORAPLEX_CPU_LORA_READ_AHEAD``: "auto" (the default: the CPU's, on for AMD's
+    Zen 4), "0" (never) or "1" (on any AVX-512 build, to try it on another kind of
+    machine); ValueError else. Applied by each model runner (``lora_read_ahead``)."""
+    choice = os.environ.get(_ENV_READ_AHEAD, "auto")
+    for allowed in ("auto", "0", "1"):
+        if choice == allowed:
+            return allowed
+    raise ValueError(f"{_ENV_READ_AHEAD} must be auto, 0 or 1, not {choice!r}")
+
+
 def _cpu_has_amx() -> bool:
     return {"amx_tile", "amx_bf16"} <= set(_cpu_signature().split())
 
@@ -508,7 +520,8 @@ def lora_read_ahead(enable: bool | Literal["auto"] | None = None,
     into cache as it goes (csrc/lora.h, ``struct lora_prefetch``): by default where it
     measured faster, AMD's Zen 4 (csrc/cpu_skinny_gemm.c). ``enable`` True or False forces
     it, "auto" goes back to the CPU's default, for the whole process (``lib``: this
-    tree's library, or another build a benchmark loaded); None only reports. Results are
+    tree's library, or another build a benchmark loaded); None only reports. A model
+    runner applies ``LORAPLEX_CPU_LORA_READ_AHEAD`` (``read_ahead_choice``). Results are
     the same bit for bit either way: benchmarks time the two in one process, tests run
     both. False where the build has no AVX-512 (its GEMM leaves it out)."""
     lib = lib or _library()

@@ -108,10 +108,12 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kernel_backend = kernel_backend
         try:
-            # refuse a bad LORAPLEX_CPU_GEMM, _BF16 or _AMX before loading anything
+            # refuse a bad LORAPLEX_CPU_GEMM, _BF16, _AMX or _LORA_READ_AHEAD before
+            # loading anything
             cpu_gemm_choice()
             cpu_native.bf16_impl()
             amx = cpu_native.amx_choice()
+            read_ahead = cpu_native.read_ahead_choice()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.model, self.args = load_model(
@@ -121,6 +123,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # every step allocates its activations anew
             cpu_native.skinny_amx(amx == "auto")  # bf16 decode GEMMs on AMX tiles
+            # decode GEMMs reading their LoRA weights ahead (csrc/lora.h)
+            cpu_native.lora_read_ahead("auto" if read_ahead == "auto" else read_ahead == "1")
             if self.dtype == torch.bfloat16 and "avx512_bf16" not in cpu_native.bf16_impls():
                 logging.getLogger("loraplex").warning(
                     "bfloat16 runs without AVX512_BF16 kernels here (the CPU lacks the "

@@ -103,6 +103,29 @@ def test_amx_setting_is_applied_by_the_runner_and_a_bad_one_refused(
                     CacheConfig(num_kv_blocks=4), LORA, progress=False)
 
 
+def test_lora_read_ahead_setting_is_applied_by_the_runner_and_a_bad_one_refused(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LORAPLEX_CPU_LORA_READ_AHEAD`` is read when a runner is built: 0 off, 1 on
+    where the build has it (AVX-512), auto the CPU's default; anything else is refused
+    before the model loads."""
+    built = cpu_native.lora_read_ahead(True)
+    cpu_native.lora_read_ahead("auto")
+    default = cpu_native.lora_read_ahead()
+    try:
+        for value, expected in (("0", False), ("1", built), ("auto", default)):
+            monkeypatch.setenv("LORAPLEX_CPU_LORA_READ_AHEAD", value)
+            ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=4), LORA,
+                        progress=False)
+            assert cpu_native.lora_read_ahead() == expected, value
+        monkeypatch.setenv("LORAPLEX_CPU_LORA_READ_AHEAD", "yes")
+        with pytest.raises(ConfigError, match="LORAPLEX_CPU_LORA_READ_AHEAD must be auto, "
+                                              "0 or 1"):
+            ModelRunner(ModelConfig(str(tiny_llama_dir)), CacheConfig(num_kv_blocks=4), LORA,
+                        progress=False)
+    finally:
+        cpu_native.lora_read_ahead("auto")
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty"])
 def test_a_damaged_weights_file_is_one_line_naming_it(tiny_llama_dir: Path, tmp_path: Path,
                                                       damage: str) -> None:
