@@ -207,6 +207,7 @@ class LLMEngine:
         out = self.scheduler.schedule(plan.num_tokens if plan is not None else None)
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
+            self._end_siblings(out.failed)
             return deltas
         self.num_steps += 1
         self.runner.swap_out(out.swap_out)
@@ -225,9 +226,17 @@ class LLMEngine:
                              for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
+        self._end_siblings(out.failed)
         if not self.scheduler.has_unfinished():
             self._check_quiescent()
         return deltas
+
+    def _end_siblings(self, failed: list[tuple[Request, AdapterError]]) -> None:
+        """A sequence whose adapter failed ends its whole request (its error delta ends
+        every sequence of it for the consumer): its siblings (n > 1) stop at this step's end,
+        as an abort stops them, rather than running on to max_tokens for nobody."""
+        for request, _ in failed:
+            self.abort(request.group_id or request.request_id)
 
     def _check_quiescent(self) -> None:
         """With no request left, every KV block must be free or cached and the block

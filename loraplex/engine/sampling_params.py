@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -77,6 +78,22 @@ def _canonical(value: Any, param: str) -> str:
         raise InvalidRequestError(f"is not plain JSON: {exc}", param=param) from None
 
 
+# Stored as float whatever real number they are given as: `presence_penalty=1` is an int,
+# and the sampler's tensors of a batch whose penalties were all ints came out int64.
+_FLOAT_FIELDS: Final = ("temperature", "top_p", "min_p", "presence_penalty",
+                        "frequency_penalty", "repetition_penalty")
+
+
+def _as_float(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(f"{param} must be a number, got {value!r}", param=param)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        raise InvalidRequestError(f"{param} must be a finite number, got {value!r}",
+                                  param=param) from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Generation parameters, named as in vLLM and OpenAI's API."""
@@ -116,6 +133,8 @@ class SamplingParams:
         pairs = bias.items() if isinstance(bias, Mapping) else bias
         object.__setattr__(self, "logit_bias", tuple(sorted(
             (int(t), float(v)) for t, v in pairs)))
+        for name in _FLOAT_FIELDS:
+            object.__setattr__(self, name, _as_float(getattr(self, name), name))
         self._validate()
 
     def _validate(self) -> None:

@@ -207,6 +207,9 @@ def apply_allowed(logits: torch.Tensor, raw: torch.Tensor,
     return out
 
 
+_REPETITION_RANGE = (1e-30, 1e30)
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """``logits`` with repetition, frequency and presence penalties applied; the same
     tensor when no row has one.
@@ -237,13 +240,18 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     def per_cell(name: str) -> torch.Tensor:
         values = torch.zeros(len(rows))
-        values[penalised] = torch.tensor([getattr(rows[i], name) for i in penalised])
+        values[penalised] = torch.tensor([float(getattr(rows[i], name)) for i in penalised])
         return values[row_of_seen]  # [num_seen]
 
     seen, output_counts = seen.to(dev), output_counts.to(dev)
     flat = logits.reshape(-1)
     values = flat[seen]  # [num_seen]
-    repetition = per_cell("repetition_penalty").to(dev)
+    # Any penalty > 0 is valid, but in float32 one under ~1e-38 is 0 (a division by zero,
+    # its cells +inf) and one past ~3e38 is inf (a zero logit times it NaN): each is taken
+    # at the nearest end of [1e-30, 1e30], where a logit of the model's and logit_bias's
+    # sizes (under ~1e3) stays finite through any temperature sampled from (1e-5 up) and
+    # every cell keeps its place in the row's order.
+    repetition = per_cell("repetition_penalty").clamp(*_REPETITION_RANGE).to(dev)
     values = torch.where(values > 0, values / repetition, values * repetition)
     values = (values - per_cell("frequency_penalty").to(dev) * output_counts
               - per_cell("presence_penalty").to(dev) * (output_counts > 0).float())

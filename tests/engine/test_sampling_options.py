@@ -89,6 +89,19 @@ def test_penalties_and_bias_match_the_definitions(
     assert sum(e != expected[0] for e in expected) > 0
 
 
+def test_penalties_given_as_ints_match_the_definitions(small_llm: LLM, oracle: Any) -> None:
+    """`presence_penalty=1` and the like, as vLLM's users write them, each request alone in
+    its batch (a batch whose penalised rows all gave one penalty as an int had that
+    penalty's tensor come out int64, and the step failed)."""
+    kinds: list[dict[str, Any]] = [{"presence_penalty": 1}, {"frequency_penalty": 2},
+                                   {"repetition_penalty": 2, "frequency_penalty": -1}]
+    prompts = [[7, 8, 9, 7, 8, 9, 11], [20, 21, 20, 21, 22], [30, 31, 32, 30]]
+    for prompt, kind in zip(prompts, kinds, strict=True):
+        out = small_llm.generate([prompt], _params(kind))[0]
+        assert out.outputs[0].token_ids == reference_greedy_processed(
+            oracle, prompt, MAX_TOKENS, **_processing(kind)), kind
+
+
 def test_min_tokens_holds_back_stop_tokens_and_strings(small_llm: LLM) -> None:
     llm = small_llm
     prompt = [11, 42, 7, 99, 100, 3, 58]
@@ -163,6 +176,9 @@ def test_prompt_logprobs_survive_preemption(tiny_llama_dir: Path, oracle: Any) -
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": True}, "repetition_penalty"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"top_p": 10**400}, "top_p"),
     ({"min_tokens": 17}, "min_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),

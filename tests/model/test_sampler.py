@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraplex.model.sampler import (
     SamplingRow,
@@ -199,3 +201,36 @@ def test_verify_greedy_keeps_the_matching_prefix_and_the_next_argmax() -> None:
     assert verify(logits, [3, 1, 2], SamplingRow()) == [3, 1, 4]
     assert verify(logits, [0, 1, 4], SamplingRow()) == [3]
     assert verify(logits, [3, 1, 4], SamplingRow()) == [3, 1, 4, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(repetition=st.floats(min_value=0.0, max_value=1e308, exclude_min=True),
+       temperature=st.sampled_from([1e-5, 0.3, 1.0, 2.0]),
+       seed=st.integers(0, 2**16), bias=st.booleans())
+def test_any_valid_repetition_penalty_keeps_logits_finite_and_the_oracles_argmax(
+        repetition: float, temperature: float, seed: int, bias: bool) -> None:
+    """Every penalty the API takes (> 0, finite: 5e-324 to 1e308), with and without
+    logit_bias at its limit: processed logits stay finite, the greedy token is the float64
+    oracle's, and a random row's probabilities are a distribution (float32 turns a penalty
+    under ~1e-38 into 0 and one past ~3e38 into inf)."""
+    g = _gen(seed)
+    vocab = 64
+    logits = torch.randn(2, vocab, generator=g) * 4
+    history = torch.randperm(vocab, generator=g)[:12].tolist()
+    spec: dict[str, Any] = {"repetition_penalty": repetition,
+                            "prompt_token_ids": history[:8], "output_token_ids": history[8:]}
+    if bias:
+        spec["logit_bias"] = ((history[0], 100.0), (history[9], -100.0))
+    rows = [SamplingRow(**spec),
+            SamplingRow(temperature=temperature, generator=_gen(seed), **spec)]
+    got = apply_penalties(apply_bias(logits, rows), rows)
+    assert bool(torch.isfinite(got).all())
+    # The float64 oracle itself overflows past [1e-300, 1e300] (a logit over 5e-324 is inf
+    # there); beyond it a penalty's effect on the row's order no longer changes.
+    expected = reference_processed_logits(logits[0], history[:8], history[8:],
+                                          repetition=min(max(repetition, 1e-300), 1e300),
+                                          logit_bias=spec.get("logit_bias", ()))
+    assert int(got[0].argmax()) == int(expected.argmax())
+    assert sample(logits, rows)[0].token_id == int(expected.argmax())
+    probs = _filtered_probs(got[1:], rows[1:])
+    assert bool(torch.isfinite(probs).all()) and float(probs.sum()) == pytest.approx(1.0)
