@@ -10,7 +10,8 @@ import hashlib
 import json
 import math
 import numbers
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -84,6 +85,37 @@ _FLOAT_FIELDS: Final = ("temperature", "top_p", "min_p", "presence_penalty",
                         "frequency_penalty", "repetition_penalty")
 
 
+_INT_FIELDS: Final = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
+                       "prompt_logprobs")
+_OPTIONAL_FIELDS: Final = ("seed", "logprobs", "prompt_logprobs")
+_BOOL_FIELDS: Final = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# The seeds a sequence's generator takes (torch.Generator.manual_seed).
+SEED_RANGE: Final = (-(1 << 63), (1 << 64) - 1)
+
+
+def _as_int(value: Any, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
+    return int(value)
+
+
+def _as_tuple(value: Any, param: str) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{param} must be a list, got {value!r}", param=param)
+    return tuple(value)
+
+
+def _bias_pair(pair: Any) -> tuple[int, float]:
+    """A (token id, bias) pair of logit_bias: the id an integer or its decimal digits."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {pair!r}",
+                                  param="logit_bias")
+    token, bias = pair
+    if isinstance(token, str) and re.fullmatch(r"-?[0-9]+", token):
+        token = int(token)
+    return _as_int(token, "logit_bias"), _as_float(bias, "logit_bias")
+
+
 def _as_float(value: Any, param: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequestError(f"{param} must be a number, got {value!r}", param=param)
@@ -122,19 +154,30 @@ class SamplingParams:
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        # Accept a single stop string or list, store a tuple.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = self.logit_bias
-        pairs = bias.items() if isinstance(bias, Mapping) else bias
-        object.__setattr__(self, "logit_bias", tuple(sorted(
-            (int(t), float(v)) for t, v in pairs)))
+        # Every field is given its type here, or refused naming it: the offline API takes
+        # these from Python code, and a wrong type had reached the sampler (top_k=2.5,
+        # logprobs=True) and failed the step. A single stop string or a list, stored as a
+        # tuple; None for any of the sequences is empty, as in vLLM.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        stop = self.stop if self.stop is not None else ()
+        put("stop", (stop,) if isinstance(stop, str) else _as_tuple(stop, "stop"))
+        put("stop_token_ids", tuple(_as_int(t, "stop_token_ids") for t in _as_tuple(
+            self.stop_token_ids if self.stop_token_ids is not None else (), "stop_token_ids")))
+        bias = self.logit_bias if self.logit_bias is not None else ()
+        pairs = bias.items() if isinstance(bias, Mapping) else _as_tuple(bias, "logit_bias")
+        put("logit_bias", tuple(sorted(_bias_pair(pair) for pair in pairs)))
         for name in _FLOAT_FIELDS:
-            object.__setattr__(self, name, _as_float(getattr(self, name), name))
+            put(name, _as_float(getattr(self, name), name))
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL_FIELDS:
+                put(name, _as_int(value, name))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, got "
+                                          f"{getattr(self, name)!r}", param=name)
         self._validate()
 
     def _validate(self) -> None:
@@ -174,8 +217,8 @@ class SamplingParams:
                                     f", got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "entries must be non-empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad("seed", f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loraplex import LLM, SamplingParams
 from loraplex.errors import InvalidRequestError
@@ -191,3 +193,37 @@ def test_bad_options_are_refused_and_the_engine_keeps_serving(
     assert info.value.param == param
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[0]
     assert len(out.outputs[0].token_ids) >= 1
+
+
+# Values of every Python type a caller might hand SamplingParams, right or wrong.
+_ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 24), st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True), st.floats(-3.0, 3.0),
+    st.text(max_size=3), st.lists(st.one_of(st.integers(-2, 400), st.text(max_size=2),
+                                            st.floats(-2, 2)), max_size=3),
+    st.dictionaries(st.one_of(st.integers(-2, 400), st.text(max_size=3)),
+                    st.one_of(st.floats(-150, 150), st.text(max_size=2)), max_size=3))
+_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
+           "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+           "include_stop_str_in_output", "skip_special_tokens")
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.dictionaries(st.sampled_from(_FIELDS), _ANY_VALUE, max_size=4))
+def test_any_field_of_any_type_is_run_or_refused_naming_it(
+        small_llm: LLM, fields: dict[str, Any]) -> None:
+    """SamplingParams through the offline API with fields of every type: a request either
+    runs (each of its n outputs has a token or more) or is refused with InvalidRequestError
+    naming one of the fields it set; nothing else is raised, and the engine keeps serving
+    (the next example runs on it). Wrong types had reached the sampler (``top_k=2.5``,
+    ``logprobs=True``) and failed the step."""
+    fields.setdefault("max_tokens", 3)
+    try:
+        out = small_llm.generate([[5, 6, 7, 5]], SamplingParams(**fields))[0]
+    except InvalidRequestError as exc:
+        assert exc.param in fields, (exc.param, fields)
+        return
+    assert len(out.outputs) == fields.get("n", 1)
+    assert all(seq.token_ids for seq in out.outputs)
