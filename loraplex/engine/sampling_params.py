@@ -79,12 +79,10 @@ def _canonical(value: Any, param: str) -> str:
         raise InvalidRequestError(f"is not plain JSON: {exc}", param=param) from None
 
 
-# Stored as float whatever real number they are given as: `presence_penalty=1` is an int,
-# and the sampler's tensors of a batch whose penalties were all ints came out int64.
+# Each field stored as its type whatever it is given as (`presence_penalty=1` is an int;
+# the sampler's tensors of a batch whose penalties were all ints came out int64).
 _FLOAT_FIELDS: Final = ("temperature", "top_p", "min_p", "presence_penalty",
                         "frequency_penalty", "repetition_penalty")
-
-
 _INT_FIELDS: Final = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
                        "prompt_logprobs")
 _OPTIONAL_FIELDS: Final = ("seed", "logprobs", "prompt_logprobs")
@@ -184,7 +182,7 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not 0 <= self.temperature < math.inf:  # NaN too
             raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
@@ -194,7 +192,7 @@ class SamplingParams:
             raise bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -212,7 +210,7 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, "
                                         f"{MAX_LOGIT_BIAS:g}], got {value} for {token_id}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]"
                                     f", got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

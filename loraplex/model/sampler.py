@@ -240,7 +240,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     def per_cell(name: str) -> torch.Tensor:
         values = torch.zeros(len(rows))
-        values[penalised] = torch.tensor([float(getattr(rows[i], name)) for i in penalised])
+        values[penalised] = torch.tensor([getattr(rows[i], name) for i in penalised],
+                                         dtype=torch.float32)
         return values[row_of_seen]  # [num_seen]
 
     seen, output_counts = seen.to(dev), output_counts.to(dev)
