@@ -16,12 +16,16 @@ Where the CPU has AMX, the bfloat16 skinny GEMM of decode batches runs on its ti
 
 The library is compiled with ``-march=native``, so the cache key includes the compiler,
 the flags and the CPU's feature flags: a cache directory shared between machines never
-hands one machine another's instructions. Builds are atomic (temporary file, rename).
+hands one machine another's instructions. One cache per user (``~/.cache/loraplex/kernels``,
+whatever ``LORAPLEX_HOME`` is), so a second home or a test's fresh home reuses the build.
+The sources compile in parallel, one object each, then link; a build is atomic (temporary
+folder, rename) and one process builds a key while others wait on its lock.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -29,7 +33,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,12 +69,15 @@ _ptr = ctypes.c_void_p
 
 
 def cache_dir() -> Path:
+    """``$LORAPLEX_KERNEL_CACHE``, else the user's ``$XDG_CACHE_HOME/loraplex/kernels``
+    (``~/.cache/...``): one per user, not per ``LORAPLEX_HOME``, since a build depends only
+    on the sources, the compiler and the CPU."""
     explicit = os.environ.get(_ENV_CACHE)
     if explicit:
         return Path(explicit)
-    home = os.environ.get("LORAPLEX_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                           "loraplex")
-    return Path(home) / "kernels"
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                  ".cache")
+    return Path(user_cache) / "loraplex" / "kernels"
 
 
 def _cpuinfo(*keys: str) -> str | None:
@@ -108,12 +118,23 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
 
 
+Progress = Callable[[str], None]
+# gcc's own flags for one object; -shared is the link's
+_COMPILE_FLAGS = [f for f in _FLAGS if f != "-shared"]
+# a build folder this old belongs to no running build (a killed one leaves it)
+_ABANDONED_BUILD_S = 3600.0
+
+
 def build(compiler: str | None = None, directory: Path | None = None,
-          csrc: Path | None = None, flags: Sequence[str] = ()) -> Path:
+          csrc: Path | None = None, flags: Sequence[str] = (),
+          progress: Progress | None = None, jobs: int | None = None) -> Path:
     """Compiles the library if this machine has no build of the current source yet.
     ``csrc``: a folder holding every C source and header of another revision (benchmarks),
     compiled instead of this tree's. ``flags``: more compiler flags (tests: the AVX2
-    kernels of a build with AVX-512 turned off, on a CPU that has it)."""
+    kernels of a build with AVX-512 turned off, on a CPU that has it). ``progress`` is
+    told each stage in one line (what is compiled where, each source with its time, the
+    link), or that a cached build is used; ``jobs``: sources compiled at once (default:
+    the CPUs this process may run on)."""
     sources = sorted(csrc.glob("*.c")) if csrc else _SOURCES
     headers = sorted(csrc.glob("*.h")) if csrc else _HEADERS
     cc = compiler or _compiler()
@@ -126,22 +147,98 @@ def build(compiler: str | None = None, directory: Path | None = None,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"cpu_kernels-{key}.so"
+    say = progress or (lambda _line: None)
     if target.exists():
+        say(f"using the cached build {target}")
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *_FLAGS, *flags, *map(str, sources), "-o", tmp, "-lm"],
+    with _build_lock(directory / f".cpu_kernels-{key}.lock", say):
+        if target.exists():  # built by the process we waited for
+            say(f"using the build another process just made, {target}")
+            return target
+        _remove_abandoned_builds(directory)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=directory) as work:
+            _compile(cc, sources, [*_COMPILE_FLAGS, *flags], Path(work), target, csrc,
+                     jobs or len(os.sched_getaffinity(0)), say)
+    return target
+
+
+def _compile(cc: str, sources: Sequence[Path], flags: Sequence[str], work: Path,
+             target: Path, csrc: Path | None, jobs: int, say: Progress) -> None:
+    """Each source to an object in ``work``, ``jobs`` at a time, then one link, renamed to
+    ``target`` when complete."""
+    started = time.monotonic()
+    jobs = max(1, min(jobs, len(sources)))
+    say(f"compiling the native CPU kernels ({len(sources)} sources, {jobs} at a time, with "
+        f"{cc}) into {target.parent}; once per machine and source")
+
+    def compile_one(source: Path) -> tuple[Path, float]:
+        began = time.monotonic()
+        proc = subprocess.run([cc, *flags, "-c", str(source), "-o",
+                               str(work / f"{source.stem}.o")],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"building the kernels in {csrc or _CSRC} failed: "
                                f"{proc.stderr.strip()[:2000]}")
-        os.replace(tmp, target)
+        return source, time.monotonic() - began
+
+    # The largest first: the longest compile (the skinny GEMM's, ~2/3 of all) starts at once
+    # and the rest share the other cores meanwhile.
+    by_size = sorted(sources, key=lambda source: source.stat().st_size, reverse=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(compile_one, source) for source in by_size]
+        for done, future in enumerate(as_completed(futures), start=1):
+            source, seconds = future.result()
+            say(f"compiled {source.name} in {seconds:.1f} s ({done}/{len(sources)})")
+    began = time.monotonic()
+    library = work / target.name
+    proc = subprocess.run([cc, "-shared", "-fopenmp", *(str(work / f"{s.stem}.o")
+                                                         for s in sources),
+                           "-o", str(library), "-lm"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"linking the kernels of {csrc or _CSRC} failed: "
+                           f"{proc.stderr.strip()[:2000]}")
+    os.replace(library, target)
+    say(f"linked in {time.monotonic() - began:.1f} s; the kernels took "
+        f"{time.monotonic() - started:.1f} s")
+
+
+@contextmanager
+def _build_lock(path: Path, say: Progress) -> Iterator[None]:
+    """One builder per key: the others wait for it (and then use its library)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("waiting for another process that is compiling the same kernels")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        os.close(fd)
+
+
+def _remove_abandoned_builds(directory: Path) -> None:
+    cutoff = time.time() - _ABANDONED_BUILD_S
+    for path in directory.glob(".build-*"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def prepare(progress: Progress | None = None) -> bool:
+    """Builds the library now (unless cached or switched off), telling ``progress`` each
+    stage, and says whether the native kernels are available. What a command that loads a
+    model calls first, so a first build is seen rather than silent."""
+    if os.environ.get(_ENV_SWITCH, "1") != "0":
+        try:
+            build(progress=progress)
+        except (OSError, RuntimeError):
+            pass  # _library logs it and falls back to the reference
+    return available()
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from servers import wait_ready
 
 from loraplex.testing import postgres_url_for_tests, redis_url_for_tests
 
@@ -561,6 +562,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_entrypoint_serves_the_stack_against_local_postgres_and_redis(
         tmp_path: Path, tiny_llama_dir: Path, deploy_database: str,
         deploy_redis: Any) -> None:
@@ -591,17 +593,8 @@ def test_entrypoint_serves_the_stack_against_local_postgres_and_redis(
              "--max-num-seqs", "4"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 240
+        wait_ready(base, proc, "the image's entrypoint", log=log_path)
         with httpx.Client(base_url=base, timeout=10) as client:
-            while True:
-                assert proc.poll() is None, log_path.read_text()
-                try:
-                    if client.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.5)
             assert client.get("/health").json() == {"status": "ok"}
 
             # The image's health check command answers 0 against the live server.

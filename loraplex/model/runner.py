@@ -8,6 +8,7 @@ model with its own KV pool (``model/draft.py``). What to run comes in as ``Batch
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -107,6 +108,11 @@ class ModelRunner:
         self.lora_config = lora_config
         self.block_size = cache_config.block_size
         self.kernel_backend = kernel_backend
+        if self.device.type == "cpu" and progress:
+            # A first build takes tens of seconds (minutes on a busy machine): shown, never
+            # a silent wait before the model loads.
+            cpu_native.prepare(lambda line: print(f"loraplex kernels: {line}",
+                                                  file=sys.stderr, flush=True))
         try:
             # refuse a bad LORAPLEX_CPU_GEMM, _BF16, _AMX or _LORA_READ_AHEAD before
             # loading anything

@@ -3,13 +3,9 @@ then the admin key bootstrap on its own."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -17,6 +13,7 @@ from typing import IO
 import httpx
 import openai
 import pytest
+from servers import clean_env, free_port, serve_command, wait_ready
 from sqlalchemy.orm import Session
 
 from loraplex.cli_serve import admin_url
@@ -24,38 +21,7 @@ from loraplex.errors import ConfigError
 from loraplex.gateway.auth import ensure_admin_key
 from loraplex.registry import db, service
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_ready(url: str, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"loraplex serve exited with {proc.returncode}")
-            try:
-                if http.get(f"{url}/ready").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-    raise AssertionError("loraplex serve did not become ready")
-
-
-def serve_command(*args: str) -> list[str]:
-    exe = shutil.which("loraplex")
-    return ([exe] if exe else [sys.executable, "-m", "loraplex.cli"]) + ["serve", *args]
-
-
-def clean_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
-    env["LORAPLEX_HOME"] = str(home)
-    return env
+pytestmark = pytest.mark.server
 
 
 def read_banner(stream: IO[str]) -> tuple[str, list[str]]:
@@ -123,6 +89,45 @@ def test_loraplex_serve_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None
             assert service.usage_totals(session, admin.id).requests == 1
     finally:
         engine.dispose()
+
+
+def kernel_lines(before_banner: str) -> list[str]:
+    prefix = "loraplex kernels: "
+    return [line[len(prefix):] for line in before_banner.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+def test_first_serve_shows_the_kernel_build_and_another_home_reuses_it(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A new user's first start compiles the native kernels with a line per stage (no
+    silent minutes before the banner); a second LORAPLEX_HOME of the same user reuses that
+    build instead of compiling again."""
+    user_cache = tmp_path / "user-cache"  # what ~/.cache is for a new user
+    said: list[list[str]] = []
+    for home in ("first-home", "second-home"):
+        env = clean_env(tmp_path / home) | {"XDG_CACHE_HOME": str(user_cache)}
+        port = free_port()
+        proc = subprocess.Popen(
+            serve_command("--model", str(tiny_llama_dir), "--port", str(port),
+                          "--num-kv-blocks", "32", "--log-level", "warning"),
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stderr is not None
+            before, _banner = read_banner(proc.stderr)
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate()
+        assert proc.returncode == 0
+        said.append(kernel_lines(before))
+    first, second = said
+    cache = user_cache / "loraplex" / "kernels"
+    assert first[0].startswith("compiling the native CPU kernels (") and str(cache) in first[0]
+    assert len([line for line in first if line.startswith("compiled ")]) == len(first) - 2
+    assert first[-1].startswith("linked in ") and "the kernels took" in first[-1]
+    (library,) = cache.glob("cpu_kernels-*.so")
+    assert second == [f"using the cached build {library}"]
+    assert not (tmp_path / "second-home" / "kernels").exists()
 
 
 @pytest.fixture

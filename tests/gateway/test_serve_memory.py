@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from test_cli_serve import clean_env, free_port, serve_command, wait_ready
+from servers import clean_env, free_port, serve_command, wait_ready
 
 from loraplex.model.demo import prepare_demo_model
+
+pytestmark = pytest.mark.server
 
 NUM_KV_BLOCKS = 64
 BLOCK_SIZE = 16
@@ -65,7 +67,7 @@ def test_serve_holds_at_most_one_and_a_half_times_the_weights(tmp_path: Path) ->
         env=clean_env(tmp_path / "home"), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, text=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, timeout_s=300)
+        wait_ready(f"http://127.0.0.1:{port}", proc)
         served = vm_rss(Path(f"/proc/{proc.pid}/status").read_text())
     finally:
         proc.send_signal(signal.SIGINT)

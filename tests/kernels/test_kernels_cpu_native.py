@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -110,7 +111,7 @@ def test_dispatch_prefers_native_on_cpu() -> None:
 def _child(code: str, **env: str) -> str:
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=root, check=False, timeout=120)
+                          env={**os.environ, **env}, cwd=root, check=False)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -122,21 +123,55 @@ def test_switch_off_falls_back_to_the_reference() -> None:
 
 
 def test_build_is_cached_per_source_and_machine(tmp_path: Path) -> None:
-    code = "from loraplex_kernels import cpu_native; print(cpu_native.build())"
-    first = _child(code, LORAPLEX_KERNEL_CACHE=str(tmp_path))
-    again = _child(code, LORAPLEX_KERNEL_CACHE=str(tmp_path))
-    assert first == again and Path(first).parent == tmp_path
-    # One library, no temporary files left behind.
-    assert [p.name for p in tmp_path.iterdir()] == [Path(first).name]
+    code = ("from loraplex_kernels import cpu_native; "
+            "print(cpu_native.build(progress=lambda line: print('>', line)))")
+    first = _child(code, LORAPLEX_KERNEL_CACHE=str(tmp_path)).splitlines()
+    again = _child(code, LORAPLEX_KERNEL_CACHE=str(tmp_path)).splitlines()
+    library = Path(first[-1])
+    assert again[-1] == first[-1] and library.parent == tmp_path
+    # Every stage of the first build said in a line, each source once with its time; the
+    # second only that it uses the cached build.
+    assert first[0].startswith(f"> compiling the native CPU kernels ({len(cpu_native._SOURCES)}"
+                               f" sources, ") and str(tmp_path) in first[0]
+    compiled = sorted(line.split()[2] for line in first[1:-2])
+    assert compiled == sorted(source.name for source in cpu_native._SOURCES)
+    assert all(re.fullmatch(r"> compiled \S+\.c in \d+\.\d s \(\d/\d\)", line)
+               for line in first[1:-2]), first
+    assert re.fullmatch(r"> linked in \d+\.\d s; the kernels took \d+\.\d s", first[-2])
+    assert again == [f"> using the cached build {library}", str(library)]
+    # One library and its lock, no build folder or object left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{library.stem}.lock",
+                                                           library.name]
 
 
+@pytest.mark.slow
+def test_concurrent_builds_compile_once(tmp_path: Path) -> None:
+    """Two processes starting on one empty cache: one compiles, the other waits for it and
+    uses its library (a test session's servers all starting on a fresh machine)."""
+    code = ("from loraplex_kernels import cpu_native; "
+            "print(cpu_native.build(progress=lambda line: print('>', line)))")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "LORAPLEX_KERNEL_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=env, cwd=root) for _ in range(2)]
+    outputs = [proc.communicate()[0].splitlines() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert outputs[0][-1] == outputs[1][-1]
+    builders = [out for out in outputs if out[0].startswith("> compiling")]
+    waiters = [out for out in outputs if not out[0].startswith("> compiling")]
+    assert len(builders) == 1, outputs
+    # The second may have arrived after the first finished (a cached build) or while it ran.
+    assert waiters[0][-2] in (f"> using the cached build {outputs[0][-1]}",
+                              f"> using the build another process just made, "
+                              f"{outputs[0][-1]}"), waiters
 def test_broken_compiler_is_a_clear_error(tmp_path: Path) -> None:
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'fake cc 1.0'\necho 'cc: boom' >&2\nexit 1\n")
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="building the kernels in .* failed: cc: boom"):
         cpu_native.build(str(fake), tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []
+    # No library, object or build folder: only the (empty) lock of the key it tried.
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".lock"]
 
 
 def _sorted(case: SGMVCase) -> SGMVCase:

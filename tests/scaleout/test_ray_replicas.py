@@ -30,6 +30,7 @@ import httpx
 import openai
 import pytest
 import redis
+from servers import wait_ready, wait_until
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the ray extra is not installed", allow_module_level=True)
@@ -54,7 +55,7 @@ from loraplex.testing import (
     redis_url_for_tests,
 )  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 REDIS_URL = redis_url_for_tests()
 SERVED = "tiny"
@@ -117,19 +118,6 @@ class Deployment:
             time.sleep(0.2)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"gateway exited with {proc.returncode}:\n"
-                                 f"{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise AssertionError(f"gateway not ready:\n{log.read_text()[-3000:]}")
-
-
 def stop_cluster(head: subprocess.Popen[bytes]) -> None:
     """Stops a ``ray start --block`` head and everything it started (SIGINT is its graceful
     stop; a few of its agents outlive it otherwise)."""
@@ -165,13 +153,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def listening() -> bool:
             with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert head.poll() is None and time.monotonic() < deadline, "ray did not start"
-            time.sleep(0.2)
+                return sock.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, head, "ray start --head")
         yield Cluster(f"127.0.0.1:{port}", head)
     finally:
         stop_cluster(head)
@@ -230,7 +216,8 @@ def deployment(cluster: Cluster, tiny_llama_dir: Path, llama_adapters: dict[str,
                     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
                 dep.procs.append(proc)
                 # The first deploys the replicas; the second attaches to them.
-                _wait_ready(dep.gateways[i], proc, dep.logs[i], timeout_s=240)
+                wait_ready(dep.gateways[i], proc, f"gateway {i}", also=[cluster.head.pid],
+                           log=dep.logs[i])
             yield dep
         finally:
             for proc in dep.procs:
