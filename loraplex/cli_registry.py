@@ -35,7 +35,9 @@ from loraplex.errors import (
 )
 from loraplex.registry import db, service, upload
 from loraplex.registry.db import transaction
+from loraplex.registry.move import move_registry
 from loraplex.registry.names import check_adapter_name
+from loraplex.registry.ownership import describe_database, open_store
 from loraplex.registry.store import AdapterStore
 
 ENV_DATABASE_URL = "LORAPLEX_DATABASE_URL"
@@ -178,7 +180,41 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     config = registry_config_from_args(args)
     url = config.database_url
     db.upgrade(url, args.revision, adapter_dir=config.adapter_dir)
+    if args.revision == "head":  # the registry's identity exists from 0003 on
+        with _sessions(args) as factory:
+            _owned_store(args, factory)  # claims an unowned store; refuses another's
     return _db_report(args, url, "upgraded")
+
+
+def _owned_store(args: argparse.Namespace, factory: sessionmaker[Session], *,
+                 claim_any: bool = False) -> AdapterStore:
+    config = registry_config_from_args(args)
+    return open_store(factory, config.adapter_dir, config.database_url, claim_any=claim_any)
+
+
+def _db_claim_store(args: argparse.Namespace) -> int:
+    with _sessions(args) as factory:
+        store = _owned_store(args, factory, claim_any=True)
+    shown = describe_database(registry_config_from_args(args).database_url)
+    _emit(args, {"adapter_dir": str(store.root), "registry_id": store.registry_id,
+                 "database_url": shown},
+          lambda: print(f"the adapter store {store.root} belongs to {shown}"))
+    return 0
+
+
+def _db_migrate(args: argparse.Namespace) -> int:
+    config = registry_config_from_args(args)
+    result = move_registry(config.database_url, args.to, config.adapter_dir)
+    source, target = describe_database(config.database_url), describe_database(args.to)
+    rows = result.num_rows
+    _emit(args, {"from": source, "to": target, "rows": rows,
+                 "adapter_dir": result.adapter_dir},
+          lambda: print(
+              f"moved {rows['tenants']} tenants, {rows['api_keys']} API keys, "
+              f"{rows['adapters']} adapter versions and {rows['usage']} usage rows from "
+              f"{source} to {target}; the adapter store {result.adapter_dir} now belongs to "
+              f"it: serve with --database-url {target} --adapter-dir {result.adapter_dir}"))
+    return 0
 
 
 def _db_downgrade(args: argparse.Namespace) -> int:
@@ -340,7 +376,6 @@ def _adapters_upload(args: argparse.Namespace) -> int:
     # Lazy: the loader pulls in torch, which no other registry command needs.
     from loraplex.model.adapter_loader import TargetShapes, validate_adapter_dir
 
-    config = registry_config_from_args(args)
     model_dir = str(Path(model_dir_from_args(args)).expanduser().resolve())
     check_adapter_name(args.name)
     source = Path(args.path).expanduser()
@@ -357,7 +392,7 @@ def _adapters_upload(args: argparse.Namespace) -> int:
                                  f"pass --model DIR or set {ENV_MODEL})") from exc
         max_rank = args.max_lora_rank
         uploader = upload.AdapterUploader(
-            AdapterStore(config.adapter_dir),
+            _owned_store(args, factory),
             lambda path: validate_adapter_dir(path, target, max_rank),
             base_model=model_dir, base_model_names=args.served_model_name or ())
         result = uploader.upload_path(
@@ -373,14 +408,13 @@ def _adapters_upload(args: argparse.Namespace) -> int:
 
 
 def _adapters_delete(args: argparse.Namespace) -> int:
-    config = registry_config_from_args(args)
     with _sessions(args) as factory:
         with transaction(factory) as session:
             tenant = service.get_tenant_by_name(session, args.tenant)
             tenant_id, tenant_name = tenant.id, tenant.name
         # A running server learns of it through the database: resolve_adapter stops
         # finding the name at once; its in-memory copies finish the running requests.
-        deleted = upload.delete_adapter(factory, AdapterStore(config.adapter_dir),
+        deleted = upload.delete_adapter(factory, _owned_store(args, factory),
                                         tenant_id=tenant_id, name=args.name,
                                         version=args.version)
     data = [{"id": d.id, "tenant": tenant_name, "name": d.name, "version": d.version,
@@ -467,6 +501,14 @@ def add_registry_commands(subparsers: Any) -> None:
     p = leaf(db, "downgrade", _db_downgrade, "migrate the database down")
     p.add_argument("revision", help="target revision, e.g. base or -1")
     leaf(db, "current", _db_current, "show the database's revision")
+    p = leaf(db, "migrate", _db_migrate,
+             "move this registry (tenants, key hashes, adapters and their versions, usage) "
+             "into an empty database, e.g. SQLite to PostgreSQL, and hand it the adapter "
+             "store")
+    p.add_argument("--to", required=True, metavar="URL", help="the target database")
+    leaf(db, "claim-store", _db_claim_store,
+         "make this registry the owner of an adapter store nobody owns yet, even one holding "
+         "folders it does not name (a store that another registry owns is refused)")
 
     tenants = group("tenants", "manage tenants")
     p = leaf(tenants, "create", _tenants_create, "create a tenant")

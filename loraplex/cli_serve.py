@@ -103,8 +103,10 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepare_registry(args: argparse.Namespace) -> None:
-    """Migrates (or, with --no-migrate, checks) the registry database."""
+    """Migrates (or, with --no-migrate, checks) the registry database, and opens its
+    adapter store (claiming it, or refusing another registry's)."""
     from loraplex.registry import db
+    from loraplex.registry.ownership import open_store
 
     config = registry_config_from_args(args)
     if not args.no_migrate:
@@ -112,6 +114,8 @@ def _prepare_registry(args: argparse.Namespace) -> None:
     engine = db.make_engine(config.database_url)
     try:
         db.check_schema(engine)
+        # Before the model loads: a store another registry owns is refused in one line.
+        open_store(db.make_session_factory(engine), config.adapter_dir, config.database_url)
     finally:
         engine.dispose()
 

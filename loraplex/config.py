@@ -191,6 +191,11 @@ class EngineConfig:
                  "verifies the proposals together with the token they follow)")
 
 
+# The embedded default's registry and store, inside the home.
+HOME_DATABASE = "loraplex.db"
+HOME_ADAPTERS = "adapters"
+
+
 def default_home() -> str:
     """Where the embedded default keeps its database, adapters and models."""
     import os
@@ -223,8 +228,8 @@ class RegistryConfig:
         import os
 
         home = default_home()
-        return cls(database_url=f"sqlite:///{os.path.join(home, 'loraplex.db')}",
-                   adapter_dir=os.path.join(home, "adapters"))
+        return cls(database_url=f"sqlite:///{os.path.join(home, HOME_DATABASE)}",
+                   adapter_dir=os.path.join(home, HOME_ADAPTERS))
 
 
 @dataclass(frozen=True)

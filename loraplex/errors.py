@@ -20,6 +20,11 @@ class ConfigError(LoraplexError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+class StoreNotOwnedError(ConfigError):
+    """The adapter store belongs to another registry (or to none yet): this registry may
+    read it but never write or delete there."""
+
+
 class ModelLoadError(LoraplexError):
     """A base model folder cannot be loaded."""
 

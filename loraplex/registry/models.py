@@ -205,3 +205,16 @@ class Usage(Base):
         return (f"Usage(tenant_id={self.tenant_id!r}, adapter_id={self.adapter_id!r}, "
                 f"hour={self.hour.isoformat()!r}, requests={self.requests!r})")
 
+
+
+class RegistryIdentity(Base):
+    """Which registry this database is: one row, a random id written by the migration that
+    creates the table (``loraplex db upgrade``). The adapter store it owns records the same
+    id (``registry.ownership``), so another registry never writes or sweeps there."""
+
+    __tablename__ = "registry_identity"
+    __table_args__ = (sa.CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    registry_id: Mapped[str] = mapped_column(sa.String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

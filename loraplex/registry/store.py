@@ -18,15 +18,22 @@ Crash leftovers and concurrent writers (several gateway processes may share one 
   remover, and a writer refreshes the folder's mtime: a removal that checked "no row needs
   it and it is older than the grace period" cannot interleave with an upload that is about
   to commit a row for it. An uploader re-checks after its commit (``ensure``).
+
+Ownership: one store belongs to one registry. ``<root>/.registry`` names it (written by
+``registry.ownership.claim_store``); an ``AdapterStore`` opened for a registry that is not
+the owner may read but never put, remove or sweep (``StoreNotOwnedError``), so a second
+registry pointed at the same folder can never delete the first one's adapters as orphans.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,11 +50,11 @@ from loraplex.adapter_format import (
     parse_adapter_config,
     stored_folder,
 )
-from loraplex.errors import AdapterError
+from loraplex.errors import AdapterError, StoreNotOwnedError
 from loraplex.files import fsync_dir
 
-__all__ = ["CONFIG_FILE", "MAX_CONFIG_BYTES", "PICKLE_SUFFIXES", "WEIGHTS_FILE",
-           "AdapterStore", "StoredAdapter", "TmpDir"]
+__all__ = ["CONFIG_FILE", "MAX_CONFIG_BYTES", "OWNER_FILE", "PICKLE_SUFFIXES", "WEIGHTS_FILE",
+           "AdapterStore", "StoreOwner", "StoredAdapter", "TmpDir"]
 
 # Pickle-based formats run code when loaded; a folder holding any of them is refused whole.
 PICKLE_SUFFIXES: Final = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -55,6 +62,16 @@ _CHUNK: Final = 1 << 20
 _DIGEST_RE: Final = re.compile(r"^[0-9a-f]{64}$")
 _TMP_DIR: Final = ".tmp"
 _TRASH_PREFIX: Final = "trash-"
+OWNER_FILE: Final = ".registry"
+
+
+@dataclass(frozen=True)
+class StoreOwner:
+    """What ``<root>/.registry`` says: the owning registry's id and, for people reading an
+    error, its database (password hidden)."""
+
+    registry_id: str
+    database: str
 
 
 @dataclass(frozen=True)
@@ -143,10 +160,73 @@ class TmpDir:
 
 
 class AdapterStore:
-    """Adapter folders under ``root``, addressed by their content digest."""
+    """Adapter folders under ``root``, addressed by their content digest.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    ``registry_id``: the registry this store is opened for. It may put, remove and sweep
+    only while ``<root>/.registry`` names it (``StoreNotOwnedError`` otherwise; ``None``
+    opens the store to read only).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], registry_id: str | None = None) -> None:
         self.root = Path(root).expanduser().resolve()
+        self.registry_id = registry_id
+
+    def owner(self) -> StoreOwner | None:
+        """The registry that owns this store, or None while nobody has claimed it."""
+        try:
+            with open(self.root / OWNER_FILE, encoding="utf-8") as f:
+                data = json.load(f)
+            return StoreOwner(str(data["registry_id"]), str(data.get("database", "")))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StoreNotOwnedError(f"{self.root / OWNER_FILE} is unreadable ({exc}); it "
+                                     "names the registry that owns this adapter store") from None
+
+    def is_owned(self) -> bool:
+        """Whether this store is opened for the registry that owns it."""
+        owner = self.owner()
+        return owner is not None and owner.registry_id == self.registry_id
+
+    def check_owned(self) -> None:
+        """Raises StoreNotOwnedError unless ``is_owned()``: before anything is written or
+        removed."""
+        if self.registry_id is None:
+            raise StoreNotOwnedError(f"the adapter store {self.root} is open to read only")
+        if not self.is_owned():
+            raise StoreNotOwnedError(f"the adapter store {self.root} does not belong to this "
+                                     f"registry ({self.registry_id}); nothing is written there")
+
+    def write_owner(self, owner: StoreOwner, *, replacing: str | None) -> bool:
+        """Records ``owner``. ``replacing`` None: only where no owner is recorded yet
+        (False if another got there first); else only over that registry id (a move of the
+        registry). Atomic either way: written aside, fsynced, then linked or renamed."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        target = self.root / OWNER_FILE
+        fd, tmp = tempfile.mkstemp(prefix=".registry-", dir=self.root)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"registry_id": owner.registry_id, "database": owner.database}, f)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            if replacing is None:
+                try:
+                    os.link(tmp, target)  # fails if any owner is there
+                except FileExistsError:
+                    return False
+            else:
+                current = self.owner()
+                if current is None or current.registry_id != replacing:
+                    raise StoreNotOwnedError(f"the adapter store {self.root} no longer "
+                                             f"belongs to registry {replacing}")
+                os.replace(tmp, target)
+            fsync_dir(self.root)
+            return True
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def path_for(self, digest: str) -> Path:
         """The folder of ``digest`` (which may not exist)."""
@@ -190,6 +270,7 @@ class AdapterStore:
         Raises AdapterError for a bad folder (a config that is no JSON object included).
         """
         src = Path(src_dir)
+        self.check_owned()
         self._check_source(src)
         with self.tmp_dir() as tmp:
             hasher = hashlib.sha256()
@@ -269,6 +350,7 @@ class AdapterStore:
         final = self.path_for(digest)
         if not final.parent.is_dir():
             return False
+        self.check_owned()
         with self._shard_lock(digest, exclusive=True, wait=wait) as locked:
             if not locked:
                 return False
@@ -307,6 +389,7 @@ class AdapterStore:
         tmp_root = self.root / _TMP_DIR
         if not tmp_root.is_dir():
             return 0
+        self.check_owned()
         cutoff = time.time() - older_than_s
         removed = 0
         for entry in tmp_root.iterdir():

@@ -6,6 +6,9 @@ no row names. ``sweep_store`` removes both once they are older than the grace pe
 for temporary folders, no live process holds their lock (see ``registry.store``), so an
 upload in progress in this or any other process sharing the store is never touched.
 
+Only the registry that owns the store sweeps it (``registry.ownership``): a folder another
+registry's rows name is no orphan, whatever this registry's rows say.
+
 ``StoreSweeper`` runs it at start and then every ``interval_s`` in a worker thread; the
 gateway's lifespan starts and stops it.
 """
@@ -34,7 +37,12 @@ class SweepResult:
 
 def sweep_store(factory: sessionmaker[Session], store: AdapterStore, *,
                 grace_s: float) -> SweepResult:
-    """Removes crash leftovers older than ``grace_s`` (blocking: disk and database)."""
+    """Removes crash leftovers older than ``grace_s`` (blocking: disk and database); in a
+    store this registry does not own (moved away while serving), nothing."""
+    if not store.is_owned():
+        logger.warning("the adapter store %s no longer belongs to this registry; not "
+                       "sweeping it", store.root)
+        return SweepResult(0, ())
     num_tmp = store.sweep_tmp(older_than_s=grace_s)
     orphans = remove_unreferenced(factory, store, older_than_s=grace_s)
     return SweepResult(num_tmp, tuple(orphans))

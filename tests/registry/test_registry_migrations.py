@@ -15,13 +15,14 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE, folder_digest
-from loraplex.errors import ConfigError
+from loraplex.errors import ConfigError, StoreNotOwnedError
 from loraplex.registry import db
 from loraplex.registry.models import Base
+from loraplex.registry.ownership import open_store
 from loraplex.registry.store import AdapterStore
 from loraplex.registry.sweep import sweep_store
 
-TABLES = {"tenants", "api_keys", "adapters", "usage"}
+TABLES = {"tenants", "api_keys", "adapters", "usage", "registry_identity"}
 
 
 def _tables(url: str) -> set[str]:
@@ -43,7 +44,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0002"
+        assert db.current_revision(engine) == db.head_revision() == "0003"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -189,10 +190,17 @@ def test_0002_recomputes_digests_and_moves_folders(
         digest, path = rows[name]
         assert path == store.relative_path_for(digest)
         assert folder_digest(root / path) == digest  # the engine's check will pass
-    # The 0001 folders are orphans now: the sweep collects them, the new ones stay.
+    # The 0001 folders are orphans now: the sweep of the registry that owns the store (its
+    # operator claims it knowing they are its own) collects them, the new ones stay.
     engine = db.make_engine(url)
     try:
-        sweep_store(db.make_session_factory(engine), store, grace_s=0)
+        factory = db.make_session_factory(engine)
+        sweep_store(factory, store, grace_s=0)  # opened to read only: removes nothing
+        assert len(store.stored_digests()) == 5
+        with pytest.raises(StoreNotOwnedError, match="does not name"):
+            open_store(factory, root, url)
+        store = open_store(factory, root, url, claim_any=True)
+        sweep_store(factory, store, grace_s=0)
     finally:
         engine.dispose()
     assert set(store.stored_digests()) == {rows[n][0] for n in ("x", "w", "z")}

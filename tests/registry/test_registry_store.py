@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from owned_stores import owned_store
 
 from loraplex.errors import AdapterError
 from loraplex.registry import store as store_module
-from loraplex.registry.store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore
+from loraplex.registry.store import CONFIG_FILE, OWNER_FILE, WEIGHTS_FILE, AdapterStore
 
 
 def _visible(root: Path) -> list[Path]:
     """Adapter folders and files outside the temporary area (an empty ``<digest[:2]>``
     shard folder is no adapter)."""
     return sorted(p for p in root.rglob("*")
-                  if ".tmp" not in p.relative_to(root).parts
+                  if ".tmp" not in p.relative_to(root).parts and p.name != OWNER_FILE
                   and (p.is_file() or len(p.relative_to(root).parts) >= 2))
 
 
@@ -34,7 +35,7 @@ def _tmp_entries(root: Path) -> list[Path]:
 def test_put_dir(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
     src = make_adapter("a")
     (src / "README.md").write_text("not copied")
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     stored = store.put_dir(src)
     weights = (src / WEIGHTS_FILE).read_bytes()
     config = (src / CONFIG_FILE).read_bytes()
@@ -59,7 +60,7 @@ def test_identical_content_stored_once(tmp_path: Path,
                                        make_adapter: Callable[..., Path]) -> None:
     first = make_adapter("one", seed=1)
     second = make_adapter("two", seed=1)  # the same bytes in both files, another folder
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     a = store.put_dir(first)
     b = store.put_dir(second)
     assert a.digest == b.digest and a.path == b.path
@@ -75,7 +76,7 @@ def test_same_weights_other_config_is_other_content(
         tmp_path: Path, make_adapter: Callable[..., Path], change: dict[str, object]) -> None:
     """Any byte of the config is part of the identity: the second upload neither conflicts
     with the first nor is served the first's config."""
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     one = store.put_dir(make_adapter("one", seed=1))
     src = make_adapter("two", seed=1)
     config = json.loads((src / CONFIG_FILE).read_text())
@@ -94,7 +95,7 @@ def test_pickle_files_refused(tmp_path: Path, make_adapter: Callable[..., Path],
     src = make_adapter("a")
     (src / pickle_name).parent.mkdir(exist_ok=True)
     (src / pickle_name).write_bytes(b"\x80\x04K\x01.")
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     with pytest.raises(AdapterError, match="pickle"):
         store.put_dir(src)
     assert not store.root.exists() or _visible(store.root) == []
@@ -103,7 +104,7 @@ def test_pickle_files_refused(tmp_path: Path, make_adapter: Callable[..., Path],
 def test_only_safetensors_accepted(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
     src = make_adapter("a")
     (src / WEIGHTS_FILE).unlink()
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     with pytest.raises(AdapterError, match=WEIGHTS_FILE):
         store.put_dir(src)
     with pytest.raises(AdapterError, match="not a folder"):
@@ -119,7 +120,7 @@ def test_only_safetensors_accepted(tmp_path: Path, make_adapter: Callable[..., P
 def test_failure_mid_copy_leaves_nothing(tmp_path: Path, make_adapter: Callable[..., Path],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     src = make_adapter("a")
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
 
     def half_then_fail(fin: BinaryIO, fout: BinaryIO, hasher: object) -> int:
         fout.write(fin.read(100))
@@ -141,7 +142,7 @@ def test_source_file_vanishing_leaves_nothing(tmp_path: Path,
     real = tmp_path / "real_config.json"
     (src / CONFIG_FILE).rename(real)
     (src / CONFIG_FILE).symlink_to(real)
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     original_check = AdapterStore._check_source
 
     def check_then_vanish(path: Path) -> None:
@@ -157,7 +158,7 @@ def test_source_file_vanishing_leaves_nothing(tmp_path: Path,
 
 def test_crash_before_rename_is_invisible(tmp_path: Path, make_adapter: Callable[..., Path],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
 
     def crash(*args: object) -> None:
         raise KeyboardInterrupt  # stands for the process dying just before the rename
@@ -169,7 +170,7 @@ def test_crash_before_rename_is_invisible(tmp_path: Path, make_adapter: Callable
 
 
 def test_remove(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     stored = store.put_dir(make_adapter("a"))
     assert store.remove(stored.digest)
     assert not store.exists(stored.digest) and not stored.path.exists()
@@ -179,7 +180,7 @@ def test_remove(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
 
 
 def test_paths_are_checked(tmp_path: Path) -> None:
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     for bad in ("../etc", "A" * 64, "0" * 63, ""):
         with pytest.raises(ValueError):
             store.path_for(bad)
@@ -188,7 +189,7 @@ def test_paths_are_checked(tmp_path: Path) -> None:
 
 
 def test_sweep_tmp(tmp_path: Path) -> None:
-    store = AdapterStore(tmp_path / "store")
+    store = owned_store(tmp_path / "store")
     old = store.root / ".tmp" / "old"
     new = store.root / ".tmp" / "new"
     old.mkdir(parents=True)
@@ -197,4 +198,4 @@ def test_sweep_tmp(tmp_path: Path) -> None:
     os.utime(old, (past, past))
     assert store.sweep_tmp(older_than_s=3600) == 1
     assert not old.exists() and new.exists()
-    assert AdapterStore(tmp_path / "none").sweep_tmp() == 0
+    assert owned_store(tmp_path / "none").sweep_tmp() == 0

@@ -24,13 +24,17 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
+from servers import wait_ready
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.adapter_format import folder_digest
 from loraplex.registry import db, service
 from loraplex.registry.models import Adapter
+from loraplex.registry.ownership import open_store
 from loraplex.registry.store import AdapterStore
 from loraplex.registry.sweep import sweep_store
+
+pytestmark = pytest.mark.server
 
 BIG = 96 << 20  # large enough that a copy takes many milliseconds to observe and cut
 GRACE_S = 1.0
@@ -86,9 +90,9 @@ DRIVER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     from loraplex.registry import db
-    from loraplex.registry.store import AdapterStore
+    from loraplex.registry.ownership import open_store
     url, root, stage, src, marker = sys.argv[1:6]
-    store = AdapterStore(root)
+    store = open_store(db.make_session_factory(db.make_engine(url)), root, url)
     if stage == "copy":
         store.put_dir(src)
         raise SystemExit("the copy finished before it was killed")
@@ -171,16 +175,7 @@ class Server:
             "--database-url", url, "--adapter-dir", str(store.root),
             "--sweep-grace-s", str(GRACE_S), "--sweep-interval-s", "0.2",
             "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, "loraplex serve exited"
-            try:
-                if httpx.get(f"{self.base}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "loraplex serve did not become ready"
-            time.sleep(0.2)
+        wait_ready(self.base, self.proc)
 
     def slow_upload(self, src: Path, release: threading.Event,
                     result: list[httpx.Response]) -> threading.Thread:
@@ -238,9 +233,10 @@ def registry(request: pytest.FixtureRequest, tmp_path: Path,
 def test_kill_at_every_stage_then_restart_leaves_nothing(
         registry: str, tmp_path: Path, tiny_llama_dir: Path,
         llama_adapters: dict[str, Path]) -> None:
-    url, store = registry, AdapterStore(tmp_path / "store")
+    url = registry
     engine = db.make_engine(url)
     factory = db.make_session_factory(engine)
+    store = open_store(factory, tmp_path / "store", url)
     try:
         with db.transaction(factory) as session:
             tenant_id = service.create_tenant(session, "acme").id
@@ -299,7 +295,7 @@ def test_orphan_found_by_an_upload_is_not_swept(
         session_factory: sessionmaker[Session]) -> None:
     """An old orphan that an upload in flight deduplicates against is renewed by it, so a
     sweep between that upload's put and its commit keeps it."""
-    store = AdapterStore(tmp_path / "store")
+    store = open_store(session_factory, tmp_path / "store", "sqlite://")
     src = make_adapter()
     orphan = store.put_dir(src)
     old = time.time() - 7200

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import sqlalchemy as sa
+from owned_stores import owned_store
 from safetensors.numpy import load_file, save_file
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -57,7 +58,7 @@ def target(model_dir: Path) -> TargetShapes:
 
 @pytest.fixture
 def store(tmp_path: Path) -> AdapterStore:
-    return AdapterStore(tmp_path / "store")
+    return owned_store(tmp_path / "store")
 
 
 @pytest.fixture
