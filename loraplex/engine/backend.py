@@ -47,6 +47,12 @@ class EngineBackend(Protocol):
         """Whether generation requests are accepted now."""
         ...
 
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine has failed for good (its step loop died): the process
+        must be restarted, so ``/health`` fails for the orchestrator to do it."""
+        ...
+
     def start(self) -> None:
         """Starts serving (called once, from the gateway's lifespan)."""
         ...

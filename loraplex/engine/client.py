@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from loraplex.config import EngineConfig
 from loraplex.engine.backend import ModelDescription
@@ -31,6 +31,9 @@ from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.stats import EngineStats
 from loraplex.errors import AdapterError, EngineDeadError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from loraplex.engine.grammar import Constraint
 
 T = TypeVar("T")
 
@@ -68,6 +71,7 @@ class _Add:
     adapter: AdapterRef | None
     cache_salt: str | None
     arrival_time: float
+    constraint: Constraint | None = None  # the grammar's, compiled before the hop
 
 
 @dataclass(eq=False)
@@ -147,6 +151,11 @@ class EngineClient:
         return thread is not None and thread.is_alive() and not self._closed
 
     @property
+    def is_alive(self) -> bool:
+        """False once the step loop has died (it never comes back: restart the server)."""
+        return self._dead is None
+
+    @property
     def num_unfinished(self) -> int:
         """Requests submitted and not yet finished (approximate; any thread)."""
         return len(self._live_ids)
@@ -213,7 +222,15 @@ class EngineClient:
         stream = _Stream(rid, params.n, asyncio.get_running_loop(), asyncio.Queue())
         # Stamped here, so queue time includes the hop to the engine thread.
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._submit(_Add(stream, list(prompt_token_ids), params, lora, cache_salt, arrival))
+        constraint = None
+        if params.grammar is not None:
+            self._check_open()
+            # Compiled in a worker thread (the compile itself in the sandbox's process),
+            # never on the step thread: a grammar that costs seconds stalls no one else.
+            constraint = await asyncio.to_thread(self.engine.grammar_constraint,
+                                                 params.grammar, cache_salt or "")
+        self._submit(_Add(stream, list(prompt_token_ids), params, lora, cache_salt, arrival,
+                          constraint))
         retired = False
         try:
             while not retired:
@@ -223,6 +240,8 @@ class EngineClient:
                 retired = batch.done
                 for delta in batch.deltas:
                     if delta.error is not None:
+                        if delta.error_param is not None:
+                            raise InvalidRequestError(delta.error, param=delta.error_param)
                         raise AdapterError(delta.error)
                     yield delta
                 if batch.exc is not None:
@@ -367,7 +386,7 @@ class EngineClient:
                                           "use", param="request_id")
             self.engine.add_request(stream.request_id, command.prompt_token_ids,
                                     command.params, command.adapter, command.cache_salt,
-                                    command.arrival_time)
+                                    command.arrival_time, constraint=command.constraint)
         except Exception as exc:
             # Admission leaves the engine untouched when it refuses: the loop goes on.
             self._retire(stream, _Batch(done=True, exc=exc))

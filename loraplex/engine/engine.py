@@ -7,6 +7,7 @@ import concurrent.futures
 import copy
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -17,11 +18,11 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
-from loraplex.engine.grammar import GrammarCompiler, MaskFiller
+from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
 from loraplex.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from loraplex.engine.spec_step import SpecStep
 from loraplex.engine.stats import EngineStats
@@ -72,6 +73,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
                                    max_adapter_wait_s)
         self._grammar: GrammarCompiler | None = None  # made on the first grammar request
+        self._grammar_lock = threading.Lock()
+        self._grammar_failed: set[str] = set()  # groups a grammar error ended this step
         self._masks: MaskFiller | None = None
         # One thread computes a step's grammar masks while the forward pass runs.
         self._mask_thread = concurrent.futures.ThreadPoolExecutor(
@@ -111,18 +114,28 @@ class LLMEngine:
     def close(self) -> None:
         self.adapters.close()
         self._mask_thread.shutdown(wait=True)
+        if self._grammar is not None:
+            self._grammar.close()
 
     def _compiler(self) -> GrammarCompiler:
         """The structured-output compiler (reading the tokenizer takes about a second, so
-        only an engine that gets a grammar request pays it)."""
-        if self._grammar is None:
-            backend = copy.copy(self.tokenizer.backend_tokenizer)
-            backend.no_padding()
-            backend.no_truncation()
-            self._grammar = GrammarCompiler(backend.to_str(), self.vocab_size,
-                                            self.eos_token_ids)
-            self._masks = MaskFiller(self.vocab_size)
-        return self._grammar
+        only an engine that gets a grammar request pays it). Any thread."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                backend = copy.copy(self.tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._masks = MaskFiller(self.vocab_size)
+                self._grammar = GrammarCompiler(backend.to_str(), self.vocab_size,
+                                                self.eos_token_ids)
+            return self._grammar
+
+    def grammar_constraint(self, spec: GrammarSpec, tenant: str = "") -> Constraint:
+        """A sequence's parser state for ``spec``, compiled under the sandbox's limits and
+        cached per ``tenant`` (InvalidRequestError naming the field when it cannot be).
+        Safe from any thread: the engine client compiles off the step thread and hands the
+        result to ``add_request``."""
+        return self._compiler().constraint(spec, tenant)
 
     def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version: its cached prefix blocks, its host copy, and its
@@ -136,8 +149,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, adapter: AdapterRef | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queues a request, or raises an error that names what is wrong with it."""
+                    cache_salt: str | None = None, arrival_time: float | None = None, *,
+                    constraint: Constraint | None = None) -> None:
+        """Queues a request, or raises an error that names what is wrong with it.
+        ``constraint``: the grammar's parser state when the caller compiled it already
+        (``grammar_constraint``, off this thread); else it is compiled here."""
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
@@ -162,8 +178,8 @@ class LLMEngine:
             raise EngineOverloadedError(f"engine queue is full ({sched.max_waiting} requests)")
         # Compiled here, before the request is queued: a grammar that cannot compile is
         # refused with the field that holds it.
-        constraint = (None if params.grammar is None
-                      else self._compiler().constraint(params.grammar))
+        if params.grammar is not None and constraint is None:
+            constraint = self.grammar_constraint(params.grammar, cache_salt or "")
         request = Request(request_id, prompt, params, adapter, cache_salt,
                           arrival_time if arrival_time is not None else time.monotonic(),
                           group_id=request_id, sample_index=0,
@@ -318,6 +334,9 @@ class LLMEngine:
             if len(tokens) > 1:
                 deltas.extend(self._fork_children(request, tokens[1:], now))
             deltas.append(self._append_tokens(request, tokens[:1], now))
+        for group_id in self._grammar_failed:
+            self.abort(group_id)  # the error delta already ends it for the consumer
+        self._grammar_failed.clear()
         for group_id in {d.request_id for d in deltas if d.finished}:
             self._forget_finished(group_id)
         return deltas
@@ -361,6 +380,8 @@ class LLMEngine:
         new_ids: list[int] = []
         new_logprobs: list[Any] = []
         for token in tokens:
+            if request.constraint is not None and request.constraint.error is not None:
+                return self._grammar_error(request)  # its mask was meaningless: no token
             request.output_token_ids.append(token.token_id)
             new_ids.append(token.token_id)
             if request.params.logprobs is not None:
@@ -372,6 +393,13 @@ class LLMEngine:
             status = self._check_stop(request, token.token_id)
             if request.constraint is not None and status is None:
                 request.constraint.advance(token.token_id)
+                if request.constraint.error is not None:  # the token cannot be followed
+                    request.output_token_ids.pop()
+                    if request.params.logprobs is not None:
+                        request.output_logprobs.pop()
+                        new_logprobs.pop()
+                    new_ids.pop()
+                    return self._grammar_error(request)
                 if request.constraint.is_finished:  # the grammar admits nothing more
                     status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
             stop_string = self.detokenizer.update(request, final=status is not None)
@@ -419,6 +447,21 @@ class LLMEngine:
             stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, metrics=metrics,
             prompt_logprobs=prompt_logprobs)
+
+    def _grammar_error(self, request: Request) -> SequenceDelta:
+        """Ends a request whose grammar cannot be followed (an unsatisfiable schema, a
+        regex the lexer cannot take, the grammar engine failing on it): an error that
+        names the field, never a "stop" with text the grammar does not allow. Its
+        siblings (n > 1) end with it, at this step's end."""
+        assert request.constraint is not None and request.constraint.error is not None
+        param = request.constraint.param
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._grammar_failed.add(request.group_id or request.request_id)
+        return SequenceDelta(
+            request.group_id or request.request_id, request.sample_index, [], "", None,
+            "error", None, request.num_prompt_tokens, request.num_output_tokens,
+            error=f"the grammar cannot be followed: {request.constraint.error}",
+            error_param=param)
 
     def _error_delta(self, request: Request, error: AdapterError) -> SequenceDelta:
         request.status = RequestStatus.FINISHED_ABORTED

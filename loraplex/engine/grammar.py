@@ -17,146 +17,186 @@ What is here:
 
 - :class:`GrammarSpec`: what a request asked for, as plain frozen data (it crosses to Ray
   replicas inside ``SamplingParams``); ``digest`` names it for the compile cache.
-- :class:`GrammarCompiler`: checks a spec and compiles it once per digest (LRU), refusing
-  what cannot compile with an ``InvalidRequestError`` naming the request field; makes one
-  :class:`Constraint` per sequence.
+- :class:`GrammarCompiler`: compiles a spec in a worker process under CPU-time and memory
+  limits (``grammar_sandbox``), refusing what cannot compile, or not within the limits, with
+  an ``InvalidRequestError`` naming the request field; remembers each tenant's compiled
+  and refused specs (``GrammarCache``); makes one :class:`Constraint` per sequence.
 - :class:`Constraint`: a sequence's parser state (forked for ``n > 1``, kept across
-  preemption since it only ever sees the sequence's own output tokens).
+  preemption since it only ever sees the sequence's own output tokens). A grammar that
+  cannot be followed (its matcher in error, or the grammar engine failing on it) makes
+  ``error`` say why; the engine then ends the request with an error, never a "stop".
 - :class:`MaskFiller` computes the next-token masks of a batch's constrained rows in
   parallel (llguidance's own threads, GIL released); the sampler sets every refused
-  token's logit to ``-inf`` (``loraplex.model.sampler.apply_allowed``).
+  token's logit to ``-inf`` (``loraplex.model.sampler.apply_allowed``). A row the grammar
+  engine fails on gets its constraint's ``error``, never the step's.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import llguidance
 import torch
 
+from loraplex.engine.grammar_sandbox import GrammarLimits, GrammarSandbox
+from loraplex.engine.grammar_worker import JSON_LAYOUT
 from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.errors import InvalidRequestError
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
+__all__ = ["JSON_LAYOUT", "Constraint", "GrammarCache", "GrammarCompiler", "GrammarLimits",
+           "MaskFiller"]
 
-_CACHE_SIZE: Final = 256  # compiled grammars kept
-# JSON is written as json.dumps writes it: free whitespace would let a model pad forever
-# instead of closing the document.
-JSON_LAYOUT: Final[JsonCompileOptions] = {
-    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-def _grammar_text(spec: GrammarSpec) -> str:
-    """llguidance's grammar of ``spec`` (not yet checked)."""
-    matcher = llguidance.LLMatcher
-    if spec.kind == "json_object":
-        return matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
-    if spec.kind == "json_schema":
-        return matcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
-    if spec.kind == "regex":
-        return matcher.grammar_from_regex(spec.source)
-    if spec.kind == "choice":
-        choices = json.loads(spec.source)
-        return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c)
-                                                                for c in choices))
-    # Lark, or GBNF (llama.cpp's spelling, which vLLM users send) converted to Lark.
-    return matcher.grammar_from_lark(_as_lark(spec.source))
+# Per tenant, so that one tenant's schemas never evict (or, by a fast answer, reveal)
+# another's: at most this many specs each, and this many bytes of grammar text in all.
+_CACHE_PER_TENANT: Final = 64
+_CACHE_BYTES: Final = 64 << 20
 
 
-def _as_lark(text: str) -> str:
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    try:
-        return str(any_to_lark(text))
-    except Exception as exc:  # the converter raises whatever its parser hit
-        raise InvalidRequestError(f"the grammar cannot be read: {exc}",
-                                  param="guided_grammar") from None
+def _is_panic(exc: BaseException) -> bool:
+    """A failure of the grammar engine itself: any Exception, and the Rust panic that pyo3
+    raises as a BaseException; never an interrupt or an exit."""
+    return not isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit)
 
 
 class Constraint:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, param: str) -> None:
         self._matcher = matcher
+        self.param = param  # the request field the grammar came from
+        self._failure: str | None = None
 
     def fork(self) -> Constraint:
         """The same state, for another sample of the same request."""
-        return Constraint(self._matcher.deep_copy())
+        return Constraint(self._matcher.deep_copy(), self.param)
 
     def advance(self, token_id: int) -> None:
-        """Takes the sampled token (always one the mask allowed)."""
-        self._matcher.consume_token(token_id)
+        """Takes the sampled token."""
+        try:
+            self._matcher.consume_token(token_id)
+        except BaseException as exc:
+            if not _is_panic(exc):
+                raise
+            self.fail(str(exc))
+
+    def fail(self, message: str) -> None:
+        """Records that the grammar engine failed on this sequence."""
+        self._failure = _first_line(message)
 
     @property
     def is_finished(self) -> bool:
         """The grammar admits nothing more: the sequence ends here."""
-        return bool(self._matcher.is_stopped())
+        return bool(self._matcher.is_stopped()) and self.error is None
 
     @property
-    def is_error(self) -> bool:
-        return bool(self._matcher.is_error())
+    def error(self) -> str | None:
+        """Why the grammar cannot be followed from here (the matcher is in error, or the
+        grammar engine failed), or None."""
+        if self._failure is not None:
+            return self._failure
+        if self._matcher.is_error():
+            return _first_line(self._matcher.get_error())
+        return None
+
+
+class GrammarCache:
+    """Compiled grammar texts and refusals, by (tenant, spec digest): at most
+    ``per_tenant`` entries a tenant (its least recent goes first) and ``max_bytes`` of text
+    in all (the least recent of anyone's goes first)."""
+
+    def __init__(self, per_tenant: int = _CACHE_PER_TENANT,
+                 max_bytes: int = _CACHE_BYTES) -> None:
+        self.per_tenant, self.max_bytes = per_tenant, max_bytes
+        # (tenant, digest) -> (grammar text, or None for a refusal; the refusal's message)
+        self._entries: OrderedDict[tuple[str, str], tuple[str | None, str]] = OrderedDict()
+        self._counts: dict[str, int] = {}
+        self._bytes = 0
+
+    def get(self, tenant: str, digest: str) -> tuple[str | None, str] | None:
+        entry = self._entries.get((tenant, digest))
+        if entry is not None:
+            self._entries.move_to_end((tenant, digest))
+        return entry
+
+    def put(self, tenant: str, digest: str, entry: tuple[str | None, str]) -> None:
+        if (tenant, digest) in self._entries:
+            return
+        if self._counts.get(tenant, 0) >= self.per_tenant:
+            self._drop(next(k for k in self._entries if k[0] == tenant))
+        self._entries[(tenant, digest)] = entry
+        self._counts[tenant] = self._counts.get(tenant, 0) + 1
+        self._bytes += _entry_bytes(entry)
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            self._drop(next(iter(self._entries)))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        entry = self._entries.pop(key)
+        self._bytes -= _entry_bytes(entry)
+        self._counts[key[0]] -= 1
+        if not self._counts[key[0]]:
+            del self._counts[key[0]]
+
+
+def _entry_bytes(entry: tuple[str | None, str]) -> int:
+    return len(entry[0] or "") + len(entry[1])
 
 
 class GrammarCompiler:
-    """Compiles specs against one tokenizer (the served model's) and caches the results."""
+    """Compiles specs against one tokenizer (the served model's; None: any tokenizer, to
+    check a schema that reaches no engine) and caches the results per tenant. Thread-safe:
+    the engine client compiles in worker threads while the step loop runs."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int,
-                 eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer_json: str | None, vocab_size: int,
+                 eos_token_ids: Sequence[int], limits: GrammarLimits | None = None) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                 eos_token=list(eos_token_ids))
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._tokenizer = (None if tokenizer_json is None else llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)))
+        self._sandbox = GrammarSandbox(tokenizer_json, vocab_size, list(eos_token_ids), limits)
+        self._cache = GrammarCache()
         self._lock = threading.Lock()
         self.num_compiles = 0
         self.num_cache_hits = 0
 
-    def check(self, spec: GrammarSpec) -> str:
+    def check(self, spec: GrammarSpec, tenant: str = "") -> str:
         """The compiled grammar of ``spec``; InvalidRequestError naming ``spec.param`` when
-        it cannot compile (an invalid schema, an unsupported keyword, a bad regex...)."""
+        it cannot compile (an invalid schema, an unsupported keyword, a bad regex, past
+        the sandbox's limits...). ``tenant`` keys the cache (the tenant's cache salt)."""
         with self._lock:
-            grammar = self._cache.get(spec.digest)
-            if grammar is not None:
-                self._cache.move_to_end(spec.digest)
+            cached = self._cache.get(tenant, spec.digest)
+            if cached is not None:
                 self.num_cache_hits += 1
-                return grammar
-        grammar = _validated(spec, self._tokenizer)
-        with self._lock:
-            self.num_compiles += 1
-            self._cache[spec.digest] = grammar
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+        if cached is None:
+            try:
+                cached = (self._sandbox.compile(spec), "")
+            except InvalidRequestError as exc:
+                cached = (None, str(exc))
+            with self._lock:
+                self.num_compiles += 1
+                self._cache.put(tenant, spec.digest, cached)
+        grammar, refusal = cached
+        if grammar is None:
+            raise InvalidRequestError(refusal, param=spec.param)
         return grammar
 
-    def constraint(self, spec: GrammarSpec) -> Constraint:
-        """A fresh parser state for one sequence of a request with ``spec``."""
-        matcher = llguidance.LLMatcher(self._tokenizer, self.check(spec), log_level=0)
+    def constraint(self, spec: GrammarSpec, tenant: str = "") -> Constraint:
+        """A fresh parser state for one sequence of a request with ``spec`` (built in the
+        calling thread, GIL released)."""
+        assert self._tokenizer is not None, "a compiler without a tokenizer only checks"
+        matcher = llguidance.LLMatcher(self._tokenizer, self.check(spec, tenant), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"cannot be compiled: {_first_line(matcher.get_error())}",
                                       param=spec.param)
-        return Constraint(matcher)
+        return Constraint(matcher, spec.param)
 
-
-def check_spec(spec: GrammarSpec) -> None:
-    """Refuses, naming ``spec.param``, a spec that cannot compile for any tokenizer. For a
-    request field that reaches the engine only inside another grammar, or not at all (a
-    tool's parameters schema); the engine's own check still runs on what it is sent."""
-    _validated(spec, None)
-
-
-def _validated(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer | None) -> str:
-    try:
-        grammar = _grammar_text(spec)
-    except ValueError as exc:
-        raise InvalidRequestError(f"cannot be compiled: {exc}", param=spec.param) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if error:
-        raise InvalidRequestError(f"cannot be compiled: {_first_line(error)}",
-                                  param=spec.param)
-    return grammar
+    def close(self) -> None:
+        """Stops the compiler's worker process."""
+        self._sandbox.close()
 
 
 def _first_line(message: str) -> str:
@@ -174,10 +214,27 @@ class MaskFiller:
     def fill(self, constraints: Sequence[Constraint]) -> torch.Tensor:
         """The masks of ``constraints``, one row each: int32 ``[rows, ceil(vocab/32)]``, bit
         ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed. Computed in
-        llguidance's threads, with the GIL released."""
+        llguidance's threads, with the GIL released. Where the grammar engine fails, the
+        row's constraint records it (``Constraint.error``) and its mask allows every
+        token: the engine ends that request, and the step goes on for the others."""
         masks = torch.full((len(constraints), self._words), -1, dtype=torch.int32)
-        if constraints:
+        if not constraints:
+            return masks
+        try:
             self._executor.unsafe_compute_mask_ptr(
                 [(c._matcher, i) for i, c in enumerate(constraints)], masks.data_ptr(),
                 self._words * 4, len(constraints))
+        except BaseException as exc:
+            if not _is_panic(exc):
+                raise
+            masks.fill_(-1)
+            for i, constraint in enumerate(constraints):  # which one(s): each alone
+                try:
+                    constraint._matcher.unsafe_compute_mask_ptr(masks[i].data_ptr(),
+                                                                self._words * 4)
+                except BaseException as one:
+                    if not _is_panic(one):
+                        raise
+                    constraint.fail(f"the grammar engine failed: {one}")
+                    masks[i].fill_(-1)
         return masks

@@ -32,6 +32,9 @@ class SequenceDelta:
     num_output_tokens: int
     metrics: RequestMetrics | None = None  # on the final delta
     error: str | None = None
+    # With ``error``: the request field at fault (a grammar that cannot be followed), or
+    # None for an adapter that failed.
+    error_param: str | None = None
     # On the first token's delta when prompt logprobs were asked for: one per prompt
     # token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None

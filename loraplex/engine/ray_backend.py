@@ -437,6 +437,12 @@ class RayEngineBackend:
     def is_ready(self) -> bool:
         return self._healthy and not self._stopped
 
+    @property
+    def is_alive(self) -> bool:
+        """Always: a replica whose step loop died fails Serve's health check and is
+        replaced (``EngineReplica.check_health``); the gateway itself keeps serving."""
+        return True
+
     def start(self) -> None:
         """Opens the Redis client and starts the readiness probe (on the serving loop)."""
         self._redis = aioredis.from_url(self._redis_url, socket_timeout=5)

@@ -26,6 +26,9 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"
 KINDS: Final = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_BYTES: Final = 64 * 1024  # schemas, regexes, grammars, choice lists
 MAX_CHOICES: Final = 1024
+# Arrays and objects in a JSON schema, nested: real schemas stay far below, and deeper
+# ones only cost the grammar engine (and Python's recursion) more.
+MAX_SCHEMA_DEPTH: Final = 64
 # Temperatures below this sample greedily, as vLLM's do: the distribution is all but the
 # argmax's long before, and under about 1e-45 the temperature is 0 in float32 (the
 # sampler's dtype), a division by zero.
@@ -46,6 +49,9 @@ class GrammarSpec:
     def json_schema(cls, schema: Any, param: str = "response_format") -> GrammarSpec:
         if not isinstance(schema, dict) and not isinstance(schema, bool):
             raise InvalidRequestError("the JSON schema must be an object", param=param)
+        if json_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(f"the JSON schema is nested more than "
+                                      f"{MAX_SCHEMA_DEPTH} levels deep", param=param)
         return cls("json_schema", _canonical(schema, param), param)
 
     @classmethod
@@ -64,12 +70,31 @@ class GrammarSpec:
                                       param=self.param)
         if self.kind in ("regex", "grammar") and not self.source:
             raise InvalidRequestError("must not be empty", param=self.param)
+        if self.kind in ("regex", "grammar") and "\x00" in self.source:
+            raise InvalidRequestError("must not contain a NUL character", param=self.param)
 
     @property
     def digest(self) -> str:
         """Names the compiled grammar: equal specs compile once."""
         return hashlib.sha256(f"{self.kind}\0{self.source}".encode(
             "utf-8", "surrogatepass")).hexdigest()
+
+
+def json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in ``value`` (0 for a scalar), without
+    recursion: a body can nest deeper than Python's recursion limit."""
+    depth, level = 0, [(value, 1)]
+    while level:
+        item, d = level.pop()
+        children = (item.values() if isinstance(item, dict)
+                    else item if isinstance(item, list) else None)
+        if children is None:
+            continue
+        depth = max(depth, d)
+        if depth > MAX_SCHEMA_DEPTH:
+            return depth  # deep enough to refuse; no need to walk the rest
+        level.extend((child, d + 1) for child in children)
+    return depth
 
 
 def _canonical(value: Any, param: str) -> str:

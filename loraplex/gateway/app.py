@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute
 
 from loraplex.config import RegistryConfig, ServerConfig
 from loraplex.engine.backend import EngineBackend
+from loraplex.engine.grammar import GrammarCompiler
 from loraplex.gateway.adapter_uploads import AdapterService
 from loraplex.gateway.auth import salt_secret
 from loraplex.gateway.errors import exception_handlers
@@ -29,7 +30,7 @@ from loraplex.gateway.usage import UsageMeter
 from loraplex.model.adapter_loader import validate_adapter_dir
 from loraplex.model.loader import load_tokenizer
 from loraplex.registry import db
-from loraplex.registry.store import AdapterStore
+from loraplex.registry.ownership import open_store
 from loraplex.registry.sweep import StoreSweeper
 from loraplex.registry.upload import AdapterUploader, UploadLimits
 
@@ -41,18 +42,25 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
     it down at exit). The registry database must already be migrated.
     ``upload_limits`` caps adapter uploads (default: ``UploadLimits()``)."""
     db_engine = db.make_engine(registry_config.database_url)
+    sessions = db.make_session_factory(db_engine)
+    # Before anything is served: a store another registry owns is refused in one line.
+    try:
+        store = open_store(sessions, registry_config.adapter_dir, registry_config.database_url)
+    except BaseException:
+        db_engine.dispose()
+        raise
     model = backend.description
     served = server_config.served_model_name or os.path.basename(
         os.path.normpath(model.model))
     gw = Gateway(
         config=server_config, registry=registry_config, db_engine=db_engine,
-        sessions=db.make_session_factory(db_engine), backend=backend,
-        store=AdapterStore(registry_config.adapter_dir),
+        sessions=sessions, backend=backend, store=store,
         metrics=metrics or GatewayMetrics(),
         meter=UsageMeter(db.make_session_factory(db_engine),
                          server_config.usage_flush_interval_s),
         tokenizers=Tokenizers(load_tokenizer(model.tokenizer)), served_model_name=served,
         salt_secret=salt_secret(server_config.cache_salt_secret),
+        grammars=GrammarCompiler(None, 0, ()),
     )
     sweeper = StoreSweeper(gw.sessions, gw.store, grace_s=registry_config.sweep_grace_s,
                            interval_s=registry_config.sweep_interval_s)
@@ -72,6 +80,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
             await backend.shutdown()
             await gw.meter.stop()
             await gw.limiter.close()
+            gw.grammars.close()
             db_engine.dispose()
 
     routes: list[BaseRoute] = [

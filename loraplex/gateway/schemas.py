@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from loraplex.engine.sampling_params import MAX_LOGPROBS, GrammarSpec
+from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_SCHEMA_DEPTH, GrammarSpec
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.fields import (
     bad,
@@ -169,6 +169,9 @@ def _guided(param: str, kind: str, value: Any) -> GrammarSpec:
                 value = json.loads(value)
             except ValueError:
                 raise bad(param, "the JSON schema is not valid JSON") from None
+            except RecursionError:  # nested past Python's limit, far past ours
+                raise bad(param, f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} "
+                                 "levels deep") from None
         return GrammarSpec.json_schema(value, param)
     if kind == "choice":
         for choice in value if isinstance(value, list) else ():

@@ -15,6 +15,7 @@ from starlette.requests import HTTPConnection
 
 from loraplex.config import RegistryConfig, ServerConfig
 from loraplex.engine.backend import EngineBackend
+from loraplex.engine.grammar import GrammarCompiler
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.fields import check_text
 from loraplex.gateway.metrics import GatewayMetrics
@@ -109,6 +110,8 @@ class Gateway:
     tokenizers: Tokenizers
     served_model_name: str
     salt_secret: bytes
+    # Checks schemas that reach no engine (tools' parameters), in its sandbox's process.
+    grammars: GrammarCompiler
     limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
 
     @property

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from loraplex.engine.grammar import JSON_LAYOUT, check_spec
+from loraplex.engine.grammar import JSON_LAYOUT
 from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.errors import InvalidRequestError
 
@@ -57,6 +57,8 @@ class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]
+    # The parameters as an output constraint: what the route compiles to check them.
+    spec: GrammarSpec = field(compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The OpenAI shape, as chat templates' ``tools`` expect it."""
@@ -84,6 +86,11 @@ class ToolUse:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t.name for t in self.tools)
+
+    @property
+    def parameter_specs(self) -> tuple[GrammarSpec, ...]:
+        """Each tool's parameters schema, to compile (checked) before the request runs."""
+        return tuple(t.spec for t in self.tools)
 
     def grammar(self) -> GrammarSpec | None:
         """The Lark grammar of the calls a forced choice admits; None for ``auto``."""
@@ -140,6 +147,8 @@ def _tool(i: int, raw: Any) -> Tool:
         parameters = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(parameters, dict):
         raise _bad(f"{param}.function.parameters", "expected a JSON schema object")
+    # Built first: it refuses a schema nested too deeply for the text checks below.
+    spec = GrammarSpec.json_schema(parameters, f"{param}.function.parameters")
     # The tools are rendered into the prompt as text: it must be valid Unicode.
     for where, value in ((f"{param}.function.description", description),
                          (f"{param}.function.parameters", parameters)):
@@ -147,10 +156,10 @@ def _tool(i: int, raw: Any) -> Tool:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except (UnicodeEncodeError, ValueError, TypeError):
             raise _bad(where, "is not plain JSON of valid Unicode") from None
-    # Checked here, whatever tool_choice is: with "auto" no grammar ever compiles it, and a
-    # grammar of several tools could not say which one is wrong.
-    check_spec(GrammarSpec.json_schema(parameters, f"{param}.function.parameters"))
-    return Tool(name, description, parameters)
+    # Compiled by the route, off the event loop, whatever tool_choice is: with "auto" no
+    # grammar ever compiles it, and a grammar of several tools could not say which one is
+    # wrong.
+    return Tool(name, description, parameters, spec)
 
 
 def parse_tools(body: dict[str, Any]) -> ToolUse | None:

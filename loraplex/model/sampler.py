@@ -196,6 +196,10 @@ def apply_allowed(logits: torch.Tensor, raw: torch.Tensor,
         return logits
     masks = torch.stack([rows[i].allowed() for i in constrained])  # type: ignore[misc]
     allowed = unpack_bitmask(masks, logits.shape[1]).to(logits.device)
+    # A grammar that allows no token at all is one that cannot be followed: the engine
+    # ends that request with an error whatever is drawn, so its row samples unmasked
+    # rather than from no token.
+    allowed[~allowed.any(dim=-1)] = True
     index = torch.tensor(constrained, device=logits.device)
     masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
     dead = ~torch.isfinite(masked).any(dim=-1)

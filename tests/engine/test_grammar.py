@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -36,10 +37,12 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer: tuple[object, Path]) -> GrammarCompiler:
+def compiler(tokenizer: tuple[object, Path]) -> Iterator[GrammarCompiler]:
     tok, out = tokenizer
-    return GrammarCompiler((out / "tokenizer.json").read_text(), 400,  # > the 384 tokens
-                           [tok.eos_token_id])  # type: ignore[attr-defined]
+    compiler = GrammarCompiler((out / "tokenizer.json").read_text(), 400,  # > the 384 tokens
+                               [tok.eos_token_id])  # type: ignore[attr-defined]
+    yield compiler
+    compiler.close()
 
 
 def _allowed(filler: MaskFiller, constraints: list[Constraint]) -> torch.Tensor:
@@ -69,7 +72,7 @@ def _walk(compiler: GrammarCompiler, constraint: Constraint, eos: int, seed: int
         if token == eos:
             return out, True
         constraint.advance(token)
-        assert not constraint.is_error
+        assert constraint.error is None
         out.append(token)
     return out, False
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from loraplex.engine.grammar import check_spec
+from loraplex.engine.grammar import GrammarCompiler
 from loraplex.gateway.schemas import parse_chat_completion
 from loraplex.gateway.state import Tokenizers
 from loraplex.gateway.tools import ToolCallReader, parse_tools, template_input
@@ -125,7 +126,16 @@ def test_bad_tools_are_400_and_the_server_keeps_serving(live: LiveServer) -> Non
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_parameters_with_definitions_compile_inside_the_call_grammar() -> None:
+@pytest.fixture(scope="module")
+def checker() -> Iterator[GrammarCompiler]:
+    """What the gateway checks tool schemas with: a compiler for any tokenizer."""
+    compiler = GrammarCompiler(None, 0, ())
+    yield compiler
+    compiler.close()
+
+
+def test_parameters_with_definitions_compile_inside_the_call_grammar(
+        checker: GrammarCompiler) -> None:
     pydantic_style = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
                       "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}
     tools = parse_tools({"tool_choice": "required", "tools": [
@@ -133,7 +143,7 @@ def test_parameters_with_definitions_compile_inside_the_call_grammar() -> None:
     assert tools is not None
     grammar = tools.grammar()
     assert grammar is not None
-    check_spec(grammar)
+    checker.check(grammar)
 
 
 # --- reading calls out of free text (auto) ----------------------------------------------
@@ -211,14 +221,14 @@ def test_bare_calls_beyond_parallel_tool_calls_false_stay_text() -> None:
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_the_bare_call_grammar_compiles(parallel: bool) -> None:
+def test_the_bare_call_grammar_compiles(parallel: bool, checker: GrammarCompiler) -> None:
     tools = parse_tools({"tool_choice": "required", "tools": TWO_TOOLS,
                          "parallel_tool_calls": parallel})
     assert tools is not None
     grammar = replace(tools, bare=True).grammar()
     assert grammar is not None and '"parameters"' in grammar.source
     assert ('"; "' in grammar.source) is parallel
-    check_spec(grammar)
+    checker.check(grammar)
 
 
 # --- the prompt ---------------------------------------------------------------------------

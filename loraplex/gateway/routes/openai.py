@@ -173,6 +173,11 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
+    if req.tools is not None:
+        # Each tool's parameters compile (a 400 naming the tool otherwise), in the grammar
+        # sandbox and off the event loop: a costly schema stalls nobody's request.
+        for spec in req.tools.parameter_specs:
+            await run_in_threadpool(gw.grammars.check, spec, principal.tenant_name)
     req = with_call_format(req, bare=gw.tokenizers.bare_tool_calls)
     messages, tools = template_input(req.messages, req.tools, gw.tokenizers.renders_tools)
     token_ids = await gw.tokenizers.encode_chat(messages, tools)

@@ -15,7 +15,10 @@ from loraplex.gateway.state import Gateway, gateway
 
 
 async def health(request: Request) -> Response:
-    """The process is up and serving HTTP."""
+    """The process is up and serving HTTP, and its engine has not failed for good (a dead
+    step loop never comes back: a liveness probe must restart the server)."""
+    if not gateway(request).backend.is_alive:
+        return JSONResponse({"status": "engine failed"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
