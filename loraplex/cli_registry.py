@@ -183,7 +183,20 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     if args.revision == "head":  # the registry's identity exists from 0003 on
         with _sessions(args) as factory:
             _owned_store(args, factory)  # claims an unowned store; refuses another's
+            with transaction(factory) as session:
+                warn_shadowed(session, [Path(model_dir_from_args(args)).name])
     return _db_report(args, url, "upgraded")
+
+
+def warn_shadowed(session: Session, model_names: Sequence[str]) -> None:
+    """Says on stderr which adapters are named like the served model (uploads refuse such
+    names now; older rows may have them): no request can reach them."""
+    shadowed = service.shadowed_names(session, model_names)
+    if shadowed:
+        print(f"warning: {len(shadowed)} adapter(s) named like the served model "
+              f"({', '.join(model_names)}) cannot be called, a request naming it reaches the "
+              f"base model: {', '.join(shadowed)}; upload each under another name and "
+              "delete it", file=sys.stderr)
 
 
 def _owned_store(args: argparse.Namespace, factory: sessionmaker[Session], *,
@@ -394,7 +407,9 @@ def _adapters_upload(args: argparse.Namespace) -> int:
         uploader = upload.AdapterUploader(
             _owned_store(args, factory),
             lambda path: validate_adapter_dir(path, target, max_rank),
-            base_model=model_dir, base_model_names=args.served_model_name or ())
+            base_model=model_dir, base_model_names=args.served_model_name or (),
+            # What `serve --model DIR` calls the base model unless told another name.
+            reserved_names=[*(args.served_model_name or ()), Path(model_dir).name])
         result = uploader.upload_path(
             factory, tenant_id=tenant_id, name=args.name, path=source,
             visibility="public" if args.public else "private",

@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
@@ -105,6 +106,7 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
 def _prepare_registry(args: argparse.Namespace) -> None:
     """Migrates (or, with --no-migrate, checks) the registry database, and opens its
     adapter store (claiming it, or refusing another registry's)."""
+    from loraplex.cli_registry import warn_shadowed
     from loraplex.registry import db
     from loraplex.registry.ownership import open_store
 
@@ -115,7 +117,11 @@ def _prepare_registry(args: argparse.Namespace) -> None:
     try:
         db.check_schema(engine)
         # Before the model loads: a store another registry owns is refused in one line.
-        open_store(db.make_session_factory(engine), config.adapter_dir, config.database_url)
+        sessions = db.make_session_factory(engine)
+        open_store(sessions, config.adapter_dir, config.database_url)
+        with db.transaction(sessions) as session:
+            warn_shadowed(session, [args.served_model_name
+                                    or Path(model_arg(args.model)).name])
     finally:
         engine.dispose()
 

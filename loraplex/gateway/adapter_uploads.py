@@ -38,8 +38,7 @@ from loraplex.gateway.errors import AdapterRejectedError, ClientDisconnected
 from loraplex.gateway.http import declared_length
 from loraplex.registry import upload
 from loraplex.registry.archive import ALLOWED_FILES
-from loraplex.registry.models import VISIBILITIES, Adapter
-from loraplex.registry.names import check_adapter_name
+from loraplex.registry.models import Adapter
 from loraplex.registry.store import AdapterStore
 from loraplex.registry.upload import AdapterUploader, DeletedAdapter, UploadResult
 
@@ -259,7 +258,9 @@ class AdapterService:
                     if part.filename is None:
                         if part.field in FIELDS:
                             fields[part.field] = (await part.text()).strip()
-                            _check_field(part.field, fields[part.field])
+                            # As soon as it arrives: a bad name must not cost the upload.
+                            if part.field == "name" or fields[part.field]:
+                                self.uploader.check_field(part.field, fields[part.field])
                         continue  # unknown fields are ignored
                     if part.field in fields or part.field in FIELDS:
                         raise InvalidRequestError(f"{part.field!r} must be a text field",
@@ -300,15 +301,6 @@ class AdapterService:
                 await asyncio.to_thread(upload.discard_unreferenced, self.sessions,
                                         self.store, digest)
         return deleted
-
-
-def _check_field(field: str, value: str) -> None:
-    # Checked as soon as the field arrives: a bad name must not cost the whole upload.
-    if field == "name":
-        check_adapter_name(value)
-    elif value and value not in VISIBILITIES:
-        raise InvalidRequestError(f"visibility must be one of {', '.join(VISIBILITIES)}, "
-                                  f"got {value!r}", param="visibility")
 
 
 def _form(fields: dict[str, str]) -> UploadForm:

@@ -109,5 +109,6 @@ def _adapter_service(gw: Gateway, backend: EngineBackend,
     # model rarely agree): the shapes decide whether the adapter can be served at all.
     uploader = AdapterUploader(gw.store, lambda path: validate_adapter_dir(path, target,
                                                                            max_rank),
-                               base_model=model.model, limits=limits)
+                               base_model=model.model,
+                               reserved_names=(gw.served_model_name,), limits=limits)
     return AdapterService(uploader, gw.sessions, gw.store, backend)

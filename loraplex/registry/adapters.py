@@ -143,6 +143,18 @@ def list_adapters(
     return list(session.scalars(stmt))
 
 
+def shadowed_names(session: Session, model_names: Sequence[str]) -> list[str]:
+    """``owner/name`` of every active adapter named like one of ``model_names`` (any
+    case): requests naming it reach the base model, so it can never be called."""
+    names = sorted({n.casefold() for n in model_names if n})
+    if not names:
+        return []
+    stmt = (sa.select(Tenant.name, Adapter.name).join(Adapter.tenant)
+            .where(Adapter.status == "active", sa.func.lower(Adapter.name).in_(names))
+            .distinct().order_by(Tenant.name, Adapter.name))
+    return [f"{owner}/{name}" for owner, name in session.execute(stmt)]
+
+
 def _own_versions(session: Session, tenant_id: int, name: str,
                   version: int | None) -> list[Adapter]:
     which = name if version is None else f"{name} version {version}"

@@ -17,6 +17,7 @@ from loraplex.registry.adapters import (
     register_adapter,
     resolve_adapter,
     set_visibility,
+    shadowed_names,
 )
 from loraplex.registry.api_keys import (
     ADMIN_TENANT,
@@ -55,6 +56,7 @@ __all__ = [
     "get_adapter", "get_tenant", "get_tenant_by_name", "hash_key", "hour_start",
     "is_digest_referenced", "list_adapters", "list_keys", "list_tenants", "list_usage",
     "list_visible_adapters", "record_usage", "register_adapter", "resolve_adapter",
-    "revoke_key", "set_tenant_status", "set_visibility", "update_tenant_limits",
+    "revoke_key", "set_tenant_status", "set_visibility", "shadowed_names",
+    "update_tenant_limits",
     "usage_totals",
 ]

@@ -286,12 +286,35 @@ class AdapterUploader:
 
     def __init__(self, store: AdapterStore, validate: Validator, *, base_model: str,
                  base_model_names: Collection[str] = (),
+                 reserved_names: Collection[str] = (),
                  limits: UploadLimits | None = None) -> None:
         self.store = store
         self.validate = validate
         self.base_model = base_model
         self.base_model_names = tuple(n for n in base_model_names if n.strip())
+        # The names requests use for the base model: an adapter named so could never be
+        # called (``model`` resolves to the base model first).
+        self.reserved_names = frozenset(n.casefold() for n in reserved_names if n)
         self.limits = limits or UploadLimits()
+
+    def check_request(self, name: str, visibility: str) -> None:
+        """Refuses a bad name or visibility before any byte is received or stored (a bad
+        name must not cost a 4 GB upload)."""
+        self.check_field("name", name)
+        self.check_field("visibility", visibility)
+
+    def check_field(self, field: str, value: str) -> None:
+        """Refuses a bad ``name`` (the served model's own name included) or
+        ``visibility``."""
+        if field == "name":
+            check_adapter_name(value)
+            if value.casefold() in self.reserved_names:
+                raise InvalidRequestError(
+                    f"adapter name {value!r} is the served model's name: requests naming "
+                    "it would reach the base model; choose another name", param="name")
+        elif value not in VISIBILITIES:
+            raise InvalidRequestError(f"visibility must be one of {', '.join(VISIBILITIES)}, "
+                                      f"got {value!r}", param="visibility")
 
     def staging(self, progress: ProgressFn | None = None) -> UploadStaging:
         """A fresh staging folder to receive one upload into (use as a context manager),
@@ -304,7 +327,7 @@ class AdapterUploader:
                     on_registered: OnRegistered | None = None) -> UploadResult:
         """Uploads a local adapter folder or archive (the CLI). In a folder, pickle files
         anywhere refuse the upload; other files (tokenizer, trainer state) are ignored."""
-        _check_request(name, visibility)
+        self.check_request(name, visibility)
         src = Path(path)
         with self.staging(progress) as staging:
             if src.is_dir():
@@ -336,7 +359,7 @@ class AdapterUploader:
         ConflictError, or whatever ``on_registered`` or the database raise; in every case
         no row is left and no stored copy this upload created.
         """
-        _check_request(name, visibility)
+        self.check_request(name, visibility)
         adapter_dir = staging.adapter_dir()
         adapter = self._validate(adapter_dir)
         stored = self.store.put_dir(adapter_dir)
@@ -404,14 +427,6 @@ class AdapterUploader:
             return None
         return (f"the adapter was trained on {declared!r} (base_model_name_or_path) but this "
                 f"server serves {self.base_model_names[0]!r}")
-
-
-def _check_request(name: str, visibility: str) -> None:
-    # Before any byte is received or stored: a bad name must not cost a 4 GB upload.
-    check_adapter_name(name)
-    if visibility not in VISIBILITIES:
-        raise InvalidRequestError(f"visibility must be one of {', '.join(VISIBILITIES)}, "
-                                  f"got {visibility!r}", param="visibility")
 
 
 # --- deleting and collecting -------------------------------------------------------------

@@ -542,3 +542,21 @@ def test_malformed_config_is_422_with_a_message(api: Admin, llama_adapters: dict
     error = upload(api, "/v1/adapters", "bad", files, 422, key=key)["error"]
     assert error["code"] == "invalid_adapter" and FILES[0] in error["message"]
     assert not list(api.store.joinpath(".tmp").iterdir())
+
+
+def test_an_adapter_may_not_take_the_served_models_name(
+        api: Admin, llama_adapters: dict[str, Path]) -> None:
+    """``model: <served name>`` always means the base model: an adapter named so could
+    never be called, and /v1/models would list the name twice. Refused before the files
+    are read, in any case of letters, on both upload routes."""
+    tenant, key = api.tenant("shadow")
+    files = folder_files(llama_adapters["r4"])
+    for path, upload_key in ((f"/admin/api/tenants/{tenant}/adapters", None),
+                             ("/v1/adapters", key)):
+        for name in (SERVED, SERVED.upper()):
+            error = upload(api, path, name, files, 400, key=upload_key)["error"]
+            assert error["param"] == "name" and "served model's name" in error["message"]
+    ids = [m.id for m in api.openai(key).models.list()]
+    assert ids[0] == SERVED and SERVED.casefold() not in {i.casefold() for i in ids[1:]}
+    assert api.http.get("/v1/adapters", headers={"Authorization": f"Bearer {key}"}).json()[
+        "data"] == []  # nothing of it was kept

@@ -408,3 +408,29 @@ def test_adapters_add_imports_neither_torch_nor_transformers(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["version"] == 1
     assert "heavy: []" in done.stderr
+
+
+def test_upgrade_reports_adapters_named_like_the_served_model(
+        tmp_path: Path, home: Path, model_dir: Path, make_adapter: Callable[..., Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A name uploads refuse now (the served model's) may be in rows from before: db upgrade
+    names each one, since no request can reach it."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    served = tmp_path / "support"  # a model folder named like the adapter below
+    shutil.copytree(model_dir, served)
+    common = ["--database-url", url, "--adapter-dir", str(tmp_path / "store")]
+    assert run_registry_cli(["db", "upgrade", *common]) == 0
+    assert run_registry_cli(["tenants", "create", "acme", *common]) == 0
+    # Under another served model, "support" is a fine name; under this one it is not.
+    assert run_registry_cli(["adapters", "add", "--tenant", "acme", "--name", "support",
+                             str(make_adapter()), "--model", str(model_dir), *common]) == 0
+    capsys.readouterr()
+    assert run_registry_cli(["adapters", "add", "--tenant", "acme", "--name", "Support",
+                             str(make_adapter(seed=2)), "--model", str(served), *common]) == 2
+    assert "served model's name" in capsys.readouterr().err
+    assert run_registry_cli(["db", "upgrade", "--model", str(served), *common]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: 1 adapter(s) named like the served model (support)")
+    assert "acme/support" in err and err.count("\n") == 1
+    assert run_registry_cli(["db", "upgrade", "--model", str(model_dir), *common]) == 0
+    assert capsys.readouterr().err == ""

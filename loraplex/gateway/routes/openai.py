@@ -95,8 +95,13 @@ def _model_object(gw: Gateway, principal: Principal, row: Adapter | None) -> dic
 def _model_entries(gw: Gateway, principal: Principal) -> list[dict[str, Any]]:
     with transaction(gw.sessions) as session:
         rows = service.list_visible_adapters(session, principal.tenant_id)
+        # An own adapter named like the base model (an upload from before such names were
+        # refused) cannot be called: listing it would name the base model twice.
+        served = gw.served_model_name.casefold()
         return [_model_object(gw, principal, None),
-                *(_model_object(gw, principal, row) for row in rows)]
+                *(_model_object(gw, principal, row) for row in rows
+                  if not (row.tenant_id == principal.tenant_id
+                          and row.name.casefold() == served))]
 
 
 def _model_entry(gw: Gateway, principal: Principal, model: str) -> dict[str, Any]:
