@@ -16,7 +16,10 @@ entry if it is still in the window, extra tokens are charged as a new entry at r
 time. Concurrency slots are leases that expire after ``lease_ttl_s``, so a dead gateway
 process cannot hold its slots for ever.
 
-Talking to Redis is bounded: every socket operation times out after ``timeout_s``, a
+Talking to Redis is bounded: a request waits at most ``request_budget_s`` (0.5 s) for any
+one call (acquire, release, ping), so a hung Redis (paused, not down) costs a request that
+much before the answer a down Redis gets; every socket operation times out after
+``timeout_s``, a
 connection idle for ``HEALTH_CHECK_INTERVAL_S`` is pinged before use, and a command that
 fails on a broken connection (a pooled one left stale by a Redis restart) is retried on a
 fresh one, twice at most, with a short backoff. Both scripts are idempotent per lease, so
@@ -32,16 +35,20 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from loraplex.errors import ConfigError, InvalidRequestError, LoraplexError
 
 LimitName = Literal["requests", "tokens", "concurrency"]
+T = TypeVar("T")
 
 DEFAULT_KEY_PREFIX = "loraplex:rl:"
 DEFAULT_REDIS_TIMEOUT_S = 1.0
+# The longest a request waits on one Redis call: a local Redis answers in well under a
+# millisecond, one across a network in a few.
+DEFAULT_REQUEST_BUDGET_S = 0.5
 HEALTH_CHECK_INTERVAL_S = 10
 REDIS_RETRIES = 2
 
@@ -309,10 +316,13 @@ class RedisRateLimiter(RateLimiter):
         *,
         concurrency_retry_s: float = 1.0,
         timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
+        request_budget_s: float = DEFAULT_REQUEST_BUDGET_S,
     ) -> None:
         _check_window(window_s, lease_ttl_s, concurrency_retry_s)
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if not (timeout_s > 0 and request_budget_s > 0):
+            raise ConfigError(f"timeout_s and request_budget_s must be positive, got "
+                              f"{timeout_s} and {request_budget_s}")
+        self._budget_s = request_budget_s
         # Imported here so the embedded default never needs redis importable.
         from redis.asyncio import Redis
         from redis.asyncio.retry import Retry
@@ -353,7 +363,7 @@ class RedisRateLimiter(RateLimiter):
         _check_acquire_args(limits, reserved_tokens)
         lease_id = uuid.uuid4().hex
         try:
-            result = await self._acquire_script(
+            result = await self._bounded(self._acquire_script(
                 keys=list(self._keys(tenant_id)),
                 args=[
                     lease_id,
@@ -367,7 +377,7 @@ class RedisRateLimiter(RateLimiter):
                     self._log_ttl_ms,
                     self._lease_key_ttl_ms,
                 ],
-            )
+            ))
         except BaseException:
             # The reply was lost (a slow Redis, a cancelled request), not necessarily the
             # script's run: a lease it made would hold the tenant's concurrency and tokens
@@ -384,27 +394,49 @@ class RedisRateLimiter(RateLimiter):
         """See ``RateLimiter.release``."""
         if actual_tokens < 0:
             raise ValueError(f"actual_tokens must be >= 0, got {actual_tokens}")
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        try:
+            await self._release_once(lease, actual_tokens)
+        except RedisTimeoutError:
+            # The request is over and answered: its release (its concurrency slot and its
+            # token count) is retried in the background rather than left to the TTL.
+            self._release_later(lease, actual_tokens)
+            raise
+
+    async def _release_once(self, lease: Lease, actual_tokens: int) -> None:
         req, tok, amount, total, leases = self._keys(lease.tenant_id)
-        await self._release_script(
+        await self._bounded(self._release_script(
             keys=[tok, amount, total, leases],
             args=[lease.lease_id, lease.reserved_tokens, actual_tokens, self._log_ttl_ms],
-        )
+        ))
 
     async def ping(self) -> bool:
         """See ``RateLimiter.ping``."""
         from redis.exceptions import RedisError
 
         try:
-            return bool(await self._redis.ping())
+            return bool(await self._bounded(self._redis.ping()))
         except (RedisError, OSError):
             return False
 
-    def _release_later(self, lease: Lease) -> None:
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        """``call``'s result, or redis' TimeoutError past the request budget."""
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        try:
+            async with asyncio.timeout(self._budget_s):
+                return await call
+        except TimeoutError:
+            raise RedisTimeoutError(f"Redis did not answer within {self._budget_s:g} s") \
+                from None
+
+    def _release_later(self, lease: Lease, actual_tokens: int = 0) -> None:
         async def attempts() -> None:
             for delay in _ABANDONED_RELEASE_DELAYS_S:
                 await asyncio.sleep(delay)
                 try:
-                    await self.release(lease, 0)
+                    await self._release_once(lease, actual_tokens)
                     return
                 except Exception:  # Redis still away: the next attempt, then the TTL
                     continue

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import openai
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import RedisError
 from servers import wait_until
 
 from loraplex.config import (
@@ -30,6 +33,7 @@ from loraplex.config import (
 )
 from loraplex.engine.client import EngineClient
 from loraplex.gateway.app import create_app
+from loraplex.gateway.ratelimit import RedisRateLimiter, TenantLimits
 from loraplex.registry import db, service
 from loraplex.testing import bootstrap_admin, build_tiny_model
 
@@ -185,6 +189,11 @@ class RedisProcess:
 
         wait_until(answers, proc, "redis-server")
 
+    def pause(self, paused: bool) -> None:
+        """Stops (or resumes) the process: a hung Redis, its port open, never answering."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
     def kill(self) -> None:
         if self._proc is not None:
             self._proc.kill()
@@ -253,6 +262,62 @@ def test_redis_restart_under_a_live_server(tiny_llama_dir: Path, tmp_path: Path,
                 assert httpx.get(f"{url}/ready").status_code == 200
     finally:
         store.kill()
+
+
+@pytest.mark.server
+def test_a_hung_redis_is_a_down_redis(tiny_llama_dir: Path, tmp_path: Path,
+                                      serve_app: Any) -> None:
+    """Redis paused (port open, no answer): a limited tenant gets the 503 with Retry-After
+    a down Redis gets, an unlimited one is served, /ready says so; each Redis call costs a
+    request at most the limiter's budget (0.5 s), where it had cost 3 to 9.6 s."""
+    store = RedisProcess(free_port())
+    store.start()
+    config = ServerConfig(served_model_name="tiny", redis_url=store.url)
+    try:
+        with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, free, _):
+            limited = add_tenant(tmp_path, "capped", max_requests_per_minute=100_000)
+            assert call(url, limited).status_code == 200
+            store.pause(True)
+            refused = call(url, limited)
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["code"] == "dependency_unavailable"
+            assert call(url, free).status_code == 200
+            ready = httpx.get(f"{url}/ready", timeout=30)
+            assert ready.status_code == 503 and ready.json()["redis"] is False
+            store.pause(False)
+            assert call(url, limited).status_code == 200
+    finally:
+        store.kill()
+
+
+def test_the_limiter_bounds_each_call_on_a_hung_redis() -> None:
+    """The bound itself, measured on the limiter's calls (an event loop's timer, not a
+    request's end-to-end time)."""
+    store = RedisProcess(free_port())
+    store.start()
+
+    async def main() -> list[float]:
+        limiter = RedisRateLimiter(store.url, "hung-test:", request_budget_s=0.5)
+        limits = TenantLimits(requests_per_minute=10)
+        lease = await limiter.acquire("t", limits, 1)
+        store.pause(True)
+        took = []
+        for call_ in (lambda: limiter.acquire("t", limits, 1),
+                      lambda: limiter.release(lease, 1), limiter.ping):
+            began = time.monotonic()
+            with contextlib.suppress(RedisError):
+                assert await call_() in (False, None)  # ping is False, release None
+            took.append(time.monotonic() - began)
+        store.pause(False)
+        await limiter.close()
+        return took
+
+    try:
+        took = asyncio.run(main())
+    finally:
+        store.kill()
+    # 0.5 s each, plus what a busy machine adds to a timer's wakeup.
+    assert all(t < 1.5 for t in took), took
 
 
 def test_in_process_limiter_without_redis(tiny_queue: tuple[str, str, str]) -> None:
