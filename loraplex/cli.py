@@ -21,6 +21,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from loraplex.engine.sampling_params import SamplingParams
     from loraplex.llm import LoRARequest
 
+    # Checked first: a bad value is one line at once, not after the model has loaded (or
+    # the demo model downloaded).
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_sampling,
+                            max_tokens=args.max_tokens)
     engine = LLMEngine(engine_config_from_args(args, model_arg(args.model)))
     try:
         prompt = args.prompt
@@ -33,9 +38,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 [{"role": "user", "content": prompt}], tokenize=False,
                 add_generation_prompt=True)
         token_ids = engine.tokenizer.encode(prompt, add_special_tokens=not chat)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed_sampling,
-                                max_tokens=args.max_tokens)
         ref = LoRARequest(os.path.basename(os.path.normpath(args.adapter)),
                           args.adapter).to_ref() if args.adapter else None
         if ref is not None:

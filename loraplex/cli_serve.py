@@ -236,8 +236,12 @@ def _serve(args: argparse.Namespace) -> int:
             rate_limit_key_prefix=f"{args.redis_key_prefix}rl:")
         if args.backend == "ray":  # before anything is migrated or loaded
             from loraplex.config import check_shared_state
+            from loraplex.engine.ray_address import check_reachable, ray_address
 
             check_shared_state(server_config, registry_config_from_args(args))
+            address = ray_address(args.ray_address)
+            if address is not None:  # in seconds, not after the registry and Ray's import
+                check_reachable(address)
         # Checked before anything is written: a key created before a refusal is never shown.
         limits = UploadLimits(max_upload_bytes=args.max_upload_bytes,
                               max_unpacked_bytes=args.max_upload_bytes)

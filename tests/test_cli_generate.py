@@ -131,3 +131,20 @@ def test_draft_refuses_bad_input_in_one_line(tiny_llama_dir: Path, tmp_path: Pat
         result = _cli("draft", *args, "--out", str(tmp_path / "out"))
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    (("--max-tokens", "-5"), "max_tokens"),
+    (("--temperature", "-1"), "temperature"),
+    (("--top-p", "2"), "top_p"),
+])
+def test_sampling_values_are_refused_before_the_model_loads(tmp_path: Path,
+                                                            option: tuple[str, str],
+                                                            words: str) -> None:
+    """Checked before anything loads: named even with a model folder that does not exist
+    (which would otherwise be the first error, after a demo model's download at worst)."""
+    proc = _cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi", *option)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loraplex: error:") and words in last, proc.stderr
+    assert "config.json" not in proc.stderr and "Traceback" not in proc.stderr

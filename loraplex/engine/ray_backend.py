@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import re
-import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from loraplex.config import EngineConfig, RayConfig
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
 from loraplex.engine.outputs import SequenceDelta
+from loraplex.engine.ray_address import check_reachable, ray_address
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.stats import EngineStats, combine_stats
@@ -70,7 +70,6 @@ from loraplex.errors import (
 
 logger = logging.getLogger(__name__)
 
-ENV_RAY_ADDRESS: Final = "LORAPLEX_RAY_ADDRESS"
 STATS_INTERVAL_S: Final = 1.0
 STATS_STALE_S: Final = 5.0  # a replica silent this long is no longer listed
 FORGET_BOUND_S: Final = 2.0  # a deletion reaches every live replica within this
@@ -333,11 +332,11 @@ def connect_ray(ray_config: RayConfig) -> bool:
     """Joins the cluster at ``ray_config.address`` (or ``LORAPLEX_RAY_ADDRESS``), or starts
     a local one on loopback; returns whether this process started it. ConfigError in one
     line when the cluster cannot be reached."""
-    address = ray_config.address or os.environ.get(ENV_RAY_ADDRESS) or None
+    address = ray_address(ray_config.address)
     # Without it Ray binds a non-loopback address even when told 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address is not None:
-        _check_reachable(address)
+        check_reachable(address)
     try:
         if address is None:
             ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
@@ -350,18 +349,6 @@ def connect_ray(ray_config: RayConfig) -> bool:
         raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
                           f"{first_line(exc)}") from None
     return False
-
-
-def _check_reachable(address: str) -> None:
-    """Fails in seconds, in one line, where ``ray.init`` would retry for minutes."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"the Ray address {address!r} is not host:port")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-    except OSError as exc:
-        raise ConfigError(f"cannot reach the Ray cluster at {address}: "
-                          f"{exc.strerror or exc}") from None
 
 
 def _unwrap(exc: BaseException) -> BaseException:

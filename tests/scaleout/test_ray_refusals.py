@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.registry import db
 from loraplex.testing import postgres_schema, redis_url_for_tests
 
 
@@ -61,15 +62,22 @@ def test_refuses_the_in_process_limiter(tmp_path: Path, tiny_llama_dir: Path,
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
-def test_an_unreachable_cluster_is_one_line_in_seconds(tmp_path: Path, tiny_llama_dir: Path,
-                                                       pg_url: str) -> None:
+def test_an_unreachable_cluster_is_one_line_in_seconds(tmp_path: Path,
+                                                       tiny_llama_dir: Path) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code, lines, took = _serve(tmp_path, "--model", str(tiny_llama_dir),
-                               "--database-url", pg_url, "--redis-url", redis_url_for_tests(),
-                               env={"LORAPLEX_CACHE_SALT_SECRET": "s",
-                                    "LORAPLEX_RAY_ADDRESS": f"127.0.0.1:{port}"})
+    with postgres_schema("rayunreachable") as url:
+        code, lines, took = _serve(tmp_path, "--model", str(tiny_llama_dir),
+                                   "--database-url", url, "--redis-url", redis_url_for_tests(),
+                                   env={"LORAPLEX_CACHE_SALT_SECRET": "s",
+                                        "LORAPLEX_RAY_ADDRESS": f"127.0.0.1:{port}"})
+        # Refused before the registry was touched or Ray imported: nothing was migrated.
+        engine = db.make_engine(url)
+        try:
+            assert db.current_revision(engine) is None
+        finally:
+            engine.dispose()
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].count("cannot reach the Ray cluster") == 1
     assert f"cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused" in lines[0]
