@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from datetime import UTC, datetime
 
 from redis.exceptions import RedisError
 
@@ -32,8 +31,8 @@ from loraplex.gateway.metrics import Observation
 from loraplex.gateway.ratelimit import Lease, TenantLimits
 from loraplex.gateway.state import Gateway
 from loraplex.gateway.targets import Target
+from loraplex.gateway.usage import OpenUsage
 from loraplex.registry.api_keys import Principal
-from loraplex.registry.usage import UsageRecord
 
 logger = logging.getLogger("loraplex.gateway")
 
@@ -62,6 +61,7 @@ class Job:
         self._finished = False
         self._admitted = False
         self._metering = False
+        self.usage = OpenUsage(principal.tenant_id, target.adapter_id)
         # The metrics status of a stream that ended with an error event (its HTTP status,
         # 200, was already sent).
         self.stream_status = "ok"
@@ -76,7 +76,7 @@ class Job:
         held behind."""
         gw, principal = self.gw, self.principal
         # From here the meter's final flush (at shutdown) waits for this request's record.
-        gw.meter.open_request()
+        gw.meter.open_request(self.usage)
         self._metering = True
         reserved = self.num_prompt_tokens + self.params.n * self.params.max_tokens
         limits = tenant_limits(principal)
@@ -107,6 +107,8 @@ class Job:
         except StopAsyncIteration:
             self._first = None
         self._admitted = True
+        self.usage.num_prompt_tokens = self.num_prompt_tokens
+        self.usage.admitted = True
 
     async def deltas(self) -> AsyncIterator[SequenceDelta]:
         """Every output of the request, the first (already received) included."""
@@ -124,6 +126,7 @@ class Job:
         """Every token received so far has reached the client (a chunk carrying it was
         written, or the whole response was handed over)."""
         self.num_sent_tokens = self.num_completion_tokens
+        self.usage.num_sent_tokens = self.num_sent_tokens
 
     def _count(self, delta: SequenceDelta) -> None:
         self.num_completion_tokens += len(delta.new_token_ids)
@@ -140,10 +143,7 @@ class Job:
         if self._metering:
             # Metered first, before anything that awaits: nothing more reaches the client,
             # and the shutdown's final flush must not miss it.
-            self.gw.meter.close_request(UsageRecord(
-                tenant_id=self.principal.tenant_id, adapter_id=self.target.adapter_id,
-                at=datetime.now(UTC), requests=1, prompt_tokens=self.num_prompt_tokens,
-                completion_tokens=self.num_sent_tokens) if self._admitted else None)
+            self.gw.meter.close_request(self.usage)
         if self._stream is not None:
             await self._stream.aclose()  # aborts the engine request if it is unfinished
         used = self.num_prompt_tokens + self.num_completion_tokens if self._admitted else 0

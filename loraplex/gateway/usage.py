@@ -1,9 +1,14 @@
-"""Usage metering: finished requests are buffered and written to the registry in batches.
+"""Usage metering: requests' usage is buffered and written to the registry in batches.
 
-A request adds one ``UsageRecord`` to an in-memory buffer (no I/O); a background task
-writes the whole buffer in one transaction every ``interval_s`` and once more at shutdown,
-so the database sees one upsert per (tenant, adapter, hour) per interval, never one write
-per request or token. A failed write keeps its records for the next attempt.
+A running request holds an ``OpenUsage``: what it has delivered so far. Every
+``interval_s`` a background task takes from each open request what it delivered since the
+last take (its request and prompt tokens once, then new completion tokens), adds the
+records of requests that ended, and writes the whole buffer in one transaction; once more
+at shutdown. So the database sees one upsert per (tenant, adapter, hour) per interval,
+never one write per request or token, and a server killed outright (``kill -9``) loses
+at most what was delivered in the last interval and the write under way: usage is durable
+one ``interval_s`` (1 s) plus one write behind delivery. A failed write keeps its records
+for the next attempt.
 
 Requests in flight are counted (``open_request``/``close_request``): at shutdown the last
 flush waits, up to ``close_grace_s``, for those still ending (streams cut by the shutdown
@@ -17,6 +22,7 @@ import contextlib
 import functools
 import logging
 import threading
+from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +32,36 @@ from loraplex.registry.db import transaction
 from loraplex.registry.usage import UsageRecord
 
 logger = logging.getLogger("loraplex.gateway.usage")
+
+
+class OpenUsage:
+    """One request's usage while it runs (event loop only): set ``num_prompt_tokens`` and
+    ``admitted`` once the engine took it, ``num_sent_tokens`` as chunks reach the client;
+    the meter takes the news at each flush and the rest at ``close_request``."""
+
+    def __init__(self, tenant_id: int, adapter_id: int | None) -> None:
+        self.tenant_id = tenant_id
+        self.adapter_id = adapter_id
+        self.admitted = False
+        self.num_prompt_tokens = 0
+        self.num_sent_tokens = 0
+        self._taken_request = False
+        self._num_taken_tokens = 0
+
+    def take(self) -> UsageRecord | None:
+        """What was delivered since the last take, as a record (None if nothing was)."""
+        if not self.admitted:
+            return None
+        first = not self._taken_request
+        completion = self.num_sent_tokens - self._num_taken_tokens
+        if not first and completion <= 0:
+            return None
+        self._taken_request = True
+        self._num_taken_tokens = self.num_sent_tokens
+        return UsageRecord(self.tenant_id, self.adapter_id, datetime.now(UTC),
+                           requests=int(first),
+                           prompt_tokens=self.num_prompt_tokens if first else 0,
+                           completion_tokens=max(completion, 0))
 
 
 class UsageMeter:
@@ -41,6 +77,7 @@ class UsageMeter:
         self._all_closed.set()
         self._lock = threading.Lock()
         self._pending: list[UsageRecord] = []
+        self._open: set[OpenUsage] = set()
         # One flush at a time: a periodic flush and a read-your-writes flush must not
         # write the same records twice or interleave their retries.
         self._flush_lock = asyncio.Lock()
@@ -52,13 +89,17 @@ class UsageMeter:
         with self._lock:
             self._pending.append(record)
 
-    def open_request(self) -> None:
-        """A request that will end with ``close_request`` began (event loop only)."""
+    def open_request(self, usage: OpenUsage) -> None:
+        """A request that will end with ``close_request`` began (event loop only); each
+        flush meters what it delivered meanwhile."""
+        self._open.add(usage)
         self._num_open += 1
         self._all_closed.clear()
 
-    def close_request(self, record: UsageRecord | None) -> None:
-        """The request ended; ``record`` is its usage (None when nothing is owed)."""
+    def close_request(self, usage: OpenUsage) -> None:
+        """The request ended: what it delivered since the last flush is queued."""
+        self._open.discard(usage)
+        record = usage.take()
         if record is not None:
             self.add(record)
         self._num_open -= 1
@@ -79,6 +120,10 @@ class UsageMeter:
         left), the write goes on in its thread and its own outcome settles the batch: put
         back for the next flush had it been written twice once it committed."""
         async with self._flush_lock:
+            for usage in list(self._open):  # what running requests delivered meanwhile
+                record = usage.take()
+                if record is not None:
+                    self.add(record)
             with self._lock:
                 batch, self._pending = self._pending, []
             if not batch:
