@@ -62,6 +62,24 @@ def add_serve_command(subparsers: Any) -> None:
                    help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=defaults.max_n,
                    help="largest n a request may ask for")
+    g = p.add_argument_group("connection limits (see docs/operations.md: which belong to a "
+                             "proxy)")
+    g.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes,
+                   help="request line and headers together (default: %(default)s)")
+    g.add_argument("--header-timeout-s", type=float, default=defaults.header_timeout_s,
+                   help="time to send a request's headers, from the connection or the "
+                        "previous response (default: %(default)s)")
+    g.add_argument("--body-timeout-s", type=float, default=defaults.body_timeout_s,
+                   help="a request body (uploads included) that sends nothing this long is "
+                        "answered 408 (default: %(default)s)")
+    g.add_argument("--keep-alive-timeout-s", type=float,
+                   default=defaults.keep_alive_timeout_s,
+                   help="an idle keep-alive connection closes after this (default: "
+                        "%(default)s)")
+    g.add_argument("--max-pending-connections", type=int,
+                   default=defaults.max_pending_connections,
+                   help="connections still sending their headers at once; more are closed "
+                        "(default: %(default)s)")
     p.add_argument("--no-migrate", action="store_true",
                    help="do not migrate the registry database; refuse to start if it is "
                         "not at the newest revision")
@@ -222,6 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplex.config import ServerConfig
     from loraplex.gateway.app import create_app
     from loraplex.gateway.auth import ENV_ADMIN_KEY
+    from loraplex.gateway.connections import uvicorn_config
 
     # First, so a busy port fails in a second instead of after loading the model.
     sock = listen_socket(args.host, args.port)
@@ -233,7 +252,10 @@ def _serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
             cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None,
-            rate_limit_key_prefix=f"{args.redis_key_prefix}rl:")
+            rate_limit_key_prefix=f"{args.redis_key_prefix}rl:",
+            max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+            max_pending_connections=args.max_pending_connections)
         if args.backend == "ray":  # before anything is migrated or loaded
             from loraplex.config import check_shared_state
             from loraplex.engine.ray_address import check_reachable, ray_address
@@ -262,9 +284,9 @@ def _serve(args: argparse.Namespace) -> int:
             # After the model's progress bars, so nothing is drawn over it.
             print(admin_banner(admin_url(server_config.host, server_config.port), created),
                   file=sys.stderr, flush=True)
-            server = uvicorn.Server(uvicorn.Config(
-                app, host=server_config.host, port=server_config.port,
-                log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=10))
+            server = uvicorn.Server(uvicorn_config(
+                app, server_config, log_level=args.log_level, lifespan="on",
+                timeout_graceful_shutdown=10))
             try:
                 server.run(sockets=[sock])
             except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on

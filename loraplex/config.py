@@ -252,9 +252,23 @@ class ServerConfig:
     rate_limit_window_s: float = 60.0
     rate_limit_key_prefix: str = "loraplex:rl:"
     usage_flush_interval_s: float = 1.0
+    # Connections (gateway/connections.py): the request line and headers together at most
+    # max_header_bytes and complete within header_timeout_s of the connection (or of the
+    # previous response); a body that sends nothing for body_timeout_s is answered 408;
+    # an idle keep-alive connection closes after keep_alive_timeout_s; at most
+    # max_pending_connections may be waiting for their headers at once.
+    max_header_bytes: int = 64 << 10
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    max_pending_connections: int = 256
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _require(self.max_header_bytes >= 1024, "max_header_bytes must be >= 1024")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be positive")
+        _require(self.max_pending_connections >= 1, "max_pending_connections must be >= 1")
         _require(self.max_body_bytes > 0, "max_body_bytes must be positive")
         _require(self.max_tokens_limit >= 1, "max_tokens_limit must be >= 1")
         _require(self.max_n >= 1, "max_n must be >= 1")

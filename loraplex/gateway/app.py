@@ -12,6 +12,7 @@ import os
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from loraplex.config import RegistryConfig, ServerConfig
@@ -19,6 +20,7 @@ from loraplex.engine.backend import EngineBackend
 from loraplex.engine.grammar import GrammarCompiler
 from loraplex.gateway.adapter_uploads import AdapterService
 from loraplex.gateway.auth import salt_secret
+from loraplex.gateway.connections import BodyTimeout
 from loraplex.gateway.errors import exception_handlers
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.gateway.openapi import openapi_document
@@ -95,6 +97,8 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
     if ui is not None:
         routes.append(ui)
     app = Starlette(routes=routes, exception_handlers=exception_handlers(),
+                    middleware=[Middleware(BodyTimeout,
+                                           timeout_s=server_config.body_timeout_s)],
                     lifespan=lifespan)
     app.state.gateway = gw
     app.state.adapters = _adapter_service(gw, backend, upload_limits)

@@ -30,6 +30,7 @@ from loraplex.errors import (
     LoraplexError,
     NotFoundError,
     PromptTooLongError,
+    StoreNotOwnedError,
     TenantSuspendedError,
     UploadTooLargeError,
 )
@@ -51,6 +52,10 @@ class PermissionDeniedError(LoraplexError):
 
 class PayloadTooLargeError(LoraplexError):
     """The request body is over the server's limit (413)."""
+
+
+class RequestTimeoutError(LoraplexError):
+    """The request's body stopped arriving (408; the connection is not kept)."""
 
 
 class AdapterRejectedError(AdapterError):
@@ -113,6 +118,8 @@ def describe(exc: BaseException) -> ErrorInfo:
         return ErrorInfo(404, str(exc), "invalid_request_error", None, "not_found")
     if isinstance(exc, ConflictError):
         return ErrorInfo(409, str(exc), "invalid_request_error", None, "conflict")
+    if isinstance(exc, RequestTimeoutError):
+        return ErrorInfo(408, str(exc), "invalid_request_error", None, "request_timeout")
     if isinstance(exc, PayloadTooLargeError):
         return ErrorInfo(413, str(exc), "invalid_request_error", None, "payload_too_large")
     if isinstance(exc, UploadTooLargeError):
@@ -134,6 +141,10 @@ def describe(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, DependencyUnavailableError):
         return ErrorInfo(503, f"The service is temporarily unavailable: {exc}", "server_error",
                          None, "dependency_unavailable", retry_after=OVERLOADED_RETRY_AFTER_S)
+    if isinstance(exc, StoreNotOwnedError):  # moved to another registry while serving
+        return ErrorInfo(503, "The adapter store is unavailable to this server",
+                         "server_error", None, "dependency_unavailable",
+                         retry_after=OVERLOADED_RETRY_AFTER_S)
     if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
         return ErrorInfo(503, "The registry database is unavailable", "server_error", None,
                          "dependency_unavailable", retry_after=OVERLOADED_RETRY_AFTER_S)
