@@ -1,9 +1,10 @@
-"""loraplex kernels: SGMV LoRA shrink/expand, paged attention and KV store.
+"""loraplex's kernels: LoRA for batches that mix adapters, paged attention, the decoder's
+per-layer ops and, on CPU, the base projections' decode GEMMs.
 
-Installed as ``loraplex_kernels``. Each op has a PyTorch reference (the tests' oracle and
-the CPU fallback) and a Triton kernel (used on CUDA); on CPU, native C kernels
-(``csrc/``, built on first use) take float32 decode attention and LoRA. ``loraplex_kernels.ops``
-is the single dispatch point.
+The folder ``kernels/`` installs as ``loraplex_kernels`` (PyPI already has ``kernels``).
+``loraplex_kernels.ops`` is the one dispatch point: Triton kernels on CUDA; on CPU native
+C kernels (``csrc/``, built on first use; float32 and bfloat16) where they apply; the
+PyTorch references (``*_ref.py``), the tests' oracle, for the rest. See kernels/README.md.
 """
 
 from loraplex_kernels.meta import AttentionMeta, SGMVMeta

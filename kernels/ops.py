@@ -1,13 +1,18 @@
-"""The one dispatch point: Triton on CUDA, the PyTorch reference elsewhere.
+"""The one dispatch point: Triton on CUDA, native kernels on CPU, the PyTorch reference
+for the rest.
 
-Every op takes ``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"triton"``:
+Ops: LoRA (``add_lora``, ``sgmv_shrink``/``sgmv_expand``), base projections (``linear``,
+``linear_lora``, with ``pack_linear_weight``), the paged KV store and attention, RMSNorm,
+RoPE + KV store, SiLU-and-mul and the greedy ``argmax_rows``. The ops that dispatch take
+``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"triton"``:
 
-- ``"triton"``: the Triton kernels (CUDA; tests run them under ``TRITON_INTERPRET=1``).
+- ``"triton"``: the Triton kernels for LoRA and attention (CUDA; tests run them under
+  ``TRITON_INTERPRET=1``); the per-layer ops run the PyTorch reference there.
 - ``"cpu"``: the native CPU kernels where they apply (float32 and bfloat16 decode and
-  prefill attention, short LoRA segments, the per-layer RMSNorm, RoPE + KV store and
-  SiLU-and-mul, and the skinny GEMM of decode batches; built from ``csrc/`` on first
-  use), the PyTorch reference for the rest.
-  The default on CPU when the native library is available.
+  prefill attention, LoRA segments, the per-layer ops and argmax, and the skinny GEMM of
+  decode batches fused with their LoRA; built from ``csrc/`` on first use), oneDNN's
+  GEMMs on packed or plain weights for larger batches, the PyTorch reference for the
+  rest. The default on CPU when the native library is available.
 - ``"torch"``: the PyTorch reference only (the tests' oracle).
 """
 

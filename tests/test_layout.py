@@ -1,4 +1,5 @@
-"""The package's shape, checked on the source: which module may import which.
+"""The package's shape, checked on the source: which module may import which, and that the
+``kernels/`` folder is the ``loraplex_kernels`` package its README describes.
 
 Parsed with ``ast`` (nothing is imported), so lazy imports inside functions count too.
 """
@@ -6,13 +7,17 @@ Parsed with ``ast`` (nothing is imported), so lazy imports inside functions coun
 from __future__ import annotations
 
 import ast
+import importlib.util
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "loraplex"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "loraplex"
 ROUTES = PACKAGE / "gateway" / "routes"
+KERNELS = ROOT / "kernels"
 
 
 def _module_name(path: Path) -> str:
@@ -92,3 +97,21 @@ def test_imports_run_one_way(package: str, forbidden: tuple[str, ...]) -> None:
     for path in _sources(PACKAGE / package):
         bad = sorted(m for m in _imports(path) if m.startswith(forbidden))
         assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+def test_the_kernels_folder_is_the_loraplex_kernels_package() -> None:
+    """``kernels/`` installs as ``loraplex_kernels`` (PyPI has a ``kernels``): the mapping in
+    pyproject.toml, the import resolving to this checkout's folder (found, not executed),
+    and a line in kernels/README.md for every module, so a new one must be described."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"]["loraplex_kernels"] == "kernels"
+    assert "loraplex_kernels" in setuptools["packages"]
+    spec = importlib.util.find_spec("loraplex_kernels")
+    assert spec is not None and spec.origin is not None
+    assert Path(spec.origin).resolve() == KERNELS / "__init__.py", spec.origin
+    readme = (KERNELS / "README.md").read_text()
+    assert "loraplex_kernels" in readme
+    modules = sorted(p.name for p in KERNELS.glob("*.py"))
+    assert "ops.py" in modules
+    undescribed = [name for name in modules if f"`{name}`" not in readme]
+    assert not undescribed, f"kernels/README.md does not describe {undescribed}"
