@@ -428,7 +428,7 @@ class RedisRateLimiter(RateLimiter):
             async with asyncio.timeout(self._budget_s):
                 return await call
         except TimeoutError:
-            raise RedisTimeoutError(f"Redis did not answer within {self._budget_s:g} s") \
+            raise RedisTimeoutError(f"Redis timeout: no answer within {self._budget_s:g} s") \
                 from None
 
     def _release_later(self, lease: Lease, actual_tokens: int = 0) -> None:
