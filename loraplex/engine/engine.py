@@ -418,7 +418,7 @@ class LLMEngine:
         if not p.ignore_eos and token_id in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if token_id in p.stop_token_ids:
+        if token_id in p.stop_token_set:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:

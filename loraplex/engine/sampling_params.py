@@ -175,6 +175,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what every token must keep to
     extra: dict[str, object] = field(default_factory=dict, compare=False)
+    # stop_token_ids as a set, made once: the engine asks it of every token (150,000 ids
+    # in a tuple cost a scan per token per row).
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Every field is given its type here, or refused naming it: the offline API takes
@@ -188,6 +191,7 @@ class SamplingParams:
         put("stop", (stop,) if isinstance(stop, str) else _as_tuple(stop, "stop"))
         put("stop_token_ids", tuple(_as_int(t, "stop_token_ids") for t in _as_tuple(
             self.stop_token_ids if self.stop_token_ids is not None else (), "stop_token_ids")))
+        put("stop_token_set", frozenset(self.stop_token_ids))
         bias = self.logit_bias if self.logit_bias is not None else ()
         pairs = bias.items() if isinstance(bias, Mapping) else _as_tuple(bias, "logit_bias")
         put("logit_bias", tuple(sorted(_bias_pair(pair) for pair in pairs)))

@@ -17,6 +17,7 @@ samples get exactly the penalties of their own history.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -160,21 +161,36 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def apply_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """``logits`` with min_tokens' banned ids at -inf and ``logit_bias`` added; the same
-    tensor when no row uses either."""
-    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
-    biased = [(i, t, v) for i, r in enumerate(rows) for t, v in r.logit_bias]
+    tensor when no row uses either. Each row's ids and values are tensors made once per
+    request (``_bias_tensors``, ``_id_tensor``), so a step costs one indexed add per row,
+    in proportion to the ids it touches, not a Python object per id and row."""
+    biased = [(i, r.logit_bias) for i, r in enumerate(rows) if r.logit_bias]
+    banned = [(i, r.banned_ids) for i, r in enumerate(rows) if r.banned_ids]
     if not banned and not biased:
         return logits
     logits = logits.clone()
     dev = logits.device
-    if biased:
-        at = torch.tensor([[i, t] for i, t, _ in biased], device=dev)  # [num_biased, 2]
-        values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=dev)
-        logits.index_put_((at[:, 0], at[:, 1]), values, accumulate=True)
-    if banned:
-        at = torch.tensor(banned, device=dev)  # [num_banned, 2]
-        logits[at[:, 0], at[:, 1]] = float("-inf")
+    for i, pairs in biased:
+        ids, values = _bias_tensors(pairs)
+        logits[i].index_add_(0, ids.to(dev), values.to(device=dev, dtype=logits.dtype))
+    for i, token_ids in banned:
+        logits[i, _id_tensor(token_ids).to(dev)] = float("-inf")
     return logits
+
+
+# Keyed by the request's own tuples (the same objects every step): a lookup hashes them in
+# C, where building them anew cost a Python object per id, row and step (a logit_bias on
+# all 49,152 tokens in 16 rows: 1.6 s a step).
+@functools.lru_cache(maxsize=16)
+def _bias_tensors(pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64)  # [num_biased]
+    values = torch.tensor([v for _, v in pairs], dtype=torch.float32)  # [num_biased]
+    return ids, values
+
+
+@functools.lru_cache(maxsize=16)
+def _id_tensor(token_ids: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(token_ids, dtype=torch.int64)  # [num_ids]
 
 
 _BITS: Final = torch.arange(32, dtype=torch.int32)

@@ -195,3 +195,51 @@ def test_an_upload_without_a_multipart_boundary_is_400(send: Caller,
     response = send("POST", "/v1/adapters", content=b"--x--\r\n",
                     headers={"Content-Type": content_type})
     assert response.status_code == 400
+
+
+_REGEX_PIECES = st.sampled_from(["a", ".", ".*", "[a-z]", "(ab|c)", "\\d", "x?", "y+",
+                                 "{2,5}", "{1000}", "(", ")", "|", "\\", "(?:a*)*", "😀",
+                                 "\x00", "\ud800"])
+_SCHEMA_LEAVES = st.sampled_from([
+    {"type": "string"}, {"type": "integer", "multipleOf": 1073741824}, {"$ref": "#"},
+    {"type": "string", "maxLength": "a" * 96 + "😀"}, {"type": "string", "pattern": "(a"},
+    {"type": "strnig"}, {"enum": []}, {"type": "string", "pattern": "^a{1000000}$"}])
+_SCHEMAS = st.recursive(_SCHEMA_LEAVES, lambda inner: st.one_of(
+    st.builds(lambda p: {"type": "object", "properties": p},
+              st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2)),
+    st.builds(lambda parts: {"allOf": parts}, st.lists(inner, min_size=1, max_size=3))),
+    max_leaves=6)
+GRAMMAR_FUZZ = settings(max_examples=15, deadline=None, database=None, derandomize=True,
+                        suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@GRAMMAR_FUZZ
+@given(field=st.sampled_from(["guided_regex", "guided_grammar"]),
+       pieces=st.lists(_REGEX_PIECES, min_size=1, max_size=12),
+       repeat=st.sampled_from([1, 20, 500]))
+def test_any_regex_or_grammar_is_answered_or_refused_naming_it(
+        fuzz_live: LiveServer, send: Caller, field: str, pieces: list[str],
+        repeat: int) -> None:
+    """Generated, panicking, costly and malformed regexes and grammars: each a 200 or a
+    400 naming its field, within the grammar sandbox's limits; never a 5xx."""
+    # 1,000 characters: under the fuzz server's 16 KB body, escaped as the client sends them
+    source = ("".join(pieces) * repeat)[:1000]
+    if field == "guided_grammar":
+        source = f"start: /{source}/"
+    response = send("POST", "/v1/completions", body={
+        "model": fuzz_live.served_name, "prompt": "hi", "max_tokens": 2, field: source})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["param"] == field, response.text
+
+
+@GRAMMAR_FUZZ
+@given(schema=_SCHEMAS, as_text=st.booleans())
+def test_any_json_schema_is_answered_or_refused_naming_it(
+        fuzz_live: LiveServer, send: Caller, schema: dict[str, Any], as_text: bool) -> None:
+    response = send("POST", "/v1/completions", body={
+        "model": fuzz_live.served_name, "prompt": "hi", "max_tokens": 2,
+        "guided_json": json.dumps(schema) if as_text else schema})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["param"] == "guided_json", response.text
