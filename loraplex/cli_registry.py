@@ -151,11 +151,11 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return handler(args)
         except LoraplexError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"loraplex: error: {exc}", file=sys.stderr)
         except sa_exc.SQLAlchemyError as exc:
-            print(f"error: database: {_one_line(exc)}", file=sys.stderr)
+            print(f"loraplex: error: database: {_one_line(exc)}", file=sys.stderr)
         except OSError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"loraplex: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
     return run
@@ -193,7 +193,7 @@ def warn_shadowed(session: Session, model_names: Sequence[str]) -> None:
     names now; older rows may have them): no request can reach them."""
     shadowed = service.shadowed_names(session, model_names)
     if shadowed:
-        print(f"warning: {len(shadowed)} adapter(s) named like the served model "
+        print(f"loraplex: warning: {len(shadowed)} adapter(s) named like the served model "
               f"({', '.join(model_names)}) cannot be called, a request naming it reaches the "
               f"base model: {', '.join(shadowed)}; upload each under another name and "
               "delete it", file=sys.stderr)

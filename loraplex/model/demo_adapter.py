@@ -142,6 +142,11 @@ def train_demo_adapter(
         staging = Path(scratch) / "adapter"
         model.save_pretrained(str(staging), safe_serialization=True)
         _name_base_model(staging / "adapter_config.json", Path(model_dir).name)
+        # Readable as any file the user writes (safetensors writes its file 0600): the
+        # folder is meant to be uploaded, copied or served by another user's process.
+        staging.chmod(0o755)
+        for path in staging.iterdir():
+            path.chmod(0o644)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)

@@ -50,6 +50,8 @@ def test_short_run_changes_greedy_output_as_peft_does(tmp_path: Path) -> None:
     out = train_demo_adapter(model_dir, tmp_path / "adapter", options, progress=False)
     assert sorted(p.name for p in out.iterdir()) == [
         "README.md", "adapter_config.json", "adapter_model.safetensors"]  # no pickle
+    # Readable by others, as the user's other files (safetensors had written it 0600).
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
     checked = validate_adapter_dir(out, TargetShapes.from_model_dir(model_dir), 64)
     assert checked.base_model_name_or_path == model_dir.name  # what a server compares
 

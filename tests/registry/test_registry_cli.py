@@ -43,7 +43,7 @@ class Cli:
         out, err = self.capsys.readouterr()
         assert rc == expect, err
         if expect:
-            assert err.startswith("error: ") and err.count("\n") == 1, err
+            assert err.startswith("loraplex: error: ") and err.count("\n") == 1, err
             assert "Traceback" not in err
             return err
         return json.loads(out)
@@ -277,7 +277,7 @@ def test_python_m_entry_point(tmp_path: Path, home: Path,
                              "create", "acme", "--database-url", url], env=env,
                             capture_output=True, text=True)
     assert failed.returncode == 2
-    assert failed.stderr.strip() == "error: tenant 'acme' already exists"
+    assert failed.stderr.strip() == "loraplex: error: tenant 'acme' already exists"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("loraplex.cli") is None,
@@ -430,7 +430,7 @@ def test_upgrade_reports_adapters_named_like_the_served_model(
     assert "served model's name" in capsys.readouterr().err
     assert run_registry_cli(["db", "upgrade", "--model", str(served), *common]) == 0
     err = capsys.readouterr().err
-    assert err.startswith("warning: 1 adapter(s) named like the served model (support)")
+    assert err.startswith("loraplex: warning: 1 adapter(s) named like the served model (support)")
     assert "acme/support" in err and err.count("\n") == 1
     assert run_registry_cli(["db", "upgrade", "--model", str(model_dir), *common]) == 0
     assert capsys.readouterr().err == ""

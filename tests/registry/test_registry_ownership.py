@@ -147,7 +147,7 @@ class Home:
         out, err = self.capsys.readouterr()
         assert rc == expect, err
         if expect:
-            assert err.startswith("error: ") and err.count("\n") == 1, err
+            assert err.startswith("loraplex: error: ") and err.count("\n") == 1, err
             return err
         return out
 

@@ -32,7 +32,7 @@ class Cli:
         out, err = self.capsys.readouterr()
         assert rc == expect, err
         if expect:
-            assert err.startswith("error: ") and err.count("\n") == 1, err
+            assert err.startswith("loraplex: error: ") and err.count("\n") == 1, err
             return err
         return json.loads(out)
 
