@@ -230,38 +230,46 @@ def test_unreachable_redis_is_503_for_limited_tenants_only(
         assert call(url, key).status_code == 200  # no limits: nothing to check
 
 
-@pytest.mark.server
-def test_redis_restart_under_a_live_server(tiny_llama_dir: Path, tmp_path: Path,
-                                           serve_app: Any) -> None:
+@contextlib.contextmanager
+def own_redis_server(model_dir: Path, root: Path,
+                     serve_app: Any) -> Iterator[tuple[RedisProcess, str, str, str]]:
+    """A small server on a redis-server of its own: yields that Redis, the URL, an
+    unlimited tenant's key and one with a (high) requests-per-minute limit."""
     store = RedisProcess(free_port())
     store.start()
     config = ServerConfig(served_model_name="tiny", redis_url=store.url)
     try:
-        with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, free, _):
-            capped = add_tenant(tmp_path, "capped", max_requests_per_minute=100_000)
-            with ThreadPoolExecutor(8) as pool:
-                # Fill the pool with connections that the restart will leave stale.
-                assert [r.status_code for r in pool.map(lambda _: call(url, capped),
-                                                        range(16))] == [200] * 16
-                assert httpx.get(f"{url}/ready").json()["redis"] is True
-
-                store.kill()
-                ready = httpx.get(f"{url}/ready", timeout=30)
-                assert ready.status_code == 503 and ready.json()["redis"] is False
-                down = list(pool.map(lambda _: call(url, capped), range(8)))
-                assert [r.status_code for r in down] == [503] * 8
-                for response in [ready, *down]:
-                    assert str(store.port) not in response.text
-                    assert "127.0.0.1" not in response.text
-                assert all(r.headers["retry-after"] for r in down)
-                assert call(url, free).status_code == 200
-
-                store.start()
-                after = list(pool.map(lambda _: call(url, capped), range(60)))
-                assert [r.status_code for r in after] == [200] * 60
-                assert httpx.get(f"{url}/ready").status_code == 200
+        with small_server(model_dir, root, serve_app, config) as (url, free, _):
+            yield store, url, free, add_tenant(root, "capped", max_requests_per_minute=100_000)
     finally:
         store.kill()
+
+
+@pytest.mark.server
+def test_redis_restart_under_a_live_server(tiny_llama_dir: Path, tmp_path: Path,
+                                           serve_app: Any) -> None:
+    with own_redis_server(tiny_llama_dir, tmp_path, serve_app) as (store, url, free, capped):
+        with ThreadPoolExecutor(8) as pool:
+            # Fill the pool with connections that the restart will leave stale.
+            assert [r.status_code for r in pool.map(lambda _: call(url, capped),
+                                                    range(16))] == [200] * 16
+            assert httpx.get(f"{url}/ready").json()["redis"] is True
+
+            store.kill()
+            ready = httpx.get(f"{url}/ready", timeout=30)
+            assert ready.status_code == 503 and ready.json()["redis"] is False
+            down = list(pool.map(lambda _: call(url, capped), range(8)))
+            assert [r.status_code for r in down] == [503] * 8
+            for response in [ready, *down]:
+                assert str(store.port) not in response.text
+                assert "127.0.0.1" not in response.text
+            assert all(r.headers["retry-after"] for r in down)
+            assert call(url, free).status_code == 200
+
+            store.start()
+            after = list(pool.map(lambda _: call(url, capped), range(60)))
+            assert [r.status_code for r in after] == [200] * 60
+            assert httpx.get(f"{url}/ready").status_code == 200
 
 
 @pytest.mark.server
@@ -270,24 +278,17 @@ def test_a_hung_redis_is_a_down_redis(tiny_llama_dir: Path, tmp_path: Path,
     """Redis paused (port open, no answer): a limited tenant gets the 503 with Retry-After
     a down Redis gets, an unlimited one is served, /ready says so; each Redis call costs a
     request at most the limiter's budget (0.5 s), where it had cost 3 to 9.6 s."""
-    store = RedisProcess(free_port())
-    store.start()
-    config = ServerConfig(served_model_name="tiny", redis_url=store.url)
-    try:
-        with small_server(tiny_llama_dir, tmp_path, serve_app, config) as (url, free, _):
-            limited = add_tenant(tmp_path, "capped", max_requests_per_minute=100_000)
-            assert call(url, limited).status_code == 200
-            store.pause(True)
-            refused = call(url, limited)
-            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
-            assert refused.json()["error"]["code"] == "dependency_unavailable"
-            assert call(url, free).status_code == 200
-            ready = httpx.get(f"{url}/ready", timeout=30)
-            assert ready.status_code == 503 and ready.json()["redis"] is False
-            store.pause(False)
-            assert call(url, limited).status_code == 200
-    finally:
-        store.kill()
+    with own_redis_server(tiny_llama_dir, tmp_path, serve_app) as (store, url, free, limited):
+        assert call(url, limited).status_code == 200
+        store.pause(True)
+        refused = call(url, limited)
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "dependency_unavailable"
+        assert call(url, free).status_code == 200
+        ready = httpx.get(f"{url}/ready", timeout=30)
+        assert ready.status_code == 503 and ready.json()["redis"] is False
+        store.pause(False)
+        assert call(url, limited).status_code == 200
 
 
 def test_the_limiter_bounds_each_call_on_a_hung_redis() -> None:
