@@ -36,7 +36,7 @@ from loraplex.errors import (
 from loraplex.model.adapter_loader import LoRAAdapter, TargetShapes, load_adapter
 from loraplex.model.args import ModelArgs
 from loraplex.model.runner import BatchInputs, ModelRunner, PreparedLoRA, SeqInput, SeqOutput
-from loraplex.model.sampler import SampledToken, SamplingRow
+from loraplex.model.sampler import SampledToken, SamplingRow, bias_tensors, id_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -286,9 +286,16 @@ class LLMEngine:
         seq_ids = [request.request_id] + ([self._child_id(request, i) for i in range(1, p.n)]
                                           if starts_group else [])
         top_k = p.top_k if p.top_k > 0 else 0
-        banned: tuple[int, ...] = ()
+        cache = request.sampling_cache
+        banned = None
         if request.num_output_tokens < p.min_tokens:
-            banned = p.stop_token_ids + (() if p.ignore_eos else request.eos_token_ids)
+            if "banned" not in cache:
+                ids = p.stop_token_ids + (() if p.ignore_eos else request.eos_token_ids)
+                cache["banned"] = id_tensor(ids) if ids else None
+            banned = cache["banned"]
+        if p.logit_bias and "bias" not in cache:
+            cache["bias"] = bias_tensors(p.logit_bias)
+        bias = cache.get("bias")
         # Penalties read the sequence's own token lists; the n samples of one prompt all
         # start from the same (empty) output.
         prompt_ids, output_ids = ((request.prompt_token_ids, request.output_token_ids)
@@ -296,7 +303,7 @@ class LLMEngine:
         return [SamplingRow(0.0 if p.is_greedy else p.temperature, top_k, p.top_p, p.min_p,
                             self._generator(seq_id, i if starts_group else request.sample_index,
                                             p), p.logprobs, p.presence_penalty,
-                            p.frequency_penalty, p.repetition_penalty, p.logit_bias, banned,
+                            p.frequency_penalty, p.repetition_penalty, bias, banned,
                             prompt_ids, output_ids, allowed)
                 for i, seq_id in enumerate(seq_ids)]
 

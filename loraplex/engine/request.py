@@ -93,6 +93,9 @@ class Request:
     # Structured output: the sequence's position in its grammar (a grammar.Constraint,
     # which keeps torch out of this module); it only ever reads this sequence's output.
     constraint: Any = None
+    # What the sampler reads of the params every step, made once (tensors of logit_bias
+    # and of min_tokens' banned ids: the engine keeps torch out of this module).
+    sampling_cache: dict[str, Any] = field(default_factory=dict)
 
     def drop_computed(self) -> None:
         """Its KV is gone (a recompute preemption): the target's and the draft's."""

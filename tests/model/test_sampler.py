@@ -15,6 +15,8 @@ from loraplex.model.sampler import (
     _filtered_probs,
     apply_bias,
     apply_penalties,
+    bias_tensors,
+    id_tensor,
     sample,
     verify,
 )
@@ -113,7 +115,17 @@ def test_logprobs_are_the_models_log_softmax(k: int) -> None:
 # --- logit processing: min_tokens bans, logit_bias, penalties -------------------------
 
 
-def _processing_rows(vocab: int) -> list[SamplingRow]:
+def _row(**spec: Any) -> SamplingRow:
+    """A row from the engine's plain values: ``logit_bias`` pairs and ``banned_ids`` become
+    the tensors the engine makes once per request."""
+    if "logit_bias" in spec:
+        spec["logit_bias"] = bias_tensors(spec["logit_bias"]) if spec["logit_bias"] else None
+    if "banned_ids" in spec:
+        spec["banned_ids"] = id_tensor(spec["banned_ids"]) if spec["banned_ids"] else None
+    return SamplingRow(**spec)
+
+
+def _processing_rows(vocab: int) -> list[tuple[SamplingRow, dict[str, Any]]]:
     """A mixed batch: untouched rows next to every kind of processing, alone and combined,
     each row with its own history."""
     rng = torch.Generator().manual_seed(5)
@@ -131,21 +143,22 @@ def _processing_rows(vocab: int) -> list[SamplingRow]:
         {"banned_ids": (0, 1), "logit_bias": ((0, 5.0),), "repetition_penalty": 1.1},
         {"frequency_penalty": 0.5},  # no output yet: nothing to penalise
     ]
-    return [SamplingRow(prompt_token_ids=ids(3 + 5 * i),
-                        output_token_ids=[] if i == len(specs) - 1 else ids(2 + 3 * i), **spec)
+    return [(_row(prompt_token_ids=ids(3 + 5 * i),
+                  output_token_ids=[] if i == len(specs) - 1 else ids(2 + 3 * i), **spec), spec)
             for i, spec in enumerate(specs)]
 
 
 def test_processed_logits_match_the_definitions_over_a_mixed_batch() -> None:
     vocab = 40
-    rows = _processing_rows(vocab)
+    pairs = _processing_rows(vocab)
+    rows = [r for r, _ in pairs]
     logits = torch.randn(len(rows), vocab) * 3
     got = apply_penalties(apply_bias(logits, rows), rows)
-    for i, r in enumerate(rows):
+    for i, (r, spec) in enumerate(pairs):
         expected = reference_processed_logits(
             logits[i], r.prompt_token_ids, r.output_token_ids, presence=r.presence_penalty,
             frequency=r.frequency_penalty, repetition=r.repetition_penalty,
-            logit_bias=r.logit_bias, banned_ids=r.banned_ids)
+            logit_bias=spec.get("logit_bias", ()), banned_ids=spec.get("banned_ids", ()))
         assert torch.allclose(got[i].double(), expected, atol=1e-5), f"row {i}: {r}"
     assert torch.equal(got[0], logits[0])
 
@@ -153,7 +166,7 @@ def test_processed_logits_match_the_definitions_over_a_mixed_batch() -> None:
 def test_greedy_takes_the_argmax_of_processed_logits_and_logprobs_stay_raw() -> None:
     logits = torch.zeros(2, 10)
     logits[:, 4] = 5.0
-    rows = [SamplingRow(logit_bias=((8, 10.0),), num_logprobs=0), SamplingRow(num_logprobs=0)]
+    rows = [_row(logit_bias=((8, 10.0),), num_logprobs=0), SamplingRow(num_logprobs=0)]
     out = sample(logits, rows)
     assert [t.token_id for t in out] == [8, 4]
     raw = torch.log_softmax(logits[0], -1)
@@ -161,7 +174,7 @@ def test_greedy_takes_the_argmax_of_processed_logits_and_logprobs_stay_raw() -> 
 
 
 def test_banned_ids_are_never_drawn() -> None:
-    row = SamplingRow(temperature=1.0, banned_ids=(0, 1), generator=_gen(4))
+    row = _row(temperature=1.0, banned_ids=(0, 1), generator=_gen(4))
     assert _counts(row, draws=500)[:2] == [0, 0]
 
 
@@ -221,8 +234,7 @@ def test_any_valid_repetition_penalty_keeps_logits_finite_and_the_oracles_argmax
                             "prompt_token_ids": history[:8], "output_token_ids": history[8:]}
     if bias:
         spec["logit_bias"] = ((history[0], 100.0), (history[9], -100.0))
-    rows = [SamplingRow(**spec),
-            SamplingRow(temperature=temperature, generator=_gen(seed), **spec)]
+    rows = [_row(**spec), _row(temperature=temperature, generator=_gen(seed), **spec)]
     got = apply_penalties(apply_bias(logits, rows), rows)
     assert bool(torch.isfinite(got).all())
     # The float64 oracle itself overflows past [1e-300, 1e300] (a logit over 5e-324 is inf
