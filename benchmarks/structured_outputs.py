@@ -83,7 +83,7 @@ def main() -> None:
             print(f"{name:>5}: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} "
                   "tokens/s", flush=True)
     none, half = statistics.median(rates["none"]), statistics.median(rates["half"])
-    compiler = llm.engine._compiler()
+    compiler = llm.engine.grammar_compiler()
     cold = []
     for i in range(20):
         schema = dict(SCHEMA, properties=dict(SCHEMA["properties"], **{f"extra{i}": {

@@ -177,6 +177,8 @@ class LLM:
                         [CompletionOutput(j) for j in range(params[i].n)])
                 for delta in self.engine.step():
                     if delta.error is not None:
+                        if delta.error_param is not None:  # a grammar that cannot be followed
+                            raise InvalidRequestError(delta.error, param=delta.error_param)
                         raise AdapterError(delta.error)
                     outputs[delta.request_id].apply(delta)
                 step += 1

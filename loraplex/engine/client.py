@@ -227,8 +227,9 @@ class EngineClient:
             self._check_open()
             # Compiled in a worker thread (the compile itself in the sandbox's process),
             # never on the step thread: a grammar that costs seconds stalls no one else.
-            constraint = await asyncio.to_thread(self.engine.grammar_constraint,
-                                                 params.grammar, cache_salt or "")
+            compiler = self.engine.grammar_compiler()
+            constraint = await asyncio.get_running_loop().run_in_executor(
+                compiler.executor, compiler.constraint, params.grammar, cache_salt or "")
         self._submit(_Add(stream, list(prompt_token_ids), params, lora, cache_salt, arrival,
                           constraint))
         retired = False

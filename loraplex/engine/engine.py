@@ -114,10 +114,11 @@ class LLMEngine:
     def close(self) -> None:
         self.adapters.close()
         self._mask_thread.shutdown(wait=True)
-        if self._grammar is not None:
-            self._grammar.close()
+        with self._grammar_lock:
+            if self._grammar is not None:
+                self._grammar.close()
 
-    def _compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler (reading the tokenizer takes about a second, so
         only an engine that gets a grammar request pays it). Any thread."""
         with self._grammar_lock:
@@ -135,7 +136,7 @@ class LLMEngine:
         cached per ``tenant`` (InvalidRequestError naming the field when it cannot be).
         Safe from any thread: the engine client compiles off the step thread and hands the
         result to ``add_request``."""
-        return self._compiler().constraint(spec, tenant)
+        return self.grammar_compiler().constraint(spec, tenant)
 
     def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version: its cached prefix blocks, its host copy, and its

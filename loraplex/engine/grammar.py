@@ -36,12 +36,17 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import llguidance
 import torch
 
-from loraplex.engine.grammar_sandbox import GrammarLimits, GrammarSandbox
+from loraplex.engine.grammar_sandbox import (
+    GrammarLimits,
+    GrammarSandbox,
+    GrammarUnavailableError,
+)
 from loraplex.engine.grammar_worker import JSON_LAYOUT
 from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.errors import InvalidRequestError
@@ -53,6 +58,7 @@ __all__ = ["JSON_LAYOUT", "Constraint", "GrammarCache", "GrammarCompiler", "Gram
 # another's: at most this many specs each, and this many bytes of grammar text in all.
 _CACHE_PER_TENANT: Final = 64
 _CACHE_BYTES: Final = 64 << 20
+_TEMPLATES: Final = 128  # built first matchers kept, least recent dropped first
 
 
 def _is_panic(exc: BaseException) -> bool:
@@ -70,8 +76,17 @@ class Constraint:
         self._failure: str | None = None
 
     def fork(self) -> Constraint:
-        """The same state, for another sample of the same request."""
-        return Constraint(self._matcher.deep_copy(), self.param)
+        """The same state, for another sample of the same request (a failure included)."""
+        forked = Constraint(self._matcher, self.param)
+        forked._failure = self._failure
+        if forked._failure is None:
+            try:
+                forked._matcher = self._matcher.deep_copy()
+            except BaseException as exc:
+                if not _is_panic(exc):
+                    raise
+                forked.fail(str(exc))
+        return forked
 
     def advance(self, token_id: int) -> None:
         """Takes the sampled token."""
@@ -105,7 +120,8 @@ class Constraint:
 class GrammarCache:
     """Compiled grammar texts and refusals, by (tenant, spec digest): at most
     ``per_tenant`` entries a tenant (its least recent goes first) and ``max_bytes`` of text
-    in all (the least recent of anyone's goes first)."""
+    in all (past that the least recent of anyone's goes: a recompile for its tenant, never
+    another tenant's answer)."""
 
     def __init__(self, per_tenant: int = _CACHE_PER_TENANT,
                  max_bytes: int = _CACHE_BYTES) -> None:
@@ -149,8 +165,14 @@ def _entry_bytes(entry: tuple[str | None, str]) -> int:
 
 class GrammarCompiler:
     """Compiles specs against one tokenizer (the served model's; None: any tokenizer, to
-    check a schema that reaches no engine) and caches the results per tenant. Thread-safe:
-    the engine client compiles in worker threads while the step loop runs."""
+    check a schema that reaches no engine) and caches the results per tenant.
+
+    Thread-safe; callers compile on ``executor`` (its own few threads, so a backlog of
+    costly specs never takes the threads that authenticate requests or read uploads), one
+    spec at a time per tenant (``_tenant_lock``): one tenant's specs queue behind each
+    other, not in front of every other tenant's. A spec's first matcher and first mask
+    (where a costly lexer is built) are made once per (tenant, spec) and copied for each
+    sequence after."""
 
     def __init__(self, tokenizer_json: str | None, vocab_size: int,
                  eos_token_ids: Sequence[int], limits: GrammarLimits | None = None) -> None:
@@ -159,7 +181,10 @@ class GrammarCompiler:
             tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)))
         self._sandbox = GrammarSandbox(tokenizer_json, vocab_size, list(eos_token_ids), limits)
         self._cache = GrammarCache()
+        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._tenant_locks: dict[str, threading.Lock] = {}
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar")
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -167,6 +192,10 @@ class GrammarCompiler:
         """The compiled grammar of ``spec``; InvalidRequestError naming ``spec.param`` when
         it cannot compile (an invalid schema, an unsupported keyword, a bad regex, past
         the sandbox's limits...). ``tenant`` keys the cache (the tenant's cache salt)."""
+        with self._tenant_lock(tenant):
+            return self._check(spec, tenant)
+
+    def _check(self, spec: GrammarSpec, tenant: str) -> str:
         with self._lock:
             cached = self._cache.get(tenant, spec.digest)
             if cached is not None:
@@ -174,6 +203,8 @@ class GrammarCompiler:
         if cached is None:
             try:
                 cached = (self._sandbox.compile(spec), "")
+            except GrammarUnavailableError:
+                raise  # for the moment, not for what the spec is: not remembered
             except InvalidRequestError as exc:
                 cached = (None, str(exc))
             with self._lock:
@@ -188,15 +219,35 @@ class GrammarCompiler:
         """A fresh parser state for one sequence of a request with ``spec`` (built in the
         calling thread, GIL released)."""
         assert self._tokenizer is not None, "a compiler without a tokenizer only checks"
-        matcher = llguidance.LLMatcher(self._tokenizer, self.check(spec, tenant), log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"cannot be compiled: {_first_line(matcher.get_error())}",
-                                      param=spec.param)
-        return Constraint(matcher, spec.param)
+        key = (tenant, spec.digest)
+        with self._tenant_lock(tenant):
+            grammar = self._check(spec, tenant)
+            with self._lock:
+                template = self._templates.get(key)
+            if template is None:
+                template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+                template.compute_bitmask()  # the lexer's first states, built once
+                if template.is_error():
+                    raise InvalidRequestError(
+                        f"cannot be compiled: {_first_line(template.get_error())}",
+                        param=spec.param)
+                with self._lock:
+                    self._templates[key] = template
+                    while len(self._templates) > _TEMPLATES:
+                        self._templates.popitem(last=False)
+            else:
+                with self._lock:
+                    self._templates.move_to_end(key)
+            return Constraint(template.deep_copy(), spec.param)
 
     def close(self) -> None:
-        """Stops the compiler's worker process."""
+        """Stops the compiler's worker process and threads."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self._sandbox.close()
+
+    def _tenant_lock(self, tenant: str) -> threading.Lock:
+        with self._lock:
+            return self._tenant_locks.setdefault(tenant, threading.Lock())
 
 
 def _first_line(message: str) -> str:

@@ -12,7 +12,8 @@ Imports only llguidance (no torch): it starts in about a second. Protocol, on st
 stdout: each message a 4-byte big-endian length then that many bytes of JSON. The first
 request gives the tokenizer (``{"tokenizer": <tokenizer.json text> | null, "vocab_size":
 int, "eos_token_ids": [...]}``) and is answered ``{"ok": true}``; then each request is a
-spec, ``{"kind", "source"}``, answered ``{"grammar": text}`` or ``{"error": message}``.
+spec, ``{"seq", "kind", "source"}``, answered ``{"seq", "grammar": text}`` or ``{"seq",
+"error": message}``.
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ def main() -> None:
                                            eos_token=setup["eos_token_ids"])
     write_message(stdout, {"ok": True})
     while (request := read_message(stdin)) is not None:
-        write_message(stdout, compile_spec(request["kind"], request["source"], tokenizer))
+        # The request's number comes back with its answer: the parent serves no reply to
+        # a spec it did not send.
+        answer = compile_spec(request["kind"], request["source"], tokenizer)
+        write_message(stdout, {"seq": request["seq"], **answer})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
+import h11
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -76,8 +77,10 @@ class GuardedH11Protocol(H11Protocol):
         self._wait_for_headers()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and not self._in_request():
-            self._wait_for_headers()  # a keep-alive connection's next request begins
+        if self._header_timer is None and self.conn.their_state is h11.IDLE:
+            # a keep-alive connection's next request begins (not the rest of a body its
+            # answer came before, which is no header)
+            self._wait_for_headers()
         if self._header_timer is not None:
             # Counted before h11 buffers it: h11 bounds only headers that arrive in pieces.
             limit = self._pending.max_header_bytes

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 CALL_OPEN: Final = "<tool_call>"
 CALL_CLOSE: Final = "</tool_call>"
+MAX_TOOLS: Final = 128
 BARE_SEPARATOR: Final = "; "  # between Llama 3's bare JSON calls
 _NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 
@@ -168,6 +169,9 @@ def parse_tools(body: dict[str, Any]) -> ToolUse | None:
     raw_tools = body.get("tools")
     if raw_tools is not None and not isinstance(raw_tools, list):
         raise _bad("tools", "expected an array of tools")
+    if raw_tools is not None and len(raw_tools) > MAX_TOOLS:
+        # OpenAI's limit; each tool's schema is compiled before the request runs.
+        raise _bad("tools", f"at most {MAX_TOOLS} tools, got {len(raw_tools)}")
     tools = tuple(_tool(i, t) for i, t in enumerate(raw_tools or []))
     # A name declared twice is not refused (no JSON Schema can say names differ, so the
     # OpenAPI document could not either): a call of it may match either declaration.

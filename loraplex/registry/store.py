@@ -216,6 +216,15 @@ class AdapterStore:
                     os.link(tmp, target)  # fails if any owner is there
                 except FileExistsError:
                     return False
+                except OSError:  # a filesystem without hard links: create it exclusively
+                    try:
+                        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    except FileExistsError:
+                        return False
+                    with os.fdopen(fd, "wb") as out, open(tmp, "rb") as src:
+                        out.write(src.read())
+                        out.flush()
+                        os.fsync(out.fileno())
             else:
                 current = self.owner()
                 if current is None or current.registry_id != replacing:

@@ -175,7 +175,7 @@ def test_a_costly_grammar_stalls_no_other_request(model_dir: Path) -> None:
                 pass
         assert info.value.param == "response_format"
         during = counts[0] - before
-        compiler = client.engine._compiler()
+        compiler = client.engine.grammar_compiler()
         compiles = compiler.num_compiles
         with pytest.raises(InvalidRequestError, match="took more than"):
             async for _ in client.generate([8, 9], SamplingParams(max_tokens=5, grammar=spec),

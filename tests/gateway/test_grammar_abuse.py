@@ -71,16 +71,21 @@ def test_nesting_past_the_limit_is_a_400(live: LiveServer) -> None:
         body = _bad_request(lambda t=text: client.completions.create(
             model=live.served_name, prompt="x", max_tokens=2, extra_body={"guided_json": t}))
         assert body["param"] == "guided_json" and "nested more than 64" in body["message"]
-    # The openai client cannot encode it (its own recursion limit): the raw body.
-    schema = '{"type": "object", "properties": {"a": ' * 485 + "{}" + "}}" * 485
-    raw = (f'{{"model": "{live.served_name}", "prompt": "x", "max_tokens": 2, '
-           f'"guided_json": {schema}}}')
-    response = httpx.post(f"{live.url}/v1/completions", content=raw, timeout=30,
-                          headers={"Authorization": f"Bearer {live.keys['carol']}",
-                                   "Content-Type": "application/json"})
-    error = response.json()["error"]
-    assert response.status_code == 400 and error["param"] == "guided_json", error
-    assert "nested more than 64" in error["message"]
+    # The openai client cannot encode these (its own recursion limit): raw bodies. Nested
+    # 600 levels, the body parses and the schema is refused; 970 levels (the report's),
+    # past what the body parser takes with the server's own frames on the stack, the body
+    # is refused: a 400 either way, never the 500 it was.
+    for levels, field in ((300, "guided_json"), (485, None)):
+        schema = '{"type": "object", "properties": {"a": ' * levels + "{}" + "}}" * levels
+        raw = (f'{{"model": "{live.served_name}", "prompt": "x", "max_tokens": 2, '
+               f'"guided_json": {schema}}}')
+        response = httpx.post(f"{live.url}/v1/completions", content=raw, timeout=30,
+                              headers={"Authorization": f"Bearer {live.keys['carol']}",
+                                       "Content-Type": "application/json"})
+        error = response.json()["error"]
+        assert response.status_code == 400, error
+        if field is not None:
+            assert error["param"] == field and "nested more than 64" in error["message"]
     _still_serving(live)
 
 

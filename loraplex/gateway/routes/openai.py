@@ -8,6 +8,7 @@ metrics exactly once, with its final status.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime
@@ -181,8 +182,10 @@ async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> R
     if req.tools is not None:
         # Each tool's parameters compile (a 400 naming the tool otherwise), in the grammar
         # sandbox and off the event loop: a costly schema stalls nobody's request.
+        loop = asyncio.get_running_loop()
         for spec in req.tools.parameter_specs:
-            await run_in_threadpool(gw.grammars.check, spec, principal.tenant_name)
+            await loop.run_in_executor(gw.grammars.executor, gw.grammars.check, spec,
+                                       principal.tenant_name)
     req = with_call_format(req, bare=gw.tokenizers.bare_tool_calls)
     messages, tools = template_input(req.messages, req.tools, gw.tokenizers.renders_tools)
     token_ids = await gw.tokenizers.encode_chat(messages, tools)
