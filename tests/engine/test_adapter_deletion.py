@@ -28,6 +28,9 @@ def test_an_adapter_failure_ends_every_sequence_of_its_request(
               swap_space_blocks=40)
     engine = llm.engine
     ref = LoRARequest(name, str(folder)).to_ref()
+    # Loaded now, not in the background as the scheduler asks: the steps (which sequences
+    # are swapped out when) then do not depend on how fast the files load on a busy machine.
+    engine.adapters.load_now(ref)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = {f"base{i}": list(range(3 + 10 * i, 11 + 10 * i)) for i in range(2)}
     for rid, prompt in prompts.items():
