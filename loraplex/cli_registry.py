@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -101,6 +101,7 @@ def _tenant_json(t: Any) -> dict[str, Any]:
             "max_requests_per_minute": t.max_requests_per_minute,
             "max_tokens_per_minute": t.max_tokens_per_minute,
             "max_concurrent_requests": t.max_concurrent_requests,
+            **{field: getattr(t, field) for _, _, field, _ in _SETTING_FLAGS},
             "created_at": _iso(t.created_at)}
 
 
@@ -260,8 +261,9 @@ def _db_report(args: argparse.Namespace, url: str, action: str | None) -> int:
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
+    given = _limits_given(args) | _settings_given(args)  # refused before the database opens
     with _sessions(args) as factory, transaction(factory) as session:
-        tenant = service.create_tenant(session, args.name, **_limits_given(args))
+        tenant = service.create_tenant(session, args.name, **given)
         data = _tenant_json(tenant)
     _emit(args, data, lambda: print(f"created tenant {data['name']} (id {data['id']})"))
     return 0
@@ -279,7 +281,7 @@ def _tenants_status(status: str, verb: str) -> Handler:
 
 
 def _tenants_limits(args: argparse.Namespace) -> int:
-    limits = _limits_given(args)
+    limits = _limits_given(args) | _settings_given(args)
     with _sessions(args) as factory, transaction(factory) as session:
         tenant = service.get_tenant_by_name(session, args.name)
         if limits:
@@ -287,9 +289,11 @@ def _tenants_limits(args: argparse.Namespace) -> int:
         data = _tenant_json(tenant)
 
     def text() -> None:
-        shown = ", ".join(f"{flag} {'unlimited' if data[field] is None else data[field]}"
-                          for flag, _, field, _ in _LIMIT_FLAGS)
-        print(f"tenant {data['name']}: {shown}")
+        shown = [f"{flag} {'unlimited' if data[field] is None else data[field]}"
+                 for flag, _, field, _ in _LIMIT_FLAGS]
+        shown += [f"{flag} {'default' if data[field] is None else data[field]}"
+                  for flag, _, field, _ in _SETTING_FLAGS]
+        print(f"tenant {data['name']}: {', '.join(shown)}")
 
     _emit(args, data, text)
     return 0
@@ -300,7 +304,7 @@ def _tenants_list(args: argparse.Namespace) -> int:
         data = [_tenant_json(t) for t in service.list_tenants(session)]
     _emit(args, data, lambda: _print_table(data, (
         "id", "name", "status", "max_requests_per_minute", "max_tokens_per_minute",
-        "max_concurrent_requests")))
+        "max_concurrent_requests", *(field for _, _, field, _ in _SETTING_FLAGS))))
     return 0
 
 
@@ -469,6 +473,45 @@ def _limits_given(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, dest) is not service.UNSET}
 
 
+# The scheduling settings, in the same shape. Read as text and checked when the command runs
+# (by the registry's own checks, naming the flag), so a bad value is one line on stderr.
+_SETTING_FLAGS = (("--weight", "weight", "weight",
+                   "share of a busy engine relative to other tenants, >= 0.01 and <= 1000"),
+                  ("--priority-class", "priority_class", "priority_class",
+                   "interactive (admitted first) or batch"),
+                  ("--max-kv-fraction", "max_kv_fraction", "max_kv_fraction",
+                   "most of the KV block pool its running requests may hold, > 0 and <= 1"),
+                  ("--slo-ttft-ms", "slo_ttft_ms", "slo_ttft_ms",
+                   "time-to-first-token objective in ms, 1..3600000"),
+                  ("--slo-tpot-ms", "slo_tpot_ms", "slo_tpot_ms",
+                   "time-per-output-token objective in ms, 1..3600000"))
+# Settings where None means "the server's default", which these words ask for.
+_NULLABLE_SETTINGS = ("max_kv_fraction", "slo_ttft_ms", "slo_tpot_ms")
+_DEFAULT_WORDS = ("default", "none")
+_SETTING_METAVARS = {"weight": "W", "priority_class": "CLASS", "max_kv_fraction": "F",
+                     "slo_ttft_ms": "MS", "slo_tpot_ms": "MS"}
+
+
+def _settings_given(args: argparse.Namespace) -> dict[str, Any]:
+    return {field: _setting(flag, field, getattr(args, dest))
+            for flag, dest, field, _ in _SETTING_FLAGS
+            if getattr(args, dest) is not service.UNSET}
+
+
+def _setting(flag: str, field: str, text: str) -> Any:
+    """A setting's text as the registry stores it; InvalidRequestError naming the flag."""
+    value: object = text
+    if field in _NULLABLE_SETTINGS and text.strip().lower() in _DEFAULT_WORDS:
+        value = None
+    elif field in ("slo_ttft_ms", "slo_tpot_ms"):
+        with suppress(ValueError):  # left as text, which the check refuses
+            value = int(text)
+    elif field != "priority_class":
+        with suppress(ValueError):
+            value = float(text)
+    return service.SCHEDULING_CHECKS[field](value, flag)
+
+
 def _limit(text: str) -> int | None:
     """A limit on the command line: a positive integer, or ``none`` for unlimited."""
     if text.strip().lower() in ("none", "unlimited"):
@@ -492,6 +535,19 @@ def _row_id(text: str) -> int:
     if value > db.MAX_INT32:
         raise argparse.ArgumentTypeError(f"must be at most {db.MAX_INT32}: {value}")
     return value
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
+    initial = {"weight": "1", "priority_class": "interactive"}
+    for flag, dest, field, help_ in _SETTING_FLAGS:
+        nullable = field in _NULLABLE_SETTINGS
+        if creating:
+            default = initial.get(field, "the server's")
+        else:
+            default = "unchanged" + ("; 'default': back to the server's" if nullable else "")
+        metavar = _SETTING_METAVARS[field] + ("|default" if nullable else "")
+        parser.add_argument(flag, dest=dest, default=service.UNSET, metavar=metavar,
+                            help=f"{help_} (default: {default})")
 
 
 def add_registry_commands(subparsers: Any) -> None:
@@ -530,6 +586,7 @@ def add_registry_commands(subparsers: Any) -> None:
     p.add_argument("name")
     for flag, _, _, help_ in _LIMIT_FLAGS:
         p.add_argument(flag, type=_positive_int, metavar="N", help=f"{help_} (default: none)")
+    _add_setting_flags(p, creating=True)
     leaf(tenants, "list", _tenants_list, "list tenants")
     p = leaf(tenants, "suspend", _tenants_status("suspended", "suspended"),
              "suspend a tenant: its keys stop working and its public adapters stop "
@@ -539,11 +596,13 @@ def add_registry_commands(subparsers: Any) -> None:
              "reactivate a suspended tenant")
     p.add_argument("name")
     p = leaf(tenants, "limits", _tenants_limits,
-             "change a tenant's limits (the ones given; 'none' removes one) and show them")
+             "change a tenant's limits and scheduling settings (the ones given; 'none' "
+             "removes a limit) and show them")
     p.add_argument("name")
     for flag, _, _, help_ in _LIMIT_FLAGS:
         p.add_argument(flag, type=_limit, default=service.UNSET, metavar="N|none",
                        help=f"{help_} (none: unlimited; default: unchanged)")
+    _add_setting_flags(p, creating=False)
 
     keys = group("keys", "manage API keys")
     p = leaf(keys, "create", _keys_create,

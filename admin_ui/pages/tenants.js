@@ -1,4 +1,4 @@
-// Tenants: create, change limits, suspend and reactivate.
+// Tenants: create, change limits and scheduling settings, suspend and reactivate.
 import { api } from "../api.js";
 import { badge, checkName, confirmButton, errorLine, field, h, table } from "../dom.js";
 
@@ -10,6 +10,45 @@ const LIMITS = [
   ["max_tokens_per_minute", "Tokens / min"],
   ["max_concurrent_requests", "Concurrent"],
 ];
+
+// Scheduling settings: [field, label, input attributes, hint]. Weight and class always have
+// a value; an empty KV fraction or SLO means the server's default (sent as null).
+const CLASSES = ["interactive", "batch"];
+const SETTINGS = [
+  ["weight", "Weight", { min: "0", max: "1000", step: "any", placeholder: "1" },
+   "share of a busy engine, relative to other tenants"],
+  ["max_kv_fraction", "Max KV fraction", { min: "0", max: "1", step: "any", placeholder: "default" },
+   "most of the KV pool its running requests may hold (0–1]"],
+  ["slo_ttft_ms", "TTFT SLO (ms)", { min: "1", step: "1", placeholder: "default" },
+   "time to first token"],
+  ["slo_tpot_ms", "TPOT SLO (ms)", { min: "1", step: "1", placeholder: "default" },
+   "time per output token"],
+];
+
+function settingInput([key, label, attrs, hint], value) {
+  return h("input", { type: "number", ...attrs, "aria-label": label, title: hint,
+                      "data-setting": key,
+                      value: value === null || value === undefined ? "" : String(value) });
+}
+
+function classSelect(value) {
+  const select = h("select", { "aria-label": "Priority class", "data-setting": "priority_class",
+                               title: "interactive work is admitted before batch work" },
+    CLASSES.map((c) => h("option", { value: c }, c)));
+  select.value = value || "interactive";
+  return select;
+}
+
+/** The settings a row's inputs hold, as the API takes them. An empty weight is left out
+ * (unchanged, or 1 for a new tenant); an empty KV fraction or SLO is null. */
+function settingsBody(inputs, select) {
+  const body = { priority_class: select.value };
+  SETTINGS.forEach(([key], i) => {
+    const v = limitValue(inputs[i]);
+    if (key !== "weight" || v !== null) body[key] = v;
+  });
+  return body;
+}
 
 function limitValue(input) {
   const raw = input.value.trim();
@@ -27,10 +66,14 @@ export async function render(container) {
   const name = h("input", { required: true, placeholder: "acme", pattern: "[a-z0-9][a-z0-9_.\\-]*",
                             autocomplete: "off", spellcheck: "false" });
   const limitInputs = LIMITS.map(([, label]) => limitInput(null, label));
+  const newWeight = settingInput(SETTINGS[0], null);
+  const newClass = classSelect("interactive");
   // novalidate: checkName explains a refused name in the page, not in a browser tooltip.
   const form = h("form", { class: "inline", id: "create-tenant", novalidate: true },
     field("Name", name, "lower case, digits, . _ -"),
     LIMITS.map(([, label], i) => field(label, limitInputs[i], "empty = unlimited")),
+    field("Weight", newWeight, "empty = 1"),
+    field("Priority class", newClass, "interactive goes first"),
     h("button", { type: "submit", class: "primary" }, "Create tenant"));
 
   form.addEventListener("submit", async (event) => {
@@ -42,6 +85,9 @@ export async function render(container) {
       const v = limitValue(limitInputs[i]);
       if (v !== null) body[key] = v;
     });
+    const weight = limitValue(newWeight);
+    if (weight !== null) body.weight = weight;
+    body.priority_class = newClass.value;
     try {
       await api("POST", "/admin/api/tenants", body);
       form.reset();
@@ -56,6 +102,7 @@ export async function render(container) {
     } catch (err) {
       const e = errorLine(); e.show(err); listArea.replaceChildren(e); return;
     }
+    schedulingArea.replaceChildren(schedulingTable(data, load));
     const rows = data.map((t) => {
       const inputs = LIMITS.map(([key, label]) => limitInput(t[key], label));
       const rowError = errorLine();
@@ -86,11 +133,39 @@ export async function render(container) {
       "No tenants yet: create the first one above."));
   }
 
+  const schedulingArea = h("div", { id: "tenant-scheduling" });
   container.append(
     h("h1", {}, "Tenants"),
     h("div", { class: "card" }, h("h2", {}, "New tenant"), form, createError),
     h("div", { class: "card" }, h("h2", {}, "All tenants"),
       h("p", { class: "muted" }, "Limits apply from the next request. A suspended tenant's keys " +
-        "stop working at once and its public adapters disappear for others."), listArea));
+        "stop working at once and its public adapters disappear for others."), listArea),
+    h("div", { class: "card" }, h("h2", {}, "Scheduling"),
+      h("p", { class: "muted" }, "When the engine is busy, interactive work is admitted " +
+        "before batch work, and tenants of a class share it by weight. An empty KV fraction " +
+        "or SLO uses the server's default. Changes apply from the next request."),
+      schedulingArea));
   await load();
+}
+
+/** One row per tenant: weight, class, KV fraction and SLOs, each saved with its row. */
+function schedulingTable(data, reload) {
+  const rows = data.map((t) => {
+    const inputs = SETTINGS.map((setting) => settingInput(setting, t[setting[0]]));
+    const select = classSelect(t.priority_class);
+    const rowError = errorLine();
+    const save = h("button", { type: "button", class: "small" }, "Save scheduling");
+    save.addEventListener("click", async () => {
+      rowError.clear();
+      try {
+        await api("PATCH", `/admin/api/tenants/${encodeURIComponent(t.name)}`,
+                  settingsBody(inputs, select));
+        await reload();
+      } catch (err) { rowError.show(err); }
+    });
+    return [h("strong", { class: "scheduled-tenant" }, t.name), inputs[0], select,
+            ...inputs.slice(1), h("div", {}, h("div", { class: "actions" }, save), rowError)];
+  });
+  return table(["Tenant", "Weight", "Class", ...SETTINGS.slice(1).map(([, l]) => l),
+                "Actions"], rows, "No tenants yet.");
 }

@@ -19,6 +19,7 @@ from typing import Any
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
 from loraplex.gateway.openapi_requests import closed, request_schemas
+from loraplex.registry.models import MAX_SLO_MS, MAX_WEIGHT, MIN_WEIGHT, PRIORITY_CLASSES
 from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
 _REF = "#/components/schemas/"
@@ -137,6 +138,26 @@ _LIMITS = {f: _LIMIT for f in ("max_requests_per_minute", "max_tokens_per_minute
                                "max_concurrent_requests")}
 
 
+def _slo(what: str) -> dict[str, Any]:
+    return {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_SLO_MS,
+            "description": f"{what} objective in milliseconds; null: the server's default"}
+
+
+# The tenant's scheduling settings; limits and settings share one body.
+_SETTINGS: dict[str, Any] = {
+    "weight": {"type": "number", "minimum": MIN_WEIGHT, "maximum": MAX_WEIGHT,
+               "description": "Share of a busy engine relative to other tenants (default 1)"},
+    "priority_class": {"type": "string", "enum": list(PRIORITY_CLASSES),
+                       "description": "interactive work is admitted before batch work "
+                                      "(default interactive)"},
+    "max_kv_fraction": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1,
+                        "description": "Most of the KV block pool the tenant's running "
+                                       "requests may hold; null: the server's default"},
+    "slo_ttft_ms": _slo("Time-to-first-token"),
+    "slo_tpot_ms": _slo("Time-per-output-token"),
+}
+
+
 _REPLICA_STATS = {"type": "object", "description": (
     "One replica's figures (the fields of EngineStats): replica (its ordinal 0..N-1), "
     "queue, KV pool, device slots (adapter_slots, and slots with each adapter's name), "
@@ -222,15 +243,17 @@ def _admin_paths() -> dict[str, Any]:
             "post": {"summary": "Create a tenant (admin)",
                      "requestBody": _body(closed({
                          "type": "object", "required": ["name"],
-                         "properties": {"name": _TENANT_NAME} | _LIMITS})),
+                         "properties": {"name": _TENANT_NAME} | _LIMITS | _SETTINGS})),
                      "responses": {"201": _json(_OBJ, "The tenant"),
                                    **_errors(400, 401, 403, 409, 413)}}},
         "/admin/api/tenants/{tenant}": {
             "parameters": [tenant],
             "get": {"summary": "One tenant (admin)",
                     "responses": {"200": _json(_OBJ, "The tenant"), **admin}},
-            "patch": {"summary": "Change a tenant's limits or status (admin)",
-                      "requestBody": _body(closed({"type": "object", "properties": _LIMITS | {
+            "patch": {"summary": "Change a tenant's limits, scheduling settings or status "
+                                 "(admin)",
+                      "requestBody": _body(closed({"type": "object",
+                                                   "properties": _LIMITS | _SETTINGS | {
                           "status": {"type": "string", "enum": ["active", "suspended"]}}})),
                       "responses": {"200": _json(_OBJ, "The tenant"), **admin}}},
         "/admin/api/tenants/{tenant}/keys": {

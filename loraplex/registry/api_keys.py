@@ -32,7 +32,9 @@ _MAX_KEY_LEN: Final = 256
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the tenant behind a valid key, its role and its limits.
+    """Who is calling: the tenant behind a valid key, its role, its limits and its
+    scheduling settings (weight and priority class; KV fraction and SLOs, None where the
+    server's default applies).
 
     Plain values, so it stays usable after the session closes. Built per request: caching
     it would let a revoked key or a suspended tenant through.
@@ -45,6 +47,11 @@ class Principal:
     max_requests_per_minute: int | None
     max_tokens_per_minute: int | None
     max_concurrent_requests: int | None
+    weight: float
+    priority_class: str
+    max_kv_fraction: float | None
+    slo_ttft_ms: int | None
+    slo_tpot_ms: int | None
 
     @property
     def is_admin(self) -> bool:
@@ -138,6 +145,11 @@ def authenticate(session: Session, key: str, *, now: datetime | None = None) -> 
         max_requests_per_minute=tenant.max_requests_per_minute,
         max_tokens_per_minute=tenant.max_tokens_per_minute,
         max_concurrent_requests=tenant.max_concurrent_requests,
+        weight=tenant.weight,
+        priority_class=tenant.priority_class,
+        max_kv_fraction=tenant.max_kv_fraction,
+        slo_ttft_ms=tenant.slo_ttft_ms,
+        slo_tpot_ms=tenant.slo_tpot_ms,
     )
 
 

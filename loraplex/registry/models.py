@@ -19,6 +19,16 @@ TENANT_STATUSES: Final = ("active", "suspended")
 KEY_ROLES: Final = ("tenant", "admin")
 ADAPTER_STATUSES: Final = ("active", "deleted")
 VISIBILITIES: Final = ("private", "public")
+# Interactive work is admitted before batch work; within a class, tenants share by weight.
+PRIORITY_CLASSES: Final = ("interactive", "batch")
+DEFAULT_PRIORITY_CLASS: Final = "interactive"
+DEFAULT_WEIGHT: Final = 1.0
+# Bounds of the scheduling settings, mirrored by the CHECK constraints below and in
+# migration 0004: a weight past 1000 would starve every other tenant in all but name.
+MAX_WEIGHT: Final = 1000
+# Below this, service divided by weight outgrows any counter: the scheduler's bound too.
+MIN_WEIGHT: Final = 0.01
+MAX_SLO_MS: Final = 3_600_000  # one hour
 
 # Named constraints: PostgreSQL and SQLite batch migrations both need names to drop them.
 NAMING_CONVENTION: Final = {
@@ -74,7 +84,8 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 
 
 class Tenant(Base):
-    """A customer of the platform. Limits of ``None`` mean unlimited."""
+    """A customer of the platform. Limits of ``None`` mean unlimited; scheduling settings of
+    ``None`` (KV fraction, SLOs) mean the server's default applies."""
 
     __tablename__ = "tenants"
     __table_args__ = (
@@ -86,6 +97,15 @@ class Tenant(Base):
                            name="max_tokens_per_minute"),
         sa.CheckConstraint("max_concurrent_requests IS NULL OR max_concurrent_requests > 0",
                            name="max_concurrent_requests"),
+        sa.CheckConstraint(f"weight > 0 AND weight <= {MAX_WEIGHT}", name="weight"),
+        sa.CheckConstraint(_in("priority_class", PRIORITY_CLASSES), name="priority_class"),
+        sa.CheckConstraint("max_kv_fraction IS NULL OR "
+                           "(max_kv_fraction > 0 AND max_kv_fraction <= 1)",
+                           name="max_kv_fraction"),
+        sa.CheckConstraint(f"slo_ttft_ms IS NULL OR (slo_ttft_ms >= 1 AND "
+                           f"slo_ttft_ms <= {MAX_SLO_MS})", name="slo_ttft_ms"),
+        sa.CheckConstraint(f"slo_tpot_ms IS NULL OR (slo_tpot_ms >= 1 AND "
+                           f"slo_tpot_ms <= {MAX_SLO_MS})", name="slo_tpot_ms"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -94,6 +114,14 @@ class Tenant(Base):
     max_requests_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
     max_tokens_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
     max_concurrent_requests: Mapped[int | None] = mapped_column(sa.Integer)
+    # Server defaults, so rows written before 0004 (or by raw SQL) get the neutral values.
+    weight: Mapped[float] = mapped_column(sa.Float, default=DEFAULT_WEIGHT,
+                                          server_default=sa.text("1.0"))
+    priority_class: Mapped[str] = mapped_column(sa.String(16), default=DEFAULT_PRIORITY_CLASS,
+                                                server_default=DEFAULT_PRIORITY_CLASS)
+    max_kv_fraction: Mapped[float | None] = mapped_column(sa.Float)
+    slo_ttft_ms: Mapped[int | None] = mapped_column(sa.Integer)
+    slo_tpot_ms: Mapped[int | None] = mapped_column(sa.Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow,
                                                  onupdate=utcnow)

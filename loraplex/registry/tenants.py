@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import enum
-from typing import Final
+import reprlib
+from collections.abc import Callable
+from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
-from loraplex.registry.models import TENANT_STATUSES, Tenant
+from loraplex.registry.models import (
+    DEFAULT_PRIORITY_CLASS,
+    DEFAULT_WEIGHT,
+    MAX_SLO_MS,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    PRIORITY_CLASSES,
+    TENANT_STATUSES,
+    Tenant,
+)
 from loraplex.registry.names import check_tenant_name, is_tenant_name
 
 
@@ -17,7 +28,8 @@ class _Unset(enum.Enum):
     UNSET = enum.auto()
 
 
-# Marks a limit the caller does not want to change (None means "unlimited").
+# Marks a limit or setting the caller does not want to change (None means "unlimited", or
+# "the server's default" for a KV fraction or SLO).
 UNSET: Final = _Unset.UNSET
 # Limits are 32-bit integer columns: a larger value would be a database error on PostgreSQL.
 MAX_LIMIT: Final = 2**31 - 1
@@ -32,6 +44,68 @@ def _check_limit(value: int | None, param: str) -> int | None:
     return value
 
 
+# --- scheduling settings -----------------------------------------------------------------
+# Each check takes the value and the name to report (the field, or a CLI flag), and returns
+# the value as stored. Types are checked too: the admin API hands over whatever JSON held.
+# The range tests are written so NaN (every comparison false) and huge integers (compared
+# exactly, never converted to float) fail them as well.
+
+
+def _shown(value: object) -> str:
+    return reprlib.repr(value)  # a 400-digit integer is cut, not copied into the message
+
+
+def check_weight(value: object, param: str = "weight") -> float:
+    """The tenant's share of a busy engine relative to other tenants: a finite number in
+    [MIN_WEIGHT, MAX_WEIGHT]."""
+    if isinstance(value, int | float) and not isinstance(value, bool) \
+            and MIN_WEIGHT <= value <= MAX_WEIGHT:
+        return float(value)
+    raise InvalidRequestError(f"{param} must be a finite number >= {MIN_WEIGHT} and <= "
+                              f"{MAX_WEIGHT}, "
+                              f"got {_shown(value)}", param=param)
+
+
+def check_priority_class(value: object, param: str = "priority_class") -> str:
+    """``interactive`` (admitted first) or ``batch``."""
+    if isinstance(value, str) and value in PRIORITY_CLASSES:
+        return value
+    raise InvalidRequestError(f"{param} must be one of {', '.join(PRIORITY_CLASSES)}, "
+                              f"got {_shown(value)}", param=param)
+
+
+def check_kv_fraction(value: object, param: str = "max_kv_fraction") -> float | None:
+    """The fraction of the KV pool the tenant's running requests may hold, in (0, 1];
+    ``None``: the server's default."""
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1:
+        return float(value)
+    raise InvalidRequestError(f"{param} must be a finite number > 0 and <= 1, got "
+                              f"{_shown(value)}", param=param)
+
+
+def check_slo_ms(value: object, param: str) -> int | None:
+    """A latency objective in whole milliseconds, 1..MAX_SLO_MS; ``None``: the server's
+    default."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SLO_MS:
+        return value
+    raise InvalidRequestError(f"{param} must be an integer from 1 to {MAX_SLO_MS} "
+                              f"(milliseconds), got {_shown(value)}", param=param)
+
+
+# field -> its check: the settings the CLI, the admin API and the admin UI set.
+SCHEDULING_CHECKS: Final[dict[str, Callable[[Any, str], Any]]] = {
+    "weight": check_weight,
+    "priority_class": check_priority_class,
+    "max_kv_fraction": check_kv_fraction,
+    "slo_ttft_ms": check_slo_ms,
+    "slo_tpot_ms": check_slo_ms,
+}
+
+
 def create_tenant(
     session: Session,
     name: str,
@@ -39,9 +113,14 @@ def create_tenant(
     max_requests_per_minute: int | None = None,
     max_tokens_per_minute: int | None = None,
     max_concurrent_requests: int | None = None,
+    weight: float = DEFAULT_WEIGHT,
+    priority_class: str = DEFAULT_PRIORITY_CLASS,
+    max_kv_fraction: float | None = None,
+    slo_ttft_ms: int | None = None,
+    slo_tpot_ms: int | None = None,
 ) -> Tenant:
-    """Adds an active tenant. Limits of ``None`` mean unlimited. ConflictError if the name
-    is taken."""
+    """Adds an active tenant. Limits of ``None`` mean unlimited; a KV fraction or SLO of
+    ``None``, the server's default. ConflictError if the name is taken."""
     check_tenant_name(name)
     tenant = Tenant(
         name=name,
@@ -49,6 +128,10 @@ def create_tenant(
         max_requests_per_minute=_check_limit(max_requests_per_minute, "max_requests_per_minute"),
         max_tokens_per_minute=_check_limit(max_tokens_per_minute, "max_tokens_per_minute"),
         max_concurrent_requests=_check_limit(max_concurrent_requests, "max_concurrent_requests"),
+        **_checked_settings({
+            "weight": weight, "priority_class": priority_class,
+            "max_kv_fraction": max_kv_fraction, "slo_ttft_ms": slo_ttft_ms,
+            "slo_tpot_ms": slo_tpot_ms}),
     )
     if session.scalar(sa.select(Tenant.id).where(Tenant.name == name)) is not None:
         raise ConflictError(f"tenant {name!r} already exists")
@@ -83,6 +166,10 @@ def get_tenant_by_name(session: Session, name: str) -> Tenant:
     return tenant
 
 
+def _checked_settings(values: dict[str, Any]) -> dict[str, Any]:
+    return {field: SCHEDULING_CHECKS[field](value, field) for field, value in values.items()}
+
+
 def update_tenant_limits(
     session: Session,
     tenant_id: int,
@@ -90,18 +177,28 @@ def update_tenant_limits(
     max_requests_per_minute: int | None | _Unset = UNSET,
     max_tokens_per_minute: int | None | _Unset = UNSET,
     max_concurrent_requests: int | None | _Unset = UNSET,
+    weight: float | _Unset = UNSET,
+    priority_class: str | _Unset = UNSET,
+    max_kv_fraction: float | None | _Unset = UNSET,
+    slo_ttft_ms: int | None | _Unset = UNSET,
+    slo_tpot_ms: int | None | _Unset = UNSET,
 ) -> Tenant:
-    """Changes the limits given (``None`` removes a limit; omitted ones stay as they are)."""
+    """Changes the limits and scheduling settings given; omitted ones stay as they are.
+    ``None`` removes a limit, or returns a KV fraction or SLO to the server's default.
+
+    Every value is checked before any is set: one bad value changes nothing.
+    """
+    limits = {field: _check_limit(value, field) for field, value in (
+        ("max_requests_per_minute", max_requests_per_minute),
+        ("max_tokens_per_minute", max_tokens_per_minute),
+        ("max_concurrent_requests", max_concurrent_requests)) if value is not UNSET}
+    settings = _checked_settings({field: value for field, value in (
+        ("weight", weight), ("priority_class", priority_class),
+        ("max_kv_fraction", max_kv_fraction), ("slo_ttft_ms", slo_ttft_ms),
+        ("slo_tpot_ms", slo_tpot_ms)) if value is not UNSET})
     tenant = get_tenant(session, tenant_id)
-    if max_requests_per_minute is not UNSET:
-        tenant.max_requests_per_minute = _check_limit(max_requests_per_minute,
-                                                      "max_requests_per_minute")
-    if max_tokens_per_minute is not UNSET:
-        tenant.max_tokens_per_minute = _check_limit(max_tokens_per_minute,
-                                                    "max_tokens_per_minute")
-    if max_concurrent_requests is not UNSET:
-        tenant.max_concurrent_requests = _check_limit(max_concurrent_requests,
-                                                      "max_concurrent_requests")
+    for field, value in (limits | settings).items():
+        setattr(tenant, field, value)
     session.flush()
     return tenant
 

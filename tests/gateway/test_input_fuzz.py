@@ -2,7 +2,7 @@
 5xx, and the same answer on both (each test states the one status an input class gets).
 
 Covers every string that reaches SQL (model names, tenant and adapter names in paths and
-queries, key names), every query parameter the OpenAPI document declares, and the
+queries, key names), any value of a tenant's scheduling settings, every query parameter the OpenAPI document declares, and the
 multipart upload parser. Examples are capped and derandomized so the run stays short.
 """
 
@@ -122,6 +122,54 @@ def test_any_key_name_is_stored_or_400(send: Caller, name: str) -> None:
     assert response.status_code == (201 if storable else 400), (name, response.text)
     if storable:
         send("DELETE", f"/admin/api/keys/{response.json()['id']}", admin=True)
+
+
+SCHEDULING = ("weight", "priority_class", "max_kv_fraction", "slo_ttft_ms", "slo_tpot_ms")
+SETTING_VALUES = (st.none() | st.booleans() | st.integers() | st.integers(-2, 3_600_002)
+                  | st.floats(allow_nan=False, allow_infinity=False) | st.floats(-0.5, 1001)
+                  | st.sampled_from(["interactive", "batch", "Batch", "1", "0.5"]) | JSON_TEXT
+                  | st.lists(st.integers(), max_size=2))
+
+
+def _valid_setting(field: str, value: Any) -> bool:
+    """The documented rule of each setting, written out again as the test's oracle."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if field == "weight":
+        return number and 0.01 <= value <= 1000
+    if field == "priority_class":
+        return value in ("interactive", "batch")
+    if value is None:  # the server's default
+        return True
+    if field == "max_kv_fraction":
+        return number and 0 < value <= 1
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 3_600_000
+
+
+@pytest.fixture(scope="module")
+def settings_tenant(send: Caller) -> str:
+    """A tenant of the fuzz server's own for the settings, so ``fuzzer``'s share of the
+    engine stays as the other fuzz tests expect."""
+    name = "sched-fuzz"
+    if send("GET", f"/admin/api/tenants/{name}", admin=True).status_code == 404:
+        assert send("POST", "/admin/api/tenants", admin=True,
+                    body={"name": name}).status_code == 201
+    return name
+
+
+@FUZZ
+@given(field=st.sampled_from(SCHEDULING), value=SETTING_VALUES)
+def test_any_scheduling_setting_is_stored_or_400_naming_it(
+        send: Caller, settings_tenant: str, field: str, value: Any) -> None:
+    path = f"/admin/api/tenants/{settings_tenant}"
+    before = send("GET", path, admin=True).json()
+    response = send("PATCH", path, admin=True, body={field: value})
+    if _valid_setting(field, value):
+        assert response.status_code == 200, (field, value, response.text)
+        assert response.json()[field] == value, (field, value, response.text)
+    else:
+        assert response.status_code == 400, (field, value, response.text)
+        assert response.json()["error"]["param"] == field, response.text
+        assert send("GET", path, admin=True).json() == before
 
 
 def _query_operations(live: LiveServer) -> list[tuple[str, str, list[str]]]:

@@ -91,8 +91,8 @@ def _stored_digests(adapter_dir: Path) -> list[str]:
 
 def test_end_to_end(cli: Cli, make_adapter: Callable[..., Path],
                     server_view: Callable[[str], sessionmaker[Session]]) -> None:
-    assert cli("db", "upgrade")["revision"] == "0003"
-    assert cli("db", "current")["head"] == "0003"
+    assert cli("db", "upgrade")["revision"] == "0004"
+    assert cli("db", "current")["head"] == "0004"
 
     acme = cli("tenants", "create", "acme", "--rpm", "60", "--tpm", "1000",
                "--max-concurrency", "2")
@@ -369,11 +369,67 @@ def test_tenants_limits_text_output(cli: Cli, capsys: pytest.CaptureFixture[str]
     assert run_registry_cli(["tenants", "limits", "acme", "--rpm", "5",
                              "--database-url", cli.url]) == 0
     assert capsys.readouterr().out == (
-        "tenant acme: --rpm 5, --tpm unlimited, --max-concurrency unlimited\n")
+        "tenant acme: --rpm 5, --tpm unlimited, --max-concurrency unlimited, --weight 1.0, "
+        "--priority-class interactive, --max-kv-fraction default, --slo-ttft-ms default, "
+        "--slo-tpot-ms default\n")
     with pytest.raises(SystemExit) as exited:
         run_registry_cli(["tenants", "limits", "acme", "--rpm", "0", "--database-url", cli.url])
     assert exited.value.code == 2
     assert "must be positive: 0" in capsys.readouterr().err
+
+
+SETTINGS = ("weight", "priority_class", "max_kv_fraction", "slo_ttft_ms", "slo_tpot_ms")
+
+
+def _settings(data: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(data[field] for field in SETTINGS)
+
+
+def test_tenants_scheduling_settings(
+        any_cli: Cli, server_view: Callable[[str], sessionmaker[Session]]) -> None:
+    cli = any_cli
+    cli("db", "upgrade")
+    assert _settings(cli("tenants", "create", "plain")) == (
+        1.0, "interactive", None, None, None)
+    acme = cli("tenants", "create", "acme", "--weight", "2.5", "--priority-class", "batch",
+               "--max-kv-fraction", "0.25", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50")
+    assert _settings(acme) == (2.5, "batch", 0.25, 500, 50)
+    assert [_settings(t) for t in cli("tenants", "list")] == [
+        (2.5, "batch", 0.25, 500, 50), (1.0, "interactive", None, None, None)]
+    key = cli("keys", "create", "--tenant", "acme")["key"]
+
+    changed = cli("tenants", "limits", "acme", "--weight", "4", "--slo-ttft-ms", "default",
+                  "--max-kv-fraction", "none", "--rpm", "9")
+    assert _settings(changed) == (4.0, "batch", None, None, 50)  # the rest unchanged
+    assert changed["max_requests_per_minute"] == 9
+    assert cli("tenants", "limits", "acme") == changed
+    server = server_view(cli.url)
+    with server() as session:
+        principal = service.authenticate(session, key)
+        session.commit()
+    assert principal is not None
+    assert (principal.weight, principal.priority_class, principal.max_kv_fraction,
+            principal.slo_ttft_ms, principal.slo_tpot_ms) == (4.0, "batch", None, None, 50)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--weight", "0"), ("--weight", "-1"), ("--weight", "nan"), ("--weight", "inf"),
+    ("--weight", "1000.5"), ("--weight", "abc"), ("--weight", ""), ("--weight", "default"),
+    ("--priority-class", "urgent"), ("--priority-class", "default"),
+    ("--max-kv-fraction", "0"), ("--max-kv-fraction", "1.01"), ("--max-kv-fraction", "x"),
+    ("--slo-ttft-ms", "0"), ("--slo-ttft-ms", "-3"), ("--slo-ttft-ms", "3600001"),
+    ("--slo-ttft-ms", "1.5"), ("--slo-tpot-ms", "fast"), ("--slo-tpot-ms", "9" * 30)])
+def test_bad_scheduling_settings_are_one_line_naming_the_flag(
+        cli: Cli, flag: str, value: str) -> None:
+    cli("db", "upgrade")
+    before = cli("tenants", "create", "acme", "--weight", "3", "--slo-tpot-ms", "70")
+    for argv in (["tenants", "create", "bob", "--priority-class", "batch", flag, value],
+                 ["tenants", "limits", "acme", "--rpm", "5", "--priority-class", "batch",
+                  flag, value]):
+        err = cli(*argv, expect=2)
+        assert err.startswith(f"loraplex: error: {flag} must be"), err
+        assert len(err) < 200, err
+    assert cli("tenants", "list") == [before]  # nothing created, nothing changed
 
 
 @pytest.mark.parametrize("argv", [["keys", "revoke", "9" * 23],

@@ -44,7 +44,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0003"
+        assert db.current_revision(engine) == db.head_revision() == "0004"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -220,5 +220,54 @@ def _delete_row(url: str, name: str) -> None:
     try:
         with engine.begin() as conn:
             conn.execute(sa.text("DELETE FROM adapters WHERE name = :n"), {"n": name})
+    finally:
+        engine.dispose()
+
+
+# --- 0004: tenants' scheduling settings ---------------------------------------------------
+
+_SETTINGS = "weight, priority_class, max_kv_fraction, slo_ttft_ms, slo_tpot_ms"
+
+
+def test_0004_gives_existing_tenants_the_defaults_and_goes_down_again(
+        empty_db_url: str) -> None:
+    url = empty_db_url
+    db.upgrade(url, "0003")
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO tenants (name, status, max_requests_per_minute, created_at, "
+                "updated_at) VALUES ('old', 'active', 5, CURRENT_TIMESTAMP, "
+                "CURRENT_TIMESTAMP)"))
+            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+            conn.execute(sa.text(
+                "INSERT INTO api_keys (tenant_id, role, prefix, key_hash, created_at) "
+                "VALUES (:t, 'tenant', 'lpx-x', 'h', CURRENT_TIMESTAMP)"), {"t": tenant_id})
+        db.upgrade(url)
+        with engine.connect() as conn:
+            row = conn.execute(sa.text(
+                f"SELECT name, max_requests_per_minute, {_SETTINGS} FROM tenants")).one()
+            assert tuple(row) == ("old", 5, 1.0, "interactive", None, None, None)
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET weight = 0"))
+        with engine.begin() as conn:  # the rebuilt table (SQLite) keeps its old rules too
+            conn.execute(sa.text("UPDATE tenants SET weight = 2, slo_ttft_ms = 300"))
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET max_requests_per_minute = 0"))
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET status = 'gone'"))
+
+        db.downgrade(url, "0003")
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("tenants")}
+        assert not columns & set(_SETTINGS.split(", "))
+        with engine.connect() as conn:
+            assert conn.execute(sa.text(
+                "SELECT name, max_requests_per_minute FROM tenants")).one() == ("old", 5)
+            assert conn.execute(sa.text("SELECT count(*) FROM api_keys")).scalar_one() == 1
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET max_requests_per_minute = 0"))
+        db.upgrade(url)
+        assert db.current_revision(engine) == "0004"
     finally:
         engine.dispose()

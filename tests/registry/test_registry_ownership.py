@@ -191,7 +191,8 @@ def test_sqlite_home_then_postgres_refused_then_moved(
     store_root = tmp_path / "home" / "adapters"
     # The embedded default: a SQLite registry and the home's store, a tenant, an adapter.
     user.cli("db", "upgrade")
-    user.cli("tenants", "create", "acme")
+    user.cli("tenants", "create", "acme", "--weight", "3", "--priority-class", "batch",
+             "--slo-ttft-ms", "700")
     acme_key = json.loads(user.cli("keys", "create", "--tenant", "acme", "--json"))["key"]
     added = json.loads(user.cli("adapters", "add", "--tenant", "acme", "--name", "support",
                                 str(llama_adapters["r4"]), "--model", str(tiny_llama_dir),
@@ -238,6 +239,8 @@ def test_sqlite_home_then_postgres_refused_then_moved(
         _stop(proc)
     with postgres() as session:
         assert [t.name for t in service.list_tenants(session)] == ["acme", "admin", "beta"]
+        acme = service.get_tenant_by_name(session, "acme")  # its scheduling settings too
+        assert (acme.weight, acme.priority_class, acme.slo_ttft_ms) == (3.0, "batch", 700)
         requests = session.scalar(sa.text("SELECT sum(requests) FROM usage"))
         assert requests == 2
     # The SQLite registry no longer owns the store: it may not serve on it.

@@ -24,6 +24,8 @@ from loraplex.registry.db import transaction
 from loraplex.registry.models import ApiKey, Tenant
 
 LIMITS: Final = ("max_requests_per_minute", "max_tokens_per_minute", "max_concurrent_requests")
+# Weight, priority class, KV fraction and SLOs: the registry checks their types and ranges.
+SETTINGS: Final = tuple(service.SCHEDULING_CHECKS)
 
 
 def _limit(body: dict[str, Any], field: str) -> int | None:
@@ -36,6 +38,12 @@ def _limit(body: dict[str, Any], field: str) -> int | None:
     return value  # the registry checks it is positive
 
 
+def _limits_and_settings(body: dict[str, Any]) -> dict[str, Any]:
+    """The limits and scheduling settings the body gives, as the registry takes them."""
+    given: dict[str, Any] = {field: _limit(body, field) for field in LIMITS if field in body}
+    return given | {field: body[field] for field in SETTINGS if field in body}
+
+
 def _string(body: dict[str, Any], field: str) -> str:
     value = body.get(field)
     if not isinstance(value, str):
@@ -45,7 +53,7 @@ def _string(body: dict[str, Any], field: str) -> str:
 
 def tenant_json(tenant: Tenant, num_keys: int = 0, num_adapters: int = 0) -> dict[str, Any]:
     return {"object": "tenant", "id": tenant.id, "name": tenant.name, "status": tenant.status,
-            **{field: getattr(tenant, field) for field in LIMITS},
+            **{field: getattr(tenant, field) for field in (*LIMITS, *SETTINGS)},
             "created_at": tenant.created_at.isoformat(),
             "num_active_keys": num_keys, "num_adapters": num_adapters}
 
@@ -89,14 +97,15 @@ async def list_tenants(request: Request) -> Response:
 
 def _create_tenant(gw: Gateway, body: dict[str, Any]) -> dict[str, Any]:
     name = _string(body, "name")
-    limits = {field: _limit(body, field) for field in LIMITS if field in body}
+    given = _limits_and_settings(body)
     with transaction(gw.sessions) as session:
-        return tenant_json(service.create_tenant(session, name, **limits))
+        return tenant_json(service.create_tenant(session, name, **given))
 
 
 async def create_tenant(request: Request) -> Response:
     gw, _ = await admin_principal(request)
-    body = await read_json_object(request, gw.config.max_body_bytes, ("name", *LIMITS))
+    body = await read_json_object(request, gw.config.max_body_bytes,
+                                  ("name", *LIMITS, *SETTINGS))
     return JSONResponse(await run_in_threadpool(_create_tenant, gw, body), status_code=201)
 
 
@@ -113,7 +122,7 @@ async def get_tenant(request: Request) -> Response:
 
 def _update_tenant(gw: Gateway, caller: Principal, name: str,
                    body: dict[str, Any]) -> dict[str, Any]:
-    limits = {field: _limit(body, field) for field in LIMITS if field in body}
+    limits = _limits_and_settings(body)
     status = _string(body, "status") if "status" in body else None
     with transaction(gw.sessions) as session:
         tenant = service.get_tenant_by_name(session, name)
@@ -127,9 +136,12 @@ def _update_tenant(gw: Gateway, caller: Principal, name: str,
 
 
 async def update_tenant(request: Request) -> Response:
-    """Changes limits (null removes one) and/or ``status`` (``active``/``suspended``)."""
+    """Changes limits (null removes one), scheduling settings (null returns a KV fraction or
+    SLO to the server's default) and/or ``status`` (``active``/``suspended``). One bad
+    field changes nothing: the transaction is rolled back."""
     gw, caller = await admin_principal(request)
-    body = await read_json_object(request, gw.config.max_body_bytes, (*LIMITS, "status"))
+    body = await read_json_object(request, gw.config.max_body_bytes,
+                                  (*LIMITS, *SETTINGS, "status"))
     data = await run_in_threadpool(_update_tenant, gw, caller, request.path_params["tenant"],
                                    body)
     return JSONResponse(data)
