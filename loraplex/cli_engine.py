@@ -76,6 +76,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "its KV later, or swap it to host memory")
     g.add_argument("--swap-space-blocks", type=int, default=CacheConfig.swap_space_blocks,
                    help="host-memory KV blocks for --preemption-mode swap")
+    g.add_argument("--scheduling-policy", default=SchedulerConfig.policy,
+                   choices=["fair", "fifo"],
+                   help="fair: tenants share a busy engine by weight, interactive before "
+                        "batch (default); fifo: oldest first")
+    g.add_argument("--max-kv-fraction", type=float, default=None, metavar="F",
+                   help="fraction of the KV pool one tenant's running requests may hold "
+                        "(a tenant's own setting wins; default: no cap)")
+    g.add_argument("--max-batch-wait-s", type=float, default=SchedulerConfig.max_batch_wait_s,
+                   help="batch-class requests wait at most this long behind interactive "
+                        "ones (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or '
@@ -93,7 +103,10 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
                           not args.no_prefix_caching, args.swap_space_blocks),
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                  not args.no_chunked_prefill, args.preemption_mode),
+                                  not args.no_chunked_prefill, args.preemption_mode,
+                                  policy=args.scheduling_policy,
+                                  max_batch_wait_s=args.max_batch_wait_s,
+                                  max_kv_fraction=args.max_kv_fraction),
         speculative=(SpeculativeConfig.from_json(args.speculative_config)
                      if args.speculative_config else None),
     )

@@ -62,6 +62,12 @@ def add_serve_command(subparsers: Any) -> None:
                    help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=defaults.max_n,
                    help="largest n a request may ask for")
+    p.add_argument("--slo-ttft-ms", type=int, default=defaults.slo_ttft_ms,
+                   help="time-to-first-token objective; a tenant's own wins (default: "
+                        "%(default)s)")
+    p.add_argument("--slo-tpot-ms", type=int, default=defaults.slo_tpot_ms,
+                   help="time-per-output-token objective; a tenant's own wins (default: "
+                        "%(default)s)")
     g = p.add_argument_group("connection limits (see docs/operations.md: which belong to a "
                              "proxy)")
     g.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes,
@@ -255,7 +261,8 @@ def _serve(args: argparse.Namespace) -> int:
             rate_limit_key_prefix=f"{args.redis_key_prefix}rl:",
             max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
-            max_pending_connections=args.max_pending_connections)
+            max_pending_connections=args.max_pending_connections,
+            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
         if args.backend == "ray":  # before anything is migrated or loaded
             from loraplex.config import check_shared_state
             from loraplex.engine.ray_address import check_reachable, ray_address

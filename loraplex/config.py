@@ -6,6 +6,7 @@ They are built once (in ``cli.py``, ``LLM`` or ``create_app``) and passed explic
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -14,6 +15,14 @@ from loraplex.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fair", "fifo"]
+# Wall time of a decode token over a prefill token's, on the demo model at a full batch
+# (benchmarks/fairness.py measures it; docs/benchmarks.md has the run).
+DECODE_TOKEN_COST = 2.0
+
+
+def _positive(value: float) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
 def _require(cond: bool, message: str) -> None:
@@ -84,6 +93,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     max_waiting: int = 1024  # admission limit; beyond it the engine reports overload
+    # Between tenants (engine/fairness.py): "fair" admits the tenant with the least
+    # weighted service first and preempts for one below its share; "fifo" is oldest first.
+    policy: SchedulingPolicy = "fair"
+    # Service per token, in the counters: a decode token costs more wall time than a
+    # prefill token at our batch sizes (measured: docs/benchmarks.md, "Fairness").
+    prefill_token_cost: float = 1.0
+    decode_token_cost: float = DECODE_TOKEN_COST
+    max_batch_wait_s: float = 30.0  # batch-class work waits at most this behind interactive
+    max_fair_preemptions: int = 1  # times one request may be preempted to admit another
+    max_kv_fraction: float | None = None  # a tenant's cap on the pool, unless its own
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -91,6 +110,15 @@ class SchedulerConfig:
         _require(self.preemption_mode in ("recompute", "swap"),
                  f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         _require(self.max_waiting >= 1, "max_waiting must be >= 1")
+        _require(self.policy in ("fair", "fifo"),
+                 f"scheduling policy must be 'fair' or 'fifo', got {self.policy!r}")
+        _require(_positive(self.prefill_token_cost) and _positive(self.decode_token_cost),
+                 "token costs must be finite numbers > 0")
+        _require(_positive(self.max_batch_wait_s), "max_batch_wait_s must be > 0")
+        _require(self.max_fair_preemptions >= 0, "max_fair_preemptions must be >= 0")
+        _require(self.max_kv_fraction is None or (_positive(self.max_kv_fraction)
+                                                  and self.max_kv_fraction <= 1),
+                 f"max_kv_fraction must be > 0 and <= 1, got {self.max_kv_fraction!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "layer_skip", "draft_model")
@@ -262,9 +290,15 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
     max_pending_connections: int = 256
+    # A request meets its SLO when its first token came within slo_ttft_ms and its output
+    # tokens after that averaged at most slo_tpot_ms (goodput, per tenant in /metrics); a
+    # tenant's own SLOs in the registry override these.
+    slo_ttft_ms: int = 2000
+    slo_tpot_ms: int = 200
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _require(self.slo_ttft_ms >= 1 and self.slo_tpot_ms >= 1, "SLOs must be >= 1 ms")
         _require(self.max_header_bytes >= 1024, "max_header_bytes must be >= 1024")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             _require(getattr(self, name) > 0, f"{name} must be positive")

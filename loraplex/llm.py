@@ -17,9 +17,11 @@ from loraplex.config import (
     ModelConfig,
     PreemptionMode,
     SchedulerConfig,
+    SchedulingPolicy,
     SpeculativeConfig,
 )
 from loraplex.engine.engine import LLMEngine
+from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
@@ -71,7 +73,8 @@ class LLM:
                  preemption_mode: PreemptionMode = "recompute", swap_space_blocks: int = 0,
                  max_model_len: int | None = None,
                  speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, scheduling_policy: SchedulingPolicy = "fair",
+                 max_kv_fraction: float | None = None) -> None:
         if speculative_config is not None and not isinstance(speculative_config,
                                                              SpeculativeConfig):
             speculative_config = SpeculativeConfig.from_json(speculative_config)
@@ -81,7 +84,9 @@ class LLM:
                               enable_prefix_caching, swap_space_blocks),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                      enable_chunked_prefill, preemption_mode),
+                                      enable_chunked_prefill, preemption_mode,
+                                      policy=scheduling_policy,
+                                      max_kv_fraction=max_kv_fraction),
             speculative=speculative_config,
         )
         self.engine = LLMEngine(self.config, progress=progress)
@@ -125,8 +130,13 @@ class LLM:
         lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
         cache_salt: str | None | Sequence[str | None] = None,
         arrival_steps: Sequence[int] | None = None,
+        share: Share | Sequence[Share] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in the prompts' order.
+
+        ``share`` (one, or one per prompt): whose request each prompt is, when several
+        tenants share the engine (``Share(tenant, weight, priority)``); the scheduler is
+        fair between them. None: one anonymous tenant.
 
         ``arrival_steps`` (optional, one per prompt) admits prompt i only after that many
         engine steps, to exercise requests that arrive while others run.
@@ -141,6 +151,7 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         loras = _per_prompt(lora_request, n, "lora_request")
         salts = _per_prompt(cache_salt, n, "cache_salt")
+        shares = _per_prompt(share or NO_SHARE, n, "share")
         # Each adapter folder is hashed (its identity: the whole weights file is read) once
         # while its files stay as they are (_adapter_ref), and loaded once per call,
         # however many prompts name it; it was once per prompt.
@@ -170,7 +181,8 @@ class LLM:
                         self.tokenizer.encode(items[i])
                     lr = loras[i]
                     self.engine.add_request(ids[i], token_ids, params[i],
-                                            refs[id(lr)] if lr is not None else None, salts[i])
+                                            refs[id(lr)] if lr is not None else None, salts[i],
+                                            share=shares[i])
                     outputs[ids[i]] = RequestOutput(
                         ids[i], items[i] if isinstance(items[i], str) else None,
                         list(token_ids),

@@ -78,6 +78,7 @@ def test_the_gateway_never_reaches_into_the_engine_object() -> None:
     backend is ``gw.backend``), and none of the engine's internals imported."""
     allowed = {"loraplex.engine.backend", "loraplex.engine.outputs", "loraplex.engine.request",
                "loraplex.engine.sampling_params", "loraplex.engine.stats",
+               "loraplex.engine.fairness",
                # Pure compile checks (no engine state): a tool's parameters schema is checked
                # where the request is parsed, by the grammar engine that will enforce it.
                "loraplex.engine.grammar"}

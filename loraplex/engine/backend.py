@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
@@ -63,8 +64,10 @@ class EngineBackend(Protocol):
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                  lora: AdapterRef | None, cache_salt: str | None,
-                 request_id: str) -> AsyncGenerator[SequenceDelta, None]:
-        """Streams the request's outputs, one delta per new token of each sequence.
+                 request_id: str, *, share: Share = NO_SHARE,
+                 ) -> AsyncGenerator[SequenceDelta, None]:
+        """Streams the request's outputs, one delta per new token of each sequence;
+        ``share`` says whose request it is (the scheduler is fair between tenants).
 
         The first iteration raises what admission refuses (InvalidRequestError,
         PromptTooLongError, EngineOverloadedError...); closing the stream before its end

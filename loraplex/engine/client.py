@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 from loraplex.config import EngineConfig
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.engine import LLMEngine
+from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     constraint: Constraint | None = None  # the grammar's, compiled before the hop
+    share: Share = NO_SHARE
 
 
 @dataclass(eq=False)
@@ -209,6 +211,7 @@ class EngineClient:
         cache_salt: str | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        share: Share = NO_SHARE,
     ) -> AsyncGenerator[SequenceDelta, None]:
         """Streams the request's outputs: one :class:`SequenceDelta` per new token of each
         of its ``n`` sequences; ends when all of them have finished.
@@ -231,7 +234,7 @@ class EngineClient:
             constraint = await asyncio.get_running_loop().run_in_executor(
                 compiler.executor, compiler.constraint, params.grammar, cache_salt or "")
         self._submit(_Add(stream, list(prompt_token_ids), params, lora, cache_salt, arrival,
-                          constraint))
+                          constraint, share))
         retired = False
         try:
             while not retired:
@@ -387,7 +390,8 @@ class EngineClient:
                                           "use", param="request_id")
             self.engine.add_request(stream.request_id, command.prompt_token_ids,
                                     command.params, command.adapter, command.cache_salt,
-                                    command.arrival_time, constraint=command.constraint)
+                                    command.arrival_time, constraint=command.constraint,
+                                    share=command.share)
         except Exception as exc:
             # Admission leaves the engine untouched when it refuses: the loop goes on.
             self._retire(stream, _Batch(done=True, exc=exc))

@@ -18,6 +18,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
@@ -151,10 +152,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, adapter: AdapterRef | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
-                    constraint: Constraint | None = None) -> None:
+                    constraint: Constraint | None = None, share: Share = NO_SHARE) -> None:
         """Queues a request, or raises an error that names what is wrong with it.
         ``constraint``: the grammar's parser state when the caller compiled it already
-        (``grammar_constraint``, off this thread); else it is compiled here."""
+        (``grammar_constraint``, off this thread); else it is compiled here. ``share``:
+        whose request it is, for fair scheduling between tenants."""
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
@@ -167,6 +169,15 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt plus max_tokens ({total} tokens) can never fit the KV cache of "
                 f"{self.kv.num_blocks} blocks x {self.kv.block_size} tokens", param="prompt")
+        request = Request(request_id, prompt, params, adapter, cache_salt,
+                          arrival_time if arrival_time is not None else time.monotonic(),
+                          group_id=request_id, sample_index=0,
+                          eos_token_ids=self.eos_token_ids, share=share)
+        cap = self.scheduler.kv_cap(request)
+        if cap is not None and self.kv.blocks_for(total) > cap:
+            raise PromptTooLongError(
+                f"prompt plus max_tokens ({total} tokens) needs {self.kv.blocks_for(total)} "
+                f"KV blocks, over this tenant's cap of {cap}", param="prompt")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and len(prompt) > sched.max_num_batched_tokens:
             raise PromptTooLongError(
@@ -181,10 +192,8 @@ class LLMEngine:
         # refused with the field that holds it.
         if params.grammar is not None and constraint is None:
             constraint = self.grammar_constraint(params.grammar, cache_salt or "")
-        request = Request(request_id, prompt, params, adapter, cache_salt,
-                          arrival_time if arrival_time is not None else time.monotonic(),
-                          group_id=request_id, sample_index=0,
-                          eos_token_ids=self.eos_token_ids, constraint=constraint)
+        request.constraint = constraint
+        request.arrival_step = self.num_steps
         self._groups[request_id] = [request]
         self.scheduler.add(request)
 
@@ -227,6 +236,9 @@ class LLMEngine:
             self._end_siblings(out.failed)
             return deltas
         self.num_steps += 1
+        for seq in out.scheduled:
+            if seq.request.first_scheduled_step is None:
+                seq.request.first_scheduled_step = self.num_steps
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
@@ -366,7 +378,7 @@ class LLMEngine:
             child = Request(self._child_id(parent, i), parent.prompt_token_ids, parent.params,
                             parent.adapter, parent.cache_salt, parent.arrival_time,
                             group_id=parent.group_id, sample_index=i,
-                            eos_token_ids=parent.eos_token_ids)
+                            eos_token_ids=parent.eos_token_ids, share=parent.share)
             child.num_computed_tokens = parent.num_computed_tokens
             # The blocks it shares with its parent hold the parent's draft KV.
             child.num_draft_computed_tokens = parent.num_draft_computed_tokens
@@ -398,6 +410,7 @@ class LLMEngine:
                 new_logprobs.append(entry)
             if request.first_token_time is None:
                 request.first_token_time = now
+                request.first_token_step = self.num_steps
             status = self._check_stop(request, token.token_id)
             if request.constraint is not None and status is None:
                 request.constraint.advance(token.token_id)
@@ -440,7 +453,8 @@ class LLMEngine:
         if finished:
             e2e = (request.finish_time or time.monotonic()) - request.arrival_time
             metrics = RequestMetrics(request.arrival_time, request.queue_time, request.ttft,
-                                     request.tpot, e2e, request.num_preemptions)
+                                     request.tpot, e2e, request.num_preemptions,
+                                     request.queue_steps, request.ttft_steps)
             self._generators.pop(request.request_id, None)
         # The first token's delta carries the prompt's logprobs (the first prompt token
         # has none: nothing precedes it).
@@ -528,6 +542,7 @@ class LLMEngine:
             host_adapters=tuple(_identity(k) for k in ad.host),
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
+            tenants=sched.tenant_stats(),
             **(self.spec.stats() if self.spec is not None else {}),
         )
 

@@ -198,11 +198,20 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` tokens could fit the whole pool at all."""
-        return self._num_blocks_for(num_tokens) <= self.num_blocks
+        return self.blocks_for(num_tokens) <= self.num_blocks
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request holds device blocks (live) or host blocks (swapped)."""
         return request_id in self._requests or request_id in self._swapped
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` positions."""
+        return -(-num_tokens // self.block_size)
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Device blocks in the request's table (0 when it holds none)."""
+        request = self._requests.get(request_id)
+        return 0 if request is None else len(request.block_ids)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's device block ids, in token order (a copy)."""
@@ -304,11 +313,11 @@ class KVCacheManager:
                 f"num_computed_tokens={num_computed_tokens} exceeds the "
                 f"{len(current_ids)} blocks request {request_id!r} holds"
             )
-        num_new_blocks = max(0, self._num_blocks_for(end) - len(current_ids))
+        num_new_blocks = max(0, self.blocks_for(end) - len(current_ids))
         cow_indices: list[int] = []
         if num_new_tokens > 0:
             first = num_computed_tokens // self.block_size
-            last = min(len(current_ids), self._num_blocks_for(end))
+            last = min(len(current_ids), self.blocks_for(end))
             cow_indices = [i for i in range(first, last) if self._ref_counts[current_ids[i]] > 1]
         # claimed ref-0 blocks leave the allocatable pool too
         num_claimed_idle = sum(1 for b in claimed_ids if self._ref_counts[b] == 0)
@@ -395,7 +404,7 @@ class KVCacheManager:
         if not 0 <= num_tokens <= request.num_tokens:
             raise ValueError(f"cannot trim request {request_id!r} of {request.num_tokens} "
                              f"tokens to {num_tokens}")
-        keep = self._num_blocks_for(num_tokens)
+        keep = self.blocks_for(num_tokens)
         if keep < len(request.block_hashes):
             raise ValueError(f"trimming request {request_id!r} to {num_tokens} tokens would "
                              "drop blocks of known tokens (hashed for the prefix cache)")
@@ -597,9 +606,6 @@ class KVCacheManager:
         )
 
     # ---- internals -----------------------------------------------------------------------
-
-    def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def _live(self, request_id: str) -> _RequestBlocks:
         request = self._requests.get(request_id)

@@ -15,6 +15,10 @@ class RequestMetrics:
     tpot: float | None
     e2e: float | None
     num_preemptions: int
+    # In engine steps from arrival (1: the first step after it), what fair scheduling
+    # bounds: when it was first scheduled, and when its first token came.
+    queue_steps: int | None = None
+    ttft_steps: int | None = None
 
 
 @dataclass(frozen=True)

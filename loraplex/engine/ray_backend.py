@@ -51,6 +51,7 @@ from loraplex.adapter_format import stored_folder
 from loraplex.config import EngineConfig, RayConfig
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
+from loraplex.engine.fairness import NO_SHARE, Share, TenantStats
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.ray_address import check_reachable, ray_address
 from loraplex.engine.request import AdapterRef
@@ -122,8 +123,9 @@ def stats_to_json(stats: EngineStats) -> str:
 def stats_from_json(text: str | bytes) -> EngineStats:
     raw = json.loads(text)
     values: dict[str, Any] = {f.name: _tuples(raw[f.name])
-                              for f in dataclasses.fields(EngineStats)}
-    return EngineStats(**values)
+                              for f in dataclasses.fields(EngineStats) if f.name != "tenants"}
+    tenants = tuple(TenantStats(**t) for t in raw["tenants"])
+    return EngineStats(**values, tenants=tenants)
 
 
 def _tuples(value: Any) -> Any:
@@ -241,7 +243,8 @@ class EngineReplica:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None, request_id: str,
-                       adapter_key: str = "") -> AsyncGenerator[Chunk, None]:
+                       adapter_key: str = "", share: Share = NO_SHARE,
+                       ) -> AsyncGenerator[Chunk, None]:
         # The key comes as Serve's multiplexed model id (affinity routing), or as an
         # argument when the gateway routes without affinity.
         key = serve.get_multiplexed_model_id() or adapter_key
@@ -250,7 +253,8 @@ class EngineReplica:
         except LoraplexError as exc:
             yield [], RemoteError.of(exc)
             return
-        stream = self._client.generate(prompt_token_ids, params, lora, cache_salt, request_id)
+        stream = self._client.generate(prompt_token_ids, params, lora, cache_salt, request_id,
+                                       share=share)
         async for chunk in in_windows(stream, self._config.delta_window_s):
             yield chunk
 
@@ -460,7 +464,8 @@ class RayEngineBackend:
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        lora: AdapterRef | None, cache_salt: str | None,
-                       request_id: str) -> AsyncGenerator[SequenceDelta, None]:
+                       request_id: str, *, share: Share = NO_SHARE,
+                       ) -> AsyncGenerator[SequenceDelta, None]:
         if self._stopped:
             raise EngineDeadError("the engine backend is shut down")
         key = model_id(lora)
@@ -471,7 +476,8 @@ class RayEngineBackend:
         prompt = list(prompt_token_ids)
         received = False
         for attempt in range(2):
-            response = handle.generate.remote(prompt, params, cache_salt, request_id, argument)
+            response = handle.generate.remote(prompt, params, cache_salt, request_id, argument,
+                                              share)
             finished = False
             try:
                 async for deltas, error in response:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.kv_cache import ExtraKey, extra_keys_for
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class Request:
     group_id: str | None = None  # the user's request id when this is one of n samples
     sample_index: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    share: Share = NO_SHARE  # whose it is, for fair scheduling
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -73,6 +75,11 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Engine steps completed when it arrived; the steps in which it was first scheduled
+    # and in which its first token came (the scheduler's latency, free of wall time).
+    arrival_step: int = 0
+    first_scheduled_step: int | None = None
+    first_token_step: int | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # Speculative decoding: the running acceptance rate of this sequence's proposals, the
@@ -144,6 +151,19 @@ class Request:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def queue_steps(self) -> int | None:
+        """1 when it was scheduled in the first step after it arrived."""
+        if self.first_scheduled_step is None:
+            return None
+        return self.first_scheduled_step - self.arrival_step
+
+    @property
+    def ttft_steps(self) -> int | None:
+        if self.first_token_step is None:
+            return None
+        return self.first_token_step - self.arrival_step
 
     @property
     def tpot(self) -> float | None:

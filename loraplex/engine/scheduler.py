@@ -2,14 +2,25 @@
 
 Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 
+0. Fair preemption: when the first waiting request in fair order (``fairness.py``)
+   cannot be admitted because the batch is full (sequences or blocks) and its tenant
+   holds under half of its fair share (the seats or blocks over the active tenants'
+   weights, times its own), requests of the tenant furthest above its share (batch class
+   first) are preempted for it, newest first, while that tenant stays above its share.
+   A request is preempted so at most ``max_fair_preemptions`` times, and tenants near
+   their shares (where admission by counters keeps them) never preempt each other, so
+   throughput does not collapse into thrash.
 1. Running requests first, oldest first: a decode takes one token, a prefill takes the next
    chunk of its prompt that fits the remaining budget (chunked prefill), so running decodes
-   never wait behind a long prompt. When blocks run out, the newest running request is
-   preempted — by recompute (blocks freed, requeued at the front of the waiting queue; its
-   prefix may hit the cache on return) or, in ``swap`` mode, by copying its blocks to the
-   host pool (recompute when the pool is full).
+   never wait behind a long prompt. When blocks run out, a running request not yet
+   scheduled this step is preempted: the newest of the tenant furthest above its share of
+   blocks (with one tenant, the newest) — by recompute (blocks freed, requeued at the front
+   of its tenant's queue; its prefix may hit the cache on return) or, in ``swap`` mode, by
+   copying its blocks to the host pool (recompute when the pool is full). A tenant over
+   its KV cap (``max_kv_fraction`` of the pool) preempts its own newest request instead.
 2. Swapped requests come back (oldest first) when nothing was preempted this step.
-3. Waiting requests are admitted oldest first while budget, sequences and blocks allow.
+3. Waiting requests are admitted in fair order (FIFO with one tenant or the ``fifo``
+   policy) while budget, sequences, blocks and the tenant's KV cap allow.
    Adapters: at most ``max_loras`` distinct adapters are in flight (every running request
    pins its adapter's slot). A request whose adapter cannot get a slot, or is still being
    read from disk (that read runs in the background), is skipped so the requests behind it
@@ -28,11 +39,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.config import SchedulerConfig
+from loraplex.engine.fairness import TenantQueues, TenantStats
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.errors import AdapterError
@@ -99,7 +111,8 @@ class Scheduler:
         self.adapters = adapters
         self.max_adapter_wait_s = max_adapter_wait_s
         self.clock = clock
-        self.waiting: deque[Request] = deque()
+        self.waiting = TenantQueues(config.policy == "fair", config.prefill_token_cost,
+                                    config.decode_token_cost, config.max_batch_wait_s)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self._slot_of_request: dict[str, int] = {}
@@ -108,10 +121,12 @@ class Scheduler:
     # --- queue management --------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        self._activate(request)
         self.waiting.append(request)
 
     def add_running(self, request: Request, slot: int) -> None:
         """Adds an already-admitted sequence (a fork of a running one)."""
+        self._activate(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._slot_of_request[request.request_id] = slot
@@ -139,6 +154,45 @@ class Scheduler:
         request.status = status
         request.finish_time = self.clock()
 
+    def _activate(self, request: Request) -> None:
+        tenant = request.share.tenant
+        if tenant in self.waiting.tenants() or any(
+                r.share.tenant == tenant for r in (*self.running, *self.swapped)):
+            return
+        self.waiting.activate(request, self._active_tenants())
+
+    def _active_tenants(self) -> set[str | None]:
+        return (self.waiting.tenants() | {r.share.tenant for r in self.running}
+                | {r.share.tenant for r in self.swapped})
+
+    def kv_cap(self, request: Request) -> int | None:
+        """The most blocks the request's tenant's running requests may hold together."""
+        fraction = request.share.max_kv_fraction or self.config.max_kv_fraction
+        if fraction is None or self.config.policy != "fair":
+            return None
+        return max(1, int(fraction * self.kv.num_blocks))
+
+    def tenant_stats(self) -> tuple[TenantStats, ...]:
+        return self.waiting.stats(self.running, self.swapped, self._blocks_by_tenant())
+
+    def _blocks_by_tenant(self) -> dict[str | None, int]:
+        held: dict[str | None, int] = {}
+        for request in self.running:
+            t = request.share.tenant
+            held[t] = held.get(t, 0) + self.kv.num_blocks_held(request.request_id)
+        return held
+
+    def _emit(self, out: SchedulerOutput, seq: ScheduledSeq) -> None:
+        """Schedules the chunk and charges its tenant for it."""
+        out.scheduled.append(seq)
+        request = seq.request
+        known = seq.num_new_tokens - seq.num_spec_tokens
+        if known == 1 and request.num_output_tokens > 0 \
+                and seq.num_computed_tokens == request.num_tokens - 1:
+            self.waiting.charge(request, 0, seq.num_new_tokens)
+        else:
+            self.waiting.charge(request, seq.num_new_tokens, 0)
+
     def slot_of(self, request: Request) -> int:
         return self._slot_of_request.get(request.request_id, -1)
 
@@ -164,6 +218,11 @@ class Scheduler:
         now = self.clock()
         num_spec = num_spec or {}
 
+        # 0. room for a tenant below its share, when the batch is full
+        if self.waiting and self.config.policy == "fair":
+            self._make_room(out, now)
+        num_fair = len(out.preempted)
+
         # 1. running requests, oldest first; preempt from the newest end when out of blocks
         index = 0
         while index < len(self.running) and budget > 0:
@@ -172,24 +231,26 @@ class Scheduler:
             num_after = len(self.running) - index - 1
             spec = min(num_spec.get(request.request_id, 0), budget - 1 - num_after)
             if spec > 0 and request.num_uncomputed_tokens == 1 \
+                    and self._within_cap(request, 1 + spec) \
                     and self._allocate(request, 1 + spec) is not None:
-                out.scheduled.append(ScheduledSeq(request, 1 + spec, self.slot_of(request),
-                                                  spec))
+                self._emit(out, ScheduledSeq(request, 1 + spec, self.slot_of(request), spec))
                 budget -= 1 + spec
                 index += 1
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
-            while self._allocate(request, num_new) is None:
-                victim = self.running[-1]
+            while not self._within_cap(request, num_new) \
+                    or self._allocate(request, num_new) is None:
+                victim = self._victim(self.running[index:], request, num_new)
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(request, num_new, self.slot_of(request)))
+                self._emit(out, ScheduledSeq(request, num_new, self.slot_of(request)))
                 budget -= num_new
                 index += 1
                 continue
-            break  # the request itself was preempted: it was the newest
+            # the request itself was preempted: the ones after it were considered first
+        pressure = len(out.preempted) > num_fair
 
         # 2. swapped requests come back when nothing was preempted
         while self.swapped and not out.preempted and budget > 0 \
@@ -217,7 +278,8 @@ class Scheduler:
             assert pairs is not None
             self.swapped.popleft()
             num_new = min(request.num_uncomputed_tokens, budget)
-            if self._allocate(request, num_new) is None:
+            if not self._within_cap(request, num_new) \
+                    or self._allocate(request, num_new) is None:
                 # Room for its blocks but not its next token: swap straight back out later.
                 self.kv.free(request.request_id)
                 request.drop_computed()
@@ -233,16 +295,125 @@ class Scheduler:
             out.swap_in.extend(pairs)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledSeq(request, num_new, slot))
+            self._emit(out, ScheduledSeq(request, num_new, slot))
             budget -= num_new
 
-        # 3. waiting requests
-        if not out.preempted and not self.swapped:
-            self._admit(out, budget, now)
+        # 3. waiting requests; those preempted for fairness just now stay out this step
+        fair_out = {id(r) for r in out.preempted[:num_fair]}
+        if not pressure and all(id(r) in fair_out for r in self.swapped):
+            self._admit(out, budget, now, fair_out)
         out.block_copies.extend(self.kv.take_pending_copies())
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    # --- between tenants ---------------------------------------------------------------
+
+    def _make_room(self, out: SchedulerOutput, now: float) -> None:
+        """Preempts for the first waiting request, in fair order, that could run now but
+        for a full batch, when a tenant is further above its share than its own."""
+        for request in self.waiting.order(now, self.running):
+            ref = request.adapter
+            if ref is None or (self.adapters.is_ready(ref)
+                               and self.adapters.can_acquire(ref.key)):
+                break
+        else:
+            return
+        tenant = request.share.tenant
+        if all(r.share.tenant == tenant for r in self.running):
+            return  # nobody else to make room: one tenant schedules as FIFO did
+        cap = self.kv_cap(request)
+        seats = len(self.running) + request.params.n - self.config.max_num_seqs
+        cached = (self.kv.get_computed_blocks(request.all_token_ids, request.extra_keys)
+                  if request.num_computed_tokens == 0 and not request.needs_prompt_logits
+                  else None)
+        num_cached = cached.num_tokens if cached else 0
+        first_chunk = min(request.num_tokens,
+                          num_cached + self.config.max_num_batched_tokens)
+        need = self.kv.blocks_for(first_chunk) - self.kv.blocks_for(num_cached)
+        held = self._blocks_by_tenant()
+        if cap is not None and held.get(request.share.tenant, 0) + need > cap:
+            return  # its own cap keeps it waiting: preempting others would not help
+        blocks = need - self.kv.num_free_blocks()
+        while seats > 0 or blocks > 0:
+            by_blocks = seats <= 0
+            victim = self._fair_victim(request, now, held if by_blocks else None)
+            if victim is None:
+                return
+            freed = self.kv.num_blocks_held(victim.request_id)
+            held[victim.share.tenant] -= freed
+            self._preempt(victim, out)
+            seats -= 1
+            blocks -= freed
+
+    def _fair_victim(self, beneficiary: Request, now: float,
+                     blocks: dict[str | None, int] | None) -> Request | None:
+        """The newest request of the tenant furthest above its share (of sequences, or
+        of ``blocks`` when given), for a beneficiary whose tenant holds under half of its
+        own share; never one of a higher class, nor one preempted too often already."""
+        held = blocks
+        if held is None:
+            held = {}
+            for request in self.running:
+                held[request.share.tenant] = held.get(request.share.tenant, 0) + 1
+
+        def load(tenant: str | None, weight: float, extra: int = 0) -> float:
+            return (held.get(tenant, 0) + extra) / weight
+
+        share = beneficiary.share
+        unit = 1 if blocks is None else max(1, self.kv.blocks_for(beneficiary.num_tokens))
+        own = load(share.tenant, share.weight, unit)
+        # Each active tenant's fair share, per unit of weight, of the seats or blocks:
+        # only a tenant below half of it makes room, only from one above all of it (so
+        # tenants near their shares, as admission by counters keeps them, never thrash).
+        active = {r.share.tenant: r.share.weight for r in (*self.running, *self.waiting)}
+        fair = ((self.config.max_num_seqs if blocks is None else self.kv.num_blocks)
+                / sum(active.values()))
+        if own > fair / 2:
+            return None
+        beneficiary_batch = self.waiting.is_batch(beneficiary, now)
+        best: Request | None = None
+        best_rank: tuple[bool, float] | None = None
+        for request in reversed(self.running):  # newest first
+            theirs = request.share
+            if theirs.tenant == share.tenant \
+                    or request.num_preemptions >= self.config.max_fair_preemptions \
+                    or (beneficiary_batch and theirs.priority != "batch"):
+                continue
+            rank = (theirs.priority == "batch" and not beneficiary_batch,
+                    load(theirs.tenant, theirs.weight))
+            if rank[1] <= max(own, fair) and not rank[0]:
+                continue
+            if best_rank is None or rank > best_rank:
+                best, best_rank = request, rank
+        return best
+
+    def _victim(self, candidates: Sequence[Request], request: Request,
+                num_new: int) -> Request:
+        """Who makes room when ``request`` cannot grow: over its tenant's KV cap, that
+        tenant's newest; out of blocks, the newest of the tenant furthest above its share
+        of blocks (batch class first); with one tenant, simply the newest."""
+        tenant = request.share.tenant
+        if not self._within_cap(request, num_new):
+            return next(r for r in reversed(candidates) if r.share.tenant == tenant)
+        if self.config.policy != "fair":
+            return candidates[-1]
+        held = self._blocks_by_tenant()
+        return max(reversed(candidates), key=lambda r: (
+            r.share.priority == "batch", held.get(r.share.tenant, 0) / r.share.weight))
+
+    def _within_cap(self, request: Request, num_new: int) -> bool:
+        cap = self.kv_cap(request)
+        if cap is None:
+            return True
+        held = self._tenant_blocks(request.share.tenant) \
+            - self.kv.num_blocks_held(request.request_id)
+        return held + self.kv.blocks_for(request.num_computed_tokens + num_new) <= cap
+
+    def _tenant_blocks(self, tenant: str | None) -> int:
+        return sum(self.kv.num_blocks_held(r.request_id) for r in self.running
+                   if r.share.tenant == tenant)
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float,
+               skip: set[int]) -> None:
         starving = False  # an older request has waited too long for an adapter slot
         # While starving: by adapter pinned by running requests, the most output tokens one
         # of them may still generate (the steps its slot may stay pinned).
@@ -251,9 +422,12 @@ class Scheduler:
         # they fit the host cache together, or a load would evict an adapter that a request
         # ahead is still waiting for (and it would be read from disk again).
         ahead: set[AdapterKey] = set()
-        for request in list(self.waiting):
+        capped: set[str | None] = set()  # tenants whose KV cap stopped their queue's head
+        for request in self.waiting.order(now, self.running):
             if budget <= 0:
                 break
+            if id(request) in skip or request.share.tenant in capped:
+                continue
             if len(self.running) + request.params.n > self.config.max_num_seqs \
                     and self.running:
                 break
@@ -294,6 +468,11 @@ class Scheduler:
                         and num_new <= self.config.max_num_batched_tokens):
                     break
                 num_new = budget
+            cap = self.kv_cap(request)
+            if cap is not None and self._tenant_blocks(request.share.tenant) \
+                    + self.kv.blocks_for(num_computed + num_new) > cap:
+                capped.add(request.share.tenant)  # FIFO within the tenant
+                continue
             if self.kv.allocate_slots(request.request_id, request.all_token_ids, num_computed,
                                       num_new, request.extra_keys, cached) is None:
                 break  # out of blocks: admit nothing more this step (keeps FCFS order)
@@ -310,7 +489,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
-            out.scheduled.append(ScheduledSeq(request, num_new, slot))
+            self._emit(out, ScheduledSeq(request, num_new, slot))
             budget -= num_new
 
     def _pinned_horizons(self) -> dict[AdapterKey, int]:

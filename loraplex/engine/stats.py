@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
+from loraplex.engine.fairness import TenantStats
+
 # The replica ordinal of figures that add up every replica of a deployment.
 ALL_REPLICAS = -1
 
@@ -71,6 +73,9 @@ class EngineStats:
     spec_draft_forwards: int = 0
     spec_draft_forward_tokens: int = 0
     spec_draft_max_forward_tokens: int = 0
+    # The scheduler's view of each tenant it has served (opaque ids, sorted): queues,
+    # service received and KV blocks held.
+    tenants: tuple[TenantStats, ...] = ()
 
     @classmethod
     def spec_rates(cls, num_drafts: int, num_draft_tokens: int,
@@ -95,6 +100,20 @@ def _distinct(groups: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     return tuple(sorted({name for group in groups for name in group}))
 
 
+def _combine_tenants(stats: Sequence[EngineStats]) -> tuple[TenantStats, ...]:
+    """Per tenant, the sums over replicas (``service`` too: each replica's counter is the
+    service it gave, lifted when the tenant came back to it)."""
+    by_tenant: dict[str, list[TenantStats]] = {}
+    for s in stats:
+        for t in s.tenants:
+            by_tenant.setdefault(t.tenant, []).append(t)
+    return tuple(TenantStats(
+        tenant=name, weight=parts[0].weight,
+        **{f.name: sum(getattr(p, f.name) for p in parts)
+           for f in fields(TenantStats) if f.name not in ("tenant", "weight")})
+        for name, parts in sorted(by_tenant.items()))
+
+
 def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """The figures of a deployment from those of its replicas.
 
@@ -102,7 +121,8 @@ def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
     (``spec_draft_max_forward_tokens``) are the largest; ``kv_utilization`` is the replicas' weighted by the blocks they hold. ``adapter_slots``
     and ``host_adapters`` are concatenated in replica order (one entry per slot or cache
     entry, so their lengths still count capacity and residency); running and waiting
-    adapters are the distinct union; ``spec_by_adapter`` sums per adapter. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
+    adapters are the distinct union; ``spec_by_adapter`` and ``tenants`` sum per adapter
+    and per tenant. ``replica`` is ``ALL_REPLICAS``. No replica at all (none
     is live) gives zeros and empty tuples: a deployment that has nothing now.
     """
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
@@ -133,5 +153,6 @@ def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
                                           default=0),
         spec_by_adapter=tuple((name, *counts) for name, counts in  # type: ignore[misc]
                               sorted(by_adapter.items())),
+        tenants=_combine_tenants(stats),
         **sums,
     )

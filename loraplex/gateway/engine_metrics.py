@@ -69,9 +69,14 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry, namespace: str,
                  replica_label: Callable[[str], str],
-                 adapter_label: Callable[[str], str]) -> None:
+                 adapter_label: Callable[[str], str],
+                 tenant_label: Callable[[str], str]) -> None:
         self._replica_label = replica_label
         self._adapter_label = adapter_label
+        self._tenant_label = tenant_label
+        # Service tokens as of the previous snapshot, by (replica, tenant id).
+        self._service_totals: dict[tuple[str, str], tuple[int, int]] = {}
+        self._tenant_series: dict[str, set[str]] = {}  # replica -> tenant labels set
         self._totals: dict[str, _Totals] = {}
         # Speculative counters as of the previous snapshot, by (replica, adapter identity).
         self._spec_totals: dict[tuple[str, str], tuple[int, int, int]] = {}
@@ -125,6 +130,19 @@ class EngineMetrics:
             spec_counter("spec_decode_num_draft_tokens", "Speculative tokens proposed."),
             spec_counter("spec_decode_num_accepted_tokens",
                          "Speculative tokens the target model accepted."))
+        # The scheduler's view of each tenant (its opaque id: the registry's tenant id).
+        self.tenant_waiting = gauge("tenant_waiting_requests",
+                                    "Requests waiting, by tenant id.", "tenant_id")
+        self.tenant_running = gauge("tenant_running_requests",
+                                    "Requests in the running batch, by tenant id.",
+                                    "tenant_id")
+        self.tenant_kv_blocks = gauge("tenant_kv_blocks",
+                                      "KV blocks the tenant's running requests hold.",
+                                      "tenant_id")
+        self.tenant_service = Counter(
+            "tenant_service_tokens", "Tokens scheduled for the tenant (its service), by "
+            "kind: prefill (prompt or recomputed) or decode.", ["replica", "tenant_id", "kind"],
+            namespace=namespace, registry=registry)
         self._per_replica = (self.queue_depth, self.running, self.kv_blocks_used,
                              self.kv_blocks_free, self.kv_pool_usage,
                              self.prefix_cache_hit_rate, self.spec_acceptance_rate)
@@ -140,6 +158,7 @@ class EngineMetrics:
                 self._set_gauges(replica, stats)
                 self._count(replica, _Totals.of(stats))
                 self._count_spec(replica, stats)
+                self._observe_tenants(replica, stats)
             for replica in set(self._info_labels) - seen:
                 self._forget(replica)
 
@@ -185,7 +204,31 @@ class EngineMetrics:
             for counter, increment in zip(self.spec_counters, step, strict=True):
                 counter.labels(replica, adapter).inc(increment)
 
+    def _observe_tenants(self, replica: str, stats: EngineStats) -> None:
+        shown: set[str] = set()
+        for t in stats.tenants:
+            tenant = self._tenant_label(t.tenant or "none")
+            shown.add(tenant)
+            self.tenant_waiting.labels(replica, tenant).set(t.num_waiting + t.num_swapped)
+            self.tenant_running.labels(replica, tenant).set(t.num_running)
+            self.tenant_kv_blocks.labels(replica, tenant).set(t.kv_blocks)
+            now = (t.prefill_tokens, t.decode_tokens)
+            before = self._service_totals.get((replica, t.tenant), (0, 0))
+            self._service_totals[(replica, t.tenant)] = now
+            # A total that went down: a new replica under this ordinal, counted from zero.
+            step = now if now[0] < before[0] or now[1] < before[1] \
+                else (now[0] - before[0], now[1] - before[1])
+            for kind, increment in zip(("prefill", "decode"), step, strict=True):
+                self.tenant_service.labels(replica, tenant, kind).inc(increment)
+        for tenant in self._tenant_series.get(replica, set()) - shown:
+            for gauge in (self.tenant_waiting, self.tenant_running, self.tenant_kv_blocks):
+                gauge.remove(replica, tenant)
+        self._tenant_series[replica] = shown
+
     def _forget(self, replica: str) -> None:
+        for tenant in self._tenant_series.pop(replica, set()):
+            for gauge in (self.tenant_waiting, self.tenant_running, self.tenant_kv_blocks):
+                gauge.remove(replica, tenant)
         for metric in self._per_replica:
             metric.remove(replica)
         for level in RESIDENCY_LEVELS:

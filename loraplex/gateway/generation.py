@@ -22,12 +22,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from redis.exceptions import RedisError
 
+from loraplex.engine.fairness import PRIORITIES, Share
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.auth import cache_salt, tenant_limits
 from loraplex.gateway.errors import DependencyUnavailableError
-from loraplex.gateway.metrics import Observation
+from loraplex.gateway.metrics import Observation, Slo
 from loraplex.gateway.ratelimit import Lease, TenantLimits
 from loraplex.gateway.state import Gateway
 from loraplex.gateway.targets import Target
@@ -37,13 +38,27 @@ from loraplex.registry.api_keys import Principal
 logger = logging.getLogger("loraplex.gateway")
 
 
+def request_share(principal: Principal, priority_class: str | None) -> Share:
+    """Whose request it is, for the engine's fair scheduling: the tenant's id, weight, KV
+    cap and class, or the ``batch`` class the request asked for itself (never a class above
+    its tenant's)."""
+    priority = priority_class or principal.priority_class
+    if PRIORITIES.index(priority) < PRIORITIES.index(principal.priority_class):
+        raise InvalidRequestError(
+            f"priority_class: {priority!r} is above your tenant's class "
+            f"({principal.priority_class!r})", param="priority_class")
+    return Share(str(principal.tenant_id), principal.weight, priority,  # type: ignore[arg-type]
+                 principal.max_kv_fraction)
+
+
 class Job:
     """One admitted generation: lease, engine stream, and their cleanup."""
 
     def __init__(self, gw: Gateway, principal: Principal, target: Target,
                  prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 observation: Observation) -> None:
+                 observation: Observation, share: Share) -> None:
         self.gw = gw
+        self.share = share
         self.principal = principal
         self.target = target
         self.prompt_token_ids = prompt_token_ids
@@ -101,7 +116,8 @@ class Job:
         salt = (None if gw.config.allow_cross_tenant_cache_sharing
                 else cache_salt(gw.salt_secret, principal.tenant_id))
         self._stream = gw.backend.generate(self.prompt_token_ids, self.params,
-                                          self.target.ref, salt, self.request_id)
+                                          self.target.ref, salt, self.request_id,
+                                          share=self.share)
         try:
             self._first = await self._stream.__anext__()
         except StopAsyncIteration:
@@ -154,4 +170,7 @@ class Job:
                 # The lease expires on its own (its TTL); the request itself went fine.
                 logger.warning("could not release rate-limit lease %s", self._lease.lease_id,
                                exc_info=True)
-        self.obs.record(status, self.metrics)
+        config, principal = self.gw.config, self.principal
+        self.obs.record(status, self.metrics,
+                        Slo(principal.slo_ttft_ms or config.slo_ttft_ms,
+                            principal.slo_tpot_ms or config.slo_tpot_ms))

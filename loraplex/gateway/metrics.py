@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from prometheus_client import (
@@ -39,6 +40,7 @@ REQUEST_STATUSES: Final = (
     "server_error",  # anything else (5xx)
 )
 
+STEP_BUCKETS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -55,6 +57,15 @@ def status_for_http(code: int) -> str:
     if code < 500:
         return "client_error"
     return "server_error"
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A tenant's latency objectives: first token within ``ttft_ms``, and the output tokens
+    after it at ``tpot_ms`` each or less on average."""
+
+    ttft_ms: int
+    tpot_ms: int
 
 
 class _CappedLabel:
@@ -96,26 +107,55 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "time_to_first_token_seconds",
-            "Time from arrival to the first output token.",
+            "Time from arrival to the first output token, by tenant.",
+            ["tenant"],
             namespace=ns,
             registry=reg,
             buckets=TTFT_BUCKETS,
         )
         self.tpot = Histogram(
             "time_per_output_token_seconds",
-            "Mean time between output tokens after the first, per request.",
+            "Mean time between output tokens after the first, per request, by tenant.",
+            ["tenant"],
             namespace=ns,
             registry=reg,
             buckets=TPOT_BUCKETS,
         )
         self.e2e = Histogram(
             "e2e_request_latency_seconds",
-            "Time from arrival to the last output token.",
+            "Time from arrival to the last output token, by tenant.",
+            ["tenant"],
             namespace=ns,
             registry=reg,
             buckets=E2E_BUCKETS,
         )
+        self.queue = Histogram(
+            "queue_time_seconds",
+            "Time from arrival until first scheduled, by tenant.",
+            ["tenant"],
+            namespace=ns,
+            registry=reg,
+            buckets=TTFT_BUCKETS,
+        )
+        self.ttft_steps = Histogram(
+            "time_to_first_token_steps",
+            "Engine steps from arrival to the first output token (1: the first step after "
+            "it arrived), by tenant: the scheduler's latency, free of the steps' length.",
+            ["tenant"],
+            namespace=ns,
+            registry=reg,
+            buckets=STEP_BUCKETS,
+        )
+        self.slo = Counter(
+            "slo_requests",
+            "Finished requests by tenant and whether they met the tenant's TTFT and TPOT "
+            "SLOs (result met or missed): goodput is met over all.",
+            ["tenant", "result"],
+            namespace=ns,
+            registry=reg,
+        )
         self._engine_series = EngineMetrics(reg, ns, _CappedLabel(max_label_values),
+                                            _CappedLabel(max_label_values),
                                             _CappedLabel(max_label_values))
 
     def observe_request(
@@ -123,29 +163,40 @@ class GatewayMetrics:
         tenant: str,
         adapter: str,
         status: str,
-        ttft_s: float | None = None,
-        tpot_s: float | None = None,
-        e2e_s: float | None = None,
+        metrics: RequestMetrics | None = None,
+        slo: Slo | None = None,
     ) -> None:
         """Records one finished request.
 
         ``tenant`` and ``adapter`` are registry names, not raw input; ``status`` is one of
         ``REQUEST_STATUSES`` (``ValueError`` otherwise). Latencies that do not apply (no
-        token produced, a single output token) are ``None`` and are not observed.
+        token produced, a single output token) are ``None`` and are not observed. With
+        ``slo``, a completed request counts as met or missed against it.
         """
         if status not in REQUEST_STATUSES:
             raise ValueError(f"unknown request status {status!r}; one of {REQUEST_STATUSES}")
+        label = self._tenant_label(tenant)
         self.requests.labels(
-            tenant=self._tenant_label(tenant),
+            tenant=label,
             adapter=self._adapter_label(adapter),
             status=status,
         ).inc()
+        if metrics is None:
+            return
+        ttft_s, tpot_s, e2e_s = metrics.ttft, metrics.tpot, metrics.e2e
+        if metrics.queue_time is not None:
+            self.queue.labels(tenant=label).observe(metrics.queue_time)
+        if metrics.ttft_steps is not None:
+            self.ttft_steps.labels(tenant=label).observe(metrics.ttft_steps)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self.ttft.labels(tenant=label).observe(ttft_s)
         if tpot_s is not None:
-            self.tpot.observe(tpot_s)
+            self.tpot.labels(tenant=label).observe(tpot_s)
         if e2e_s is not None:
-            self.e2e.observe(e2e_s)
+            self.e2e.labels(tenant=label).observe(e2e_s)
+        if slo is not None and status == "ok" and ttft_s is not None:
+            met = ttft_s * 1000 <= slo.ttft_ms and (tpot_s or 0.0) * 1000 <= slo.tpot_ms
+            self.slo.labels(tenant=label, result="met" if met else "missed").inc()
 
     def observe_engine(self, replicas: Sequence[EngineStats]) -> None:
         """Sets the engine's series from one snapshot of each replica (see
@@ -169,15 +220,13 @@ class Observation:
         self.delegated = False
         self._done = False
 
-    def record(self, status: str, metrics: RequestMetrics | None = None) -> None:
+    def record(self, status: str, metrics: RequestMetrics | None = None,
+               slo: Slo | None = None) -> None:
         if self._done:
             return
         self._done = True
-        self._metrics.observe_request(
-            self.tenant, self.adapter, status,
-            ttft_s=metrics.ttft if metrics else None,
-            tpot_s=metrics.tpot if metrics else None,
-            e2e_s=metrics.e2e if metrics else None)
+        self._metrics.observe_request(self.tenant, self.adapter, status, metrics=metrics,
+                                      slo=slo)
 
     def record_http(self, status_code: int) -> None:
         self.record(status_for_http(status_code))

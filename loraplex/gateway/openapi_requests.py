@@ -165,6 +165,11 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                                       "(a 400 names min_tokens above it); this document "
                                       "states the bound that holds whatever max_tokens"},
         "ignore_eos": nullable_bool,
+        "priority_class": {"type": ["string", "null"], "enum": ["interactive", "batch", None],
+                           "description": "batch: this request waits behind interactive "
+                                          "work (at most the server's max_batch_wait_s). A "
+                                          "request may not ask for a class above its "
+                                          "tenant's (a 400 names priority_class)"},
         "stop_token_ids": {"type": ["array", "null"], "maxItems": 16, "items": {
             "type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}},
         "include_stop_str_in_output": nullable_bool,

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from loraplex.engine.fairness import PRIORITIES
 from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_SCHEMA_DEPTH, GrammarSpec
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.fields import (
@@ -62,7 +63,7 @@ _COMMON_FIELDS: Final = frozenset({
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     # vendor extras, and the salt that is ignored on purpose
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "cache_salt", "salt",
+    "include_stop_str_in_output", "cache_salt", "salt", "priority_class",
 })
 COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS: Final = _COMMON_FIELDS | {
@@ -213,6 +214,7 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     user: str | None
+    priority_class: str | None = None  # None: the tenant's class
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,15 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
         stream=stream,
         include_usage=include_usage,
         user=read_str(body, "user"),
+        priority_class=_priority_class(body),
     )
+
+
+def _priority_class(body: dict[str, Any]) -> str | None:
+    value = read_str(body, "priority_class")
+    if value is not None and value not in PRIORITIES:
+        raise bad("priority_class", f"must be one of {', '.join(PRIORITIES)}, got {value!r}")
+    return value
 
 
 def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,

@@ -1,7 +1,9 @@
 """Whole-engine workloads against the oracle (HF transformers + PEFT, float32, CPU).
 
 Each workload has >= 50 requests that arrive over time, over four adapters of different
-ranks plus the base model; greedy outputs must equal the oracle's token for token.
+ranks plus the base model, from three tenants of different weights and classes (so fair
+scheduling interleaves and preempts them); greedy outputs must equal the oracle's token
+for token.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from typing import Any
 import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.engine.fairness import Share
 from loraplex.testing import load_reference, reference_greedy
 
 NUM_REQUESTS = 56
+# The workload's tenants by cache salt: weights 1, 3 and 0.5, one of them batch class.
+SHARES = {None: Share(), "tenant-a": Share("a", 3.0),
+          "tenant-b": Share("b", 0.5, "batch")}
 LONGER = 12  # extra output tokens for the preemption workloads
 
 
@@ -66,7 +72,8 @@ def _run(model_dir: Path, adapters: dict[str, Path], w: Workload, n: int = 1,
     loras = [None if a is None else LoRARequest(a, str(adapters[a])) for a in w.adapters]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=n)
               for m in w.max_tokens]
-    outs = llm.generate(w.prompts, params, loras, cache_salt=w.salts, arrival_steps=w.arrivals)
+    outs = llm.generate(w.prompts, params, loras, cache_salt=w.salts, arrival_steps=w.arrivals,
+                        share=[SHARES[salt] for salt in w.salts])
     for i, out in enumerate(outs):
         for seq in out.outputs:
             expected = w.expected[i][:w.max_tokens[i]]

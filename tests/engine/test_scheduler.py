@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from scheduling import Clock, complete_step, drain_loads
+
 from loraplex.config import SchedulerConfig
 from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.kv_cache import KVCacheManager
@@ -11,14 +13,6 @@ from loraplex.engine.request import AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.errors import AdapterError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _setup(max_loras: int = 2, num_blocks: int = 256, budget: int = 64,
@@ -45,22 +39,6 @@ def _request(rid: str, n_prompt: int, adapter: str | None, clock: Clock,
                    None if adapter is None else _ref(adapter), arrival_time=clock.now)
 
 
-def _complete_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    """What the engine does after a forward: advance, append a token, finish at max."""
-    for s in out.scheduled:
-        r = s.request
-        r.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            r.output_token_ids.append(7)
-            if r.num_output_tokens >= r.params.max_tokens:
-                sched.finish(r, RequestStatus.FINISHED_LENGTH)
-
-
-def _drain_loads(adapters: AdapterManager) -> None:
-    for fut in list(adapters._loading.values()):
-        fut.result()
-
-
 def test_decodes_never_wait_behind_a_long_prefill() -> None:
     sched, adapters, clock = _setup(budget=8)
     for i in range(3):
@@ -75,7 +53,7 @@ def test_decodes_never_wait_behind_a_long_prefill() -> None:
         ids = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
         assert all(ids.get(f"d{i}") == 1 for i in range(3)), ids
         assert ids.get("long") == 5  # the rest of the budget, as a prefill chunk
-        _complete_step(sched, out)
+        complete_step(sched, out)
     sched.kv.check_invariants()
 
 
@@ -91,8 +69,8 @@ def test_never_more_adapters_in_flight_than_slots() -> None:
         in_flight = {r.adapter.key for r in sched.running if r.adapter is not None}
         assert len(in_flight) <= 2
         assert len({s.lora_slot for s in out.scheduled}) <= 2
-        _complete_step(sched, out)
-        _drain_loads(adapters)
+        complete_step(sched, out)
+        drain_loads(adapters)
         clock.now += 0.01
     assert not sched.has_unfinished()
     assert sched.kv.all_free_or_cached()
@@ -111,8 +89,8 @@ def test_a_rare_adapter_is_not_starved() -> None:
         out = sched.schedule()
         if any(s.request.request_id == "b" for s in out.scheduled) and b_started is None:
             b_started = clock.now
-        _complete_step(sched, out)
-        _drain_loads(adapters)
+        complete_step(sched, out)
+        drain_loads(adapters)
         clock.now += 0.1
         if b_started is not None:
             break
@@ -127,8 +105,8 @@ def test_abort_releases_everything() -> None:
     for r in reqs:
         sched.add(r)
     for _ in range(3):
-        _complete_step(sched, sched.schedule())
-        _drain_loads(adapters)
+        complete_step(sched, sched.schedule())
+        drain_loads(adapters)
     for r in reqs:
         sched.finish(r, RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished()
@@ -147,8 +125,8 @@ def test_waiting_adapters_are_loaded_once_when_more_are_queued_than_the_host_hol
         if not sched.has_unfinished():
             break
         out = sched.schedule()
-        _complete_step(sched, out)
-        _drain_loads(adapters)
+        complete_step(sched, out)
+        drain_loads(adapters)
         clock.now += 0.01
     assert not sched.has_unfinished()
     assert adapters.stats().num_disk_loads == 12
@@ -161,7 +139,7 @@ def test_speculative_slots_fit_the_budget_and_never_preempt() -> None:
                                                                   max_tokens=8)
     for r in (a, b):
         sched.add(r)
-    _complete_step(sched, sched.schedule())  # both prompts: a block each, one token each
+    complete_step(sched, sched.schedule())  # both prompts: a block each, one token each
     # a wants 4 proposals: the budget of 5 leaves it 3 (plus its own token) once b has
     # its one token.
     out = sched.schedule({"a": 4})
@@ -196,7 +174,7 @@ def test_a_drain_still_admits_requests_that_end_within_their_running_adapter() -
     sched.add(_request("a0", 4, "a", clock, max_tokens=10))
     out = sched.schedule()
     assert _ids(out) == ["a0"]
-    _complete_step(sched, out)  # a0 may generate 9 more tokens
+    complete_step(sched, out)  # a0 may generate 9 more tokens
     for rid, n_prompt, adapter, max_tokens in (
             ("b", 4, "b", 2),  # no slot for it: it starves once the clock moves on
             ("a1", 4, "a", 9),  # ends with a0
@@ -207,7 +185,7 @@ def test_a_drain_still_admits_requests_that_end_within_their_running_adapter() -
     clock.now = 5.0
     out = sched.schedule()
     assert _ids(out) == ["a0", "a1", "base"]
-    _complete_step(sched, out)
+    complete_step(sched, out)
     step, b_step = 2, None
     while sched.has_unfinished() and step < 100:
         step += 1
@@ -215,7 +193,7 @@ def test_a_drain_still_admits_requests_that_end_within_their_running_adapter() -
         if "b" in _ids(out) and b_step is None:
             b_step = step
             assert "a2" not in {r.request_id for r in sched.running}
-        _complete_step(sched, out)
+        complete_step(sched, out)
     # a0 took its 10th token at step 10 and a1 its 9th with it: b starts at step 11.
     assert b_step == 11
     assert not sched.has_unfinished()
@@ -238,7 +216,7 @@ def _steps(requests: list[tuple[str, int, str, int]], max_loras: int, budget: in
         out = sched.schedule()
         for rid in _ids(out):
             first.setdefault(rid, step)
-        _complete_step(sched, out)
+        complete_step(sched, out)
         clock.now += seconds_per_step
         assert step < 1000
     assert sched.kv.all_free_or_cached()
@@ -279,12 +257,12 @@ def test_a_swapped_request_whose_adapter_was_deleted_fails_alone() -> None:
         sched.add(_request(f"base{i}", 8, None, clock, max_tokens=24))
     sched.add(_request("x", 8, "a", clock, max_tokens=24))  # the newest: the victim
     adapters.prefetch(_ref("a"))
-    _drain_loads(adapters)
+    drain_loads(adapters)
     failed: list[tuple[Request, AdapterError]] = []
     for _ in range(200):
         out = sched.schedule()
         failed.extend(out.failed)
-        _complete_step(sched, out)
+        complete_step(sched, out)
         for load in list(adapters._loading.values()):
             load.exception()  # waits; a failed load is the scheduler's to report
         if sched.swapped and not deleted:
@@ -317,7 +295,7 @@ def test_without_chunked_prefill_a_recomputed_request_past_the_budget_still_runs
     for _ in range(300):
         out = sched.schedule()
         preempted.update(r.request_id for r in out.preempted)
-        _complete_step(sched, out)
+        complete_step(sched, out)
         if not sched.has_unfinished():
             break
     assert preempted, "nothing was preempted"

@@ -21,6 +21,7 @@ from loraplex.config import (
     SpeculativeConfig,
 )
 from loraplex.engine.engine import LLMEngine
+from loraplex.engine.fairness import Share
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.stats import EngineStats
@@ -222,3 +223,38 @@ def test_speculative_counters_by_replica_and_adapter(tiny_llama_dir: Path,
                      replica="0") == stats.spec_acceptance_rate
     finally:
         engine.close()
+
+
+def test_the_schedulers_view_of_each_tenant_by_replica(
+        make_engine: Callable[[], LLMEngine]) -> None:
+    """Waiting, running, KV blocks and service per tenant id; the service counters add what
+    changed, and a replaced replica's lower totals count from zero."""
+    engine = make_engine()
+    engine.add_request("a", PROMPT, PARAMS, share=Share("7"))
+    engine.add_request("b", PROMPT, PARAMS, share=Share("8", 2.0))
+    engine.step()  # one sequence runs (max_num_seqs 1): a's prompt; b waits
+    metrics = GatewayMetrics()
+    metrics.observe_engine((engine.stats(),))
+    assert value(metrics, "loraplex_tenant_running_requests", replica="0", tenant_id="7") == 1
+    assert value(metrics, "loraplex_tenant_waiting_requests", replica="0", tenant_id="8") == 1
+    assert value(metrics, "loraplex_tenant_kv_blocks", replica="0", tenant_id="7") == 1
+    service = "loraplex_tenant_service_tokens_total"
+    assert value(metrics, service, replica="0", tenant_id="7", kind="prefill") == len(PROMPT)
+    while engine.has_unfinished():
+        engine.step()
+    metrics.observe_engine((engine.stats(),))
+    # a: its prompt, then 3 decodes (the first token came with the prompt); b the same
+    for tenant in ("7", "8"):
+        assert value(metrics, service, replica="0", tenant_id=tenant,
+                     kind="prefill") == len(PROMPT)
+        assert value(metrics, service, replica="0", tenant_id=tenant, kind="decode") == 3
+        assert value(metrics, "loraplex_tenant_running_requests", replica="0",
+                     tenant_id=tenant) == 0
+    fresh = make_engine()  # the replica replaced: its totals start again
+    fresh.add_request("c", PROMPT, PARAMS, share=Share("7"))
+    fresh.step()
+    metrics.observe_engine((fresh.stats(),))
+    assert value(metrics, service, replica="0", tenant_id="7", kind="prefill") \
+        == 2 * len(PROMPT)
+    assert not [s for s in samples(metrics, "loraplex_tenant_running_requests")
+                if s.labels["tenant_id"] == "8"]

@@ -6,10 +6,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from loraplex.engine.outputs import RequestMetrics
 from loraplex.gateway.metrics import (
     OTHER_LABEL,
     REQUEST_STATUSES,
     GatewayMetrics,
+    Slo,
     status_for_http,
 )
 
@@ -28,10 +30,15 @@ def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
     return found[0]
 
 
+def _timed(ttft: float | None, tpot: float | None, e2e: float | None, queue: float = 0.01,
+           ttft_steps: int = 1) -> RequestMetrics:
+    return RequestMetrics(0.0, queue, ttft, tpot, e2e, 0, 1, ttft_steps)
+
+
 def test_request_counter_by_tenant_adapter_status() -> None:
     metrics = GatewayMetrics()
-    metrics.observe_request("acme", "sql@abc", "ok", ttft_s=0.1, tpot_s=0.02, e2e_s=1.0)
-    metrics.observe_request("acme", "sql@abc", "ok", ttft_s=0.3, tpot_s=0.04, e2e_s=2.0)
+    metrics.observe_request("acme", "sql@abc", "ok", _timed(0.1, 0.02, 1.0))
+    metrics.observe_request("acme", "sql@abc", "ok", _timed(0.3, 0.04, 2.0))
     metrics.observe_request("acme", "sql@abc", "rate_limited")
     metrics.observe_request("beta", "base", "server_error")
     total = "loraplex_requests_total"
@@ -40,23 +47,42 @@ def test_request_counter_by_tenant_adapter_status() -> None:
     assert value(metrics, total, tenant="beta", adapter="base", status="server_error") == 1
 
 
-def test_latency_histograms() -> None:
+def test_latency_histograms_by_tenant() -> None:
     metrics = GatewayMetrics()
-    metrics.observe_request("acme", "a", "ok", ttft_s=0.1, tpot_s=0.02, e2e_s=1.0)
-    metrics.observe_request("acme", "a", "ok", ttft_s=0.3, tpot_s=None, e2e_s=2.0)
+    metrics.observe_request("acme", "a", "ok", _timed(0.1, 0.02, 1.0, ttft_steps=2))
+    metrics.observe_request("acme", "a", "ok", _timed(0.3, None, 2.0, ttft_steps=5))
     metrics.observe_request("acme", "a", "aborted")  # no latency observed
+    metrics.observe_request("beta", "a", "ok", _timed(9.0, 0.5, 20.0))
     ttft = "loraplex_time_to_first_token_seconds"
-    assert value(metrics, f"{ttft}_count") == 2
-    assert value(metrics, f"{ttft}_sum") == pytest.approx(0.4)
-    assert value(metrics, f"{ttft}_bucket", le="0.25") == 1
-    assert value(metrics, f"{ttft}_bucket", le="+Inf") == 2
+    assert value(metrics, f"{ttft}_count", tenant="acme") == 2
+    assert value(metrics, f"{ttft}_sum", tenant="acme") == pytest.approx(0.4)
+    assert value(metrics, f"{ttft}_bucket", tenant="acme", le="0.25") == 1
+    assert value(metrics, f"{ttft}_bucket", tenant="acme", le="+Inf") == 2
+    assert value(metrics, f"{ttft}_count", tenant="beta") == 1
     tpot = "loraplex_time_per_output_token_seconds"
-    assert value(metrics, f"{tpot}_count") == 1
-    assert value(metrics, f"{tpot}_sum") == pytest.approx(0.02)
+    assert value(metrics, f"{tpot}_count", tenant="acme") == 1
+    assert value(metrics, f"{tpot}_sum", tenant="acme") == pytest.approx(0.02)
     e2e = "loraplex_e2e_request_latency_seconds"
-    assert value(metrics, f"{e2e}_count") == 2
-    assert value(metrics, f"{e2e}_sum") == pytest.approx(3.0)
-    assert value(metrics, f"{e2e}_bucket", le="1.0") == 1
+    assert value(metrics, f"{e2e}_count", tenant="acme") == 2
+    assert value(metrics, f"{e2e}_sum", tenant="acme") == pytest.approx(3.0)
+    assert value(metrics, f"{e2e}_bucket", tenant="acme", le="1.0") == 1
+    steps = "loraplex_time_to_first_token_steps"
+    assert value(metrics, f"{steps}_bucket", tenant="acme", le="2.0") == 1
+    assert value(metrics, f"{steps}_bucket", tenant="acme", le="6.0") == 2
+    assert value(metrics, "loraplex_queue_time_seconds_count", tenant="beta") == 1
+
+
+def test_goodput_counts_requests_within_the_tenants_slo() -> None:
+    metrics = GatewayMetrics()
+    slo = Slo(ttft_ms=500, tpot_ms=50)
+    metrics.observe_request("acme", "a", "ok", _timed(0.1, 0.02, 1.0), slo)  # met
+    metrics.observe_request("acme", "a", "ok", _timed(0.6, 0.02, 1.0), slo)  # late first
+    metrics.observe_request("acme", "a", "ok", _timed(0.1, 0.06, 1.0), slo)  # slow after
+    metrics.observe_request("acme", "a", "ok", _timed(0.1, None, 0.1), slo)  # one token: met
+    metrics.observe_request("acme", "a", "aborted", None, slo)  # not counted
+    slo_total = "loraplex_slo_requests_total"
+    assert value(metrics, slo_total, tenant="acme", result="met") == 2
+    assert value(metrics, slo_total, tenant="acme", result="missed") == 2
 
 
 def test_label_cardinality_is_capped() -> None:

@@ -24,7 +24,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.errors import EngineDeadError
 from loraplex.gateway.auth import authenticate, is_own
 from loraplex.gateway.errors import ClientDisconnected, describe
-from loraplex.gateway.generation import Job
+from loraplex.gateway.generation import Job, request_share
 from loraplex.gateway.http import (
     EventStreamResponse,
     parse_json_body,
@@ -201,7 +201,8 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
                     options: GenerationOptions, *, chat: bool, echo: Echo | None = None,
                     tools: ToolUse | None = None, chat_echo: str = "") -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    job = Job(gw, principal, target, token_ids, params, rid, obs)
+    share = request_share(principal, options.priority_class)
+    job = Job(gw, principal, target, token_ids, params, rid, obs, share)
     try:
         await job.start()
     except BaseException as exc:

@@ -1,0 +1,131 @@
+"""Tenant-fair scheduling over HTTP: a quiet tenant's request beside one that keeps the
+batch full or holds a backlog, on the tiny model, asserted on the engine's step counts
+(``loraplex_time_to_first_token_steps`` in /metrics), never on wall time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    RegistryConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from loraplex.engine.client import EngineClient
+from loraplex.gateway.app import create_app
+from loraplex.registry import db, service
+from loraplex.testing import bootstrap_admin
+
+pytestmark = pytest.mark.slow
+MAX_NUM_SEQS = 4
+
+
+@contextlib.contextmanager
+def _server(root: Path, model_dir: Path, policy: str,
+            serve_app: Callable[..., contextlib.AbstractContextManager[str]],
+            ) -> Iterator[tuple[str, dict[str, str], str]]:
+    db_url = f"sqlite:///{root / f'{policy}.db'}"
+    admin_key = bootstrap_admin(db_url)
+    keys = {}
+    engine = db.make_engine(db_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            for name in ("noisy", "quiet"):
+                tenant = service.create_tenant(session, name)
+                _, keys[name] = service.create_key(session, tenant.id)
+    finally:
+        engine.dispose()
+    client = EngineClient.from_config(EngineConfig(
+        ModelConfig(str(model_dir)), CacheConfig(block_size=16, num_kv_blocks=256),
+        LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
+        SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=256,
+                        policy=policy)))  # type: ignore[arg-type]
+    app = create_app(ServerConfig(served_model_name="tiny", max_tokens_limit=400),
+                     RegistryConfig(db_url, str(root / f"{policy}-store")), client)
+    try:
+        with serve_app(app) as url:
+            yield url, keys, admin_key
+    finally:
+        client.close()
+
+
+def _engine(http: httpx.Client, admin_key: str) -> dict[str, Any]:
+    response = http.get("/admin/api/engine", headers={"Authorization": f"Bearer {admin_key}"})
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def _ttft_steps(http: httpx.Client, admin_key: str, tenant: str) -> tuple[float, float]:
+    """(requests, of which first token within 3 steps) of ``tenant``, from /metrics."""
+    text = http.get("/metrics", headers={"Authorization": f"Bearer {admin_key}"}).text
+    within = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "loraplex_time_to_first_token_steps_bucket" \
+                    and s.labels.get("tenant") == tenant:
+                if s.labels["le"] == "3.0":
+                    within = s.value
+                if s.labels["le"] == "+Inf":
+                    count = s.value
+    return count, within
+
+
+async def _scenario(url: str, keys: dict[str, str], admin_key: str, num_noisy: int) -> None:
+    """The noisy tenant sends ``num_noisy`` long requests; once the engine runs a full batch
+    (and holds the rest waiting), the quiet tenant sends one short streaming request."""
+    noisy = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys["noisy"], max_retries=0,
+                               timeout=120)
+    quiet = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys["quiet"], max_retries=0,
+                               timeout=120)
+    tasks = [asyncio.create_task(noisy.completions.create(
+        model="tiny", prompt=f"noise {i}", max_tokens=200, temperature=0.0,
+        extra_body={"ignore_eos": True})) for i in range(num_noisy)]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        deadline = time.monotonic() + 120
+        while True:
+            stats = await asyncio.to_thread(_engine, http, admin_key)
+            if stats["num_running"] == MAX_NUM_SEQS \
+                    and stats["num_waiting"] == num_noisy - MAX_NUM_SEQS:
+                break
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.01)
+        stream = await quiet.completions.create(model="tiny", prompt="hello", max_tokens=2,
+                                                temperature=0.0, stream=True)
+        async for _ in stream:
+            pass
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await noisy.close()
+    await quiet.close()
+
+
+@pytest.mark.parametrize("num_noisy", [MAX_NUM_SEQS, 3 * MAX_NUM_SEQS],
+                         ids=["batch-full", "backlog"])
+def test_a_quiet_tenant_gets_its_first_token_within_three_steps(
+        num_noisy: int, tiny_llama_dir: Path, tmp_path: Path,
+        serve_app: Callable[..., contextlib.AbstractContextManager[str]]) -> None:
+    """Admitted within 2 steps of its arrival, first token in the next at the latest
+    (fair); oldest-first makes it wait for a noisy request to end (the check can fail)."""
+    for policy in ("fair", "fifo"):
+        with _server(tmp_path, tiny_llama_dir, policy, serve_app) as (url, keys, admin_key):
+            asyncio.run(_scenario(url, keys, admin_key, num_noisy))
+            with httpx.Client(base_url=url, timeout=30) as http:
+                count, within = _ttft_steps(http, admin_key, "quiet")
+        assert count == 1
+        assert within == (1 if policy == "fair" else 0), policy
