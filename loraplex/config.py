@@ -18,7 +18,7 @@ PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fair", "fifo"]
 # Wall time of a decode token over a prefill token's, on the demo model at a full batch
 # (benchmarks/fairness.py measures it; docs/benchmarks.md has the run).
-DECODE_TOKEN_COST = 2.0
+DECODE_TOKEN_COST = 3.0
 
 
 def _positive(value: float) -> bool:

@@ -1,7 +1,8 @@
 // Engine: queue, KV cache, prefix-cache hit rate, adapter slots and speculative decoding of
-// the whole deployment, then each replica's, refreshed every 2 s.
+// the whole deployment, each tenant's share and recent latency, then each replica's,
+// refreshed every 2 s.
 import { api } from "../api.js";
-import { errorLine, fmtInt, h, table } from "../dom.js";
+import { badge, errorLine, fmtInt, h, table } from "../dom.js";
 
 export const title = "Engine";
 const REFRESH_MS = 2000;
@@ -17,6 +18,70 @@ function stat(label, value, sub, fraction) {
 }
 
 const pct = (x) => `${(100 * x).toFixed(1)}%`;
+const DASH = "—";
+
+// A latency in seconds as [number, unit], in the unit that keeps it short: 0.8 ms, 12 ms,
+// 1.24 s.
+function inUnit(s) {
+  if (s >= 1) return [s.toFixed(2), "s"];
+  const ms = 1000 * s;
+  return [ms < 10 ? ms.toFixed(1) : String(Math.round(ms)), "ms"];
+}
+
+// "p50 / p99" in one unit where both share it ("2.4 / 4.7 ms"), kept on one line.
+function spread(p50, p99, seconds = true) {
+  if (p50 === null || p50 === undefined) return DASH;
+  let text = `${fmtInt(p50)} / ${fmtInt(p99)}`;
+  if (seconds) {
+    const [a, unitA] = inUnit(p50);
+    const [b, unitB] = inUnit(p99);
+    text = unitA === unitB ? `${a} / ${b} ${unitA}` : `${a} ${unitA} / ${b} ${unitB}`;
+  }
+  return h("span", { class: "nowrap" }, text);
+}
+
+// An objective in milliseconds: 200 ms, 2 s, 3,600 s.
+const fmtMs = (ms) => (ms < 1000 ? `${ms} ms` : `${fmtInt(Number((ms / 1000).toFixed(2)))} s`);
+
+// Attainment as a coloured badge (met at least 99%: good; 90%: warn; else bad), the SLO it
+// was judged against under it.
+function attainment(row) {
+  if (!row) return h("span", { class: "muted" }, "no requests yet");
+  const slo = row.slo_ttft_ms === null ? null
+    : h("div", { class: "muted subline" },
+        `SLO: TTFT ≤ ${fmtMs(row.slo_ttft_ms)} · TPOT ≤ ${fmtMs(row.slo_tpot_ms)}`);
+  if (row.slo_attainment === null) return h("div", {}, h("span", { class: "muted" }, DASH), slo);
+  const a = row.slo_attainment;
+  return h("div", {}, badge(pct(a), a >= 0.99 ? "good" : a >= 0.9 ? "warn" : "bad"), slo);
+}
+
+// One row per tenant: the scheduler's view (engine.tenants, by registry id) joined with the
+// gateway's latency window (by tenant name); a tenant in only one of them still gets a row.
+function tenantRows(tenants, latency) {
+  const byName = new Map(latency.map((r) => [r.tenant, r]));
+  const rows = tenants.map((t) => {
+    const name = t.name ?? null;
+    const row = name === null ? null : byName.get(name) ?? null;
+    if (row) byName.delete(name);
+    return { name, id: t.tenant, sched: t, row };
+  });
+  for (const row of byName.values()) rows.push({ name: row.tenant, id: null, sched: null, row });
+  rows.sort((a, b) => (a.name ?? `~${a.id}`).localeCompare(b.name ?? `~${b.id}`));
+  return rows.map(({ name, id, sched, row }) => {
+    const who = name !== null
+      ? h("div", {}, h("strong", {}, name),
+          row ? h("div", { class: "muted subline" }, `${fmtInt(row.requests)} recent request${row.requests === 1 ? "" : "s"}`)
+            : null)
+      : h("span", { class: "muted" }, id ? `tenant #${id} (unknown)` : "no tenant");
+    const num = (field) => (sched ? fmtInt(sched[field]) : DASH);
+    return [who, sched ? String(Number(sched.weight.toFixed(2))) : DASH, num("num_waiting"),
+      num("num_running"), num("kv_blocks"),
+      row ? spread(row.ttft_p50_s, row.ttft_p99_s) : DASH,
+      row ? spread(row.tpot_p50_s, row.tpot_p99_s) : DASH,
+      row ? spread(row.ttft_steps_p50, row.ttft_steps_p99, false) : DASH,
+      attainment(row)];
+  });
+}
 
 // One row per replica: its queue, KV pool and what sits in its device slots.
 function replicaRows(replicas) {
@@ -39,12 +104,15 @@ export async function render(container) {
   const slots = h("div", { id: "engine-slots" });
   const replicas = h("div", { id: "engine-replicas" });
   const spec = h("div", { id: "engine-spec" });
+  const tenants = h("div", { id: "engine-tenants" });
+  const latencyNote = h("span", { class: "muted subline" });
   let timer = null;
   let stopped = false;
 
   async function refresh() {
     try {
-      const s = await api("GET", "/admin/api/engine");
+      const [s, latency] = await Promise.all([api("GET", "/admin/api/engine"),
+        api("GET", "/admin/api/latency")]);
       error.clear();
       stats.replaceChildren(
         stat("Queue", fmtInt(s.num_waiting), `${s.num_running} running · ${s.num_swapped} ` +
@@ -79,6 +147,11 @@ export async function render(container) {
              slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}` : "—",
              h("code", {}, slot.identity)]
           : [String(i), h("span", { class: "muted" }, "empty"), "—", "—"]), "No slots."));
+      tenants.replaceChildren(table(["Tenant", "Weight", "Waiting", "Running", "KV blocks",
+        "TTFT p50 / p99", "TPOT p50 / p99", "TTFT steps p50 / p99", "SLO attainment"],
+        tenantRows(s.tenants, latency.data), "No tenant has sent a request yet."));
+      latencyNote.textContent = `Latency over each tenant's last ${fmtInt(latency.window)} ` +
+        "requests in this gateway process";
       replicas.replaceChildren(table(["Replica", "Waiting", "Running", "KV pool",
         "Slots in use", "Adapters in slots", "Host cache"], replicaRows(s.replicas),
         "No replicas."));
@@ -91,6 +164,8 @@ export async function render(container) {
 
   container.append(
     h("div", { class: "page-head" }, h("h1", {}, "Engine"), stamp), error, stats,
+    h("div", { class: "card" }, h("div", { class: "page-head" }, h("h2", {}, "Tenants"),
+      latencyNote), tenants),
     h("div", { class: "card" }, h("h2", {}, "Replicas"), replicas),
     h("div", { class: "card" }, h("h2", {}, "Adapter slots"), slots),
     h("div", { class: "card" }, h("h2", {}, "Speculative decoding, by adapter"), spec));

@@ -313,11 +313,15 @@ class LLMEngine:
         # start from the same (empty) output.
         prompt_ids, output_ids = ((request.prompt_token_ids, request.output_token_ids)
                                   if p.has_penalties else ((), ()))
-        return [SamplingRow(0.0 if p.is_greedy else p.temperature, top_k, p.top_p, p.min_p,
-                            self._generator(seq_id, i if starts_group else request.sample_index,
-                                            p), p.logprobs, p.presence_penalty,
-                            p.frequency_penalty, p.repetition_penalty, bias, banned,
-                            prompt_ids, output_ids, allowed)
+        return [SamplingRow(temperature=0.0 if p.is_greedy else p.temperature, top_k=top_k,
+                            top_p=p.top_p, min_p=p.min_p,
+                            generator=self._generator(
+                                seq_id, i if starts_group else request.sample_index, p),
+                            num_logprobs=p.logprobs, presence_penalty=p.presence_penalty,
+                            frequency_penalty=p.frequency_penalty,
+                            repetition_penalty=p.repetition_penalty, logit_bias=bias,
+                            banned_ids=banned, prompt_token_ids=prompt_ids,
+                            output_token_ids=output_ids, allowed=allowed)
                 for i, seq_id in enumerate(seq_ids)]
 
     @staticmethod

@@ -7,7 +7,8 @@ Label values are bounded so a tenant with many adapters (or a bug passing raw in
 cannot blow up the series count: each of ``tenant``, ``adapter`` and the engine's
 ``replica`` keeps at most ``max_label_values`` distinct values (first come, first kept) and
 maps the rest to ``"other"``; ``status`` must be one of ``REQUEST_STATUSES``. The engine's
-series are in ``engine_metrics``.
+series are in ``engine_metrics``. Beside the series, each tenant label keeps a window of its
+latest requests' latencies (``latency``) for the admin view's percentiles.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prometheus_client import (
 from loraplex.engine.outputs import RequestMetrics
 from loraplex.engine.stats import EngineStats
 from loraplex.gateway.engine_metrics import EngineMetrics
+from loraplex.gateway.latency import DEFAULT_WINDOW, LatencyWindows, TenantLatency
 
 OTHER_LABEL: Final = "other"
 
@@ -89,10 +91,13 @@ class _CappedLabel:
 class GatewayMetrics:
     """Every metric the gateway exports, registered in its own ``CollectorRegistry``."""
 
-    def __init__(self, max_label_values: int = 100, namespace: str = "loraplex") -> None:
+    def __init__(self, max_label_values: int = 100, namespace: str = "loraplex",
+                 latency_window: int = DEFAULT_WINDOW) -> None:
         if max_label_values < 1:
             raise ValueError(f"max_label_values must be >= 1, got {max_label_values}")
         self.registry = CollectorRegistry(auto_describe=True)
+        # Keyed by the capped tenant label: at most max_label_values + 1 windows.
+        self._latency = LatencyWindows(latency_window)
         self._tenant_label = _CappedLabel(max_label_values)
         self._adapter_label = _CappedLabel(max_label_values)
         reg = self.registry
@@ -171,7 +176,8 @@ class GatewayMetrics:
         ``tenant`` and ``adapter`` are registry names, not raw input; ``status`` is one of
         ``REQUEST_STATUSES`` (``ValueError`` otherwise). Latencies that do not apply (no
         token produced, a single output token) are ``None`` and are not observed. With
-        ``slo``, a completed request counts as met or missed against it.
+        ``slo``, a completed request counts as met or missed against it. A request with
+        ``metrics`` also enters its tenant's latency window (``tenant_latency``).
         """
         if status not in REQUEST_STATUSES:
             raise ValueError(f"unknown request status {status!r}; one of {REQUEST_STATUSES}")
@@ -194,9 +200,22 @@ class GatewayMetrics:
             self.tpot.labels(tenant=label).observe(tpot_s)
         if e2e_s is not None:
             self.e2e.labels(tenant=label).observe(e2e_s)
+        met: bool | None = None
         if slo is not None and status == "ok" and ttft_s is not None:
             met = ttft_s * 1000 <= slo.ttft_ms and (tpot_s or 0.0) * 1000 <= slo.tpot_ms
             self.slo.labels(tenant=label, result="met" if met else "missed").inc()
+        self._latency.add(label, metrics, met, slo)
+
+    @property
+    def latency_window(self) -> int:
+        """How many of each tenant's latest requests ``tenant_latency`` summarises."""
+        return self._latency.size
+
+    def tenant_latency(self) -> list[TenantLatency]:
+        """Per tenant label, sorted: the p50 and p99 of each latency over its window of
+        latest requests (nearest rank, see ``latency.nearest_rank``) and the fraction of
+        them that met the SLO (``None`` when none was judged)."""
+        return self._latency.summary()
 
     def observe_engine(self, replicas: Sequence[EngineStats]) -> None:
         """Sets the engine's series from one snapshot of each replica (see

@@ -158,21 +158,64 @@ _SETTINGS: dict[str, Any] = {
 }
 
 
+_COUNT = {"type": "integer", "minimum": 0}
+_SCHEDULER_TENANT = {"type": "object", "description": (
+    "One tenant as the scheduler sees it: tenant (the registry tenant's id as text, \"\" "
+    "for none), name (the registry tenant's name; null when unknown), weight, requests "
+    "waiting, running and swapped, prompt and decode tokens scheduled, service (its "
+    "weighted fair-share counter) and KV blocks held"),
+    "required": ["tenant", "name", "weight", "num_waiting", "num_running", "num_swapped",
+                 "prefill_tokens", "decode_tokens", "service", "kv_blocks"],
+    "properties": {"tenant": {"type": "string"}, "name": {"type": ["string", "null"]},
+                   "weight": {"type": "number"}, "num_waiting": _COUNT,
+                   "num_running": _COUNT, "num_swapped": _COUNT, "prefill_tokens": _COUNT,
+                   "decode_tokens": _COUNT, "service": {"type": "number"},
+                   "kv_blocks": _COUNT}}
+_TENANTS = {"type": "array", "items": _SCHEDULER_TENANT}
 _REPLICA_STATS = {"type": "object", "description": (
     "One replica's figures (the fields of EngineStats): replica (its ordinal 0..N-1), "
     "queue, KV pool, device slots (adapter_slots, and slots with each adapter's name), "
-    "host_adapters, running_adapters and waiting_adapters (id@digest12)"),
+    "host_adapters, running_adapters and waiting_adapters (id@digest12), tenants"),
     "required": ["replica", "num_waiting", "num_running", "kv_pool_usage", "max_loras",
                  "adapter_slots", "host_adapters", "running_adapters", "waiting_adapters",
-                 "slots"],
-    "properties": {"replica": {"type": "integer", "minimum": 0}}}
+                 "slots", "tenants"],
+    "properties": {"replica": {"type": "integer", "minimum": 0}, "tenants": _TENANTS}}
 _ENGINE_STATS = {"type": "object", "description": (
     "The whole deployment's figures at the top level (replica -1: the replicas' sums, "
-    "rates recomputed from them, slots concatenated in replica order), and each live "
-    "replica's under replicas, ordered by ordinal (none while no replica is up)"),
-    "required": ["replica", "slots", "served_model", "replicas"],
-    "properties": {"replica": {"const": -1},
+    "rates recomputed from them, slots concatenated in replica order, tenants summed "
+    "over replicas), and each live replica's under replicas, ordered by ordinal (none "
+    "while no replica is up)"),
+    "required": ["replica", "slots", "served_model", "replicas", "tenants"],
+    "properties": {"replica": {"const": -1}, "tenants": _TENANTS,
                    "replicas": {"type": "array", "items": _REPLICA_STATS}}}
+
+_SECONDS = {"type": ["number", "null"], "minimum": 0}
+_STEPS = {"type": ["integer", "null"], "minimum": 0}
+_LATENCY_ROW = {"type": "object", "description": (
+    "One tenant (its metrics label: \"other\" past the label cap) over its latest "
+    "requests: the p50 and p99 (nearest rank, one of the values) of TTFT, TPOT, "
+    "end-to-end and queue time in seconds and of TTFT in engine steps, null where no "
+    "request had the value; slo_attainment is met / (met + missed) of the completed "
+    "requests judged against the SLO, null when none was; slo_ttft_ms and slo_tpot_ms "
+    "are the latest SLO they were judged against"),
+    "required": ["tenant", "requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                 "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "queue_p50_s", "queue_p99_s",
+                 "ttft_steps_p50", "ttft_steps_p99", "slo_ttft_ms", "slo_tpot_ms",
+                 "slo_attainment"],
+    "properties": {
+        "tenant": {"type": "string"}, "requests": _COUNT,
+        **{f"{what}_{p}_s": _SECONDS for what in ("ttft", "tpot", "e2e", "queue")
+           for p in ("p50", "p99")},
+        "ttft_steps_p50": _STEPS, "ttft_steps_p99": _STEPS,
+        "slo_ttft_ms": {"type": ["integer", "null"]}, "slo_tpot_ms": {"type": ["integer", "null"]},
+        "slo_attainment": {"type": ["number", "null"], "minimum": 0, "maximum": 1}}}
+_TENANT_LATENCY = {"type": "object", "description": (
+    "Per tenant, its latest finished requests (at most window of them) as recorded by this "
+    "gateway process since it started, sorted by tenant"),
+    "required": ["object", "window", "data"],
+    "properties": {"object": {"const": "tenant_latency"}, "window": {"type": "integer",
+                                                                      "minimum": 1},
+                   "data": {"type": "array", "items": _LATENCY_ROW}}}
 
 
 _TENANT_NAME = {"type": "string", "pattern": _pattern(TENANT_NAME_RE)}
@@ -232,6 +275,10 @@ def _admin_paths() -> dict[str, Any]:
     return {
         "/admin/api/engine": {"get": {"summary": "Engine statistics (admin)", "responses": {
             "200": _json(_ENGINE_STATS, "Engine statistics"), **_errors(401, 403)}}},
+        "/admin/api/latency": {"get": {
+            "summary": "Each tenant's recent latency percentiles and SLO attainment (admin)",
+            "responses": {"200": _json(_TENANT_LATENCY, "Latency per tenant"),
+                          **_errors(401, 403)}}},
         "/admin/api/usage": {"get": {
             "summary": "Hourly usage per tenant and model (admin)",
             "parameters": [_query(n, {"type": "string", "format": "date-time"})

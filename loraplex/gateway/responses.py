@@ -184,7 +184,7 @@ def _tool_finish_reason(reason: str | None) -> str | None:
 class ChunkWriter:
     """Turns deltas into streaming chunks (completions or chat)."""
 
-    def __init__(self, chat: bool, rid: str, created: int, model: str, n: int,
+    def __init__(self, *, chat: bool, rid: str, created: int, model: str, n: int,
                  logprobs: int | None, include_usage: bool, token_text: TokenText,
                  echo: Echo | None = None, tools: ToolUse | None = None,
                  chat_echo: str = "") -> None:

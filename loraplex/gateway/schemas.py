@@ -38,7 +38,13 @@ from loraplex.gateway.fields import (
     read_token_ids,
     type_name,
 )
-from loraplex.gateway.tools import ToolCall, ToolUse, parse_tools, tool_arguments
+from loraplex.gateway.tools import (
+    ChatMessage,
+    ToolCall,
+    ToolUse,
+    parse_tools,
+    tool_arguments,
+)
 
 MAX_SEED: Final = (1 << 63) - 1  # the engine seeds a 64-bit generator
 CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
@@ -225,14 +231,6 @@ class CompletionRequest:
     prompt: str | None
     prompt_token_ids: tuple[int, ...] | None
     echo: bool  # the prompt (and, with logprobs, its logprobs) before the completion
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str | None  # None only for an assistant message that just calls tools
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,11 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 from loraplex.engine.grammar import JSON_LAYOUT
 from loraplex.engine.sampling_params import GrammarSpec
 from loraplex.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from loraplex.gateway.schemas import ChatMessage
 
 CALL_OPEN: Final = "<tool_call>"
 CALL_CLOSE: Final = "</tool_call>"
@@ -231,6 +228,17 @@ def tool_arguments(text: str, param: str = "messages") -> Any:
         raise InvalidRequestError(f"{param}: the arguments hold a lone surrogate, which is "
                                   "not valid Unicode", param=param) from None
     return value
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat request, as the parser reads it (here, beside the tool calls it
+    may carry, so this module needs nothing of the parser's)."""
+
+    role: str
+    content: str | None  # None only for an assistant message that just calls tools
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 def template_input(messages: Sequence[ChatMessage], tools: ToolUse | None,

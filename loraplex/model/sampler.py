@@ -26,7 +26,7 @@ import torch
 from loraplex_kernels.ops import argmax_rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingRow:
     """How to sample one row of logits. ``generator`` carries the request's own RNG state,
     so a seeded request draws the same tokens whatever else is in the batch."""

@@ -158,7 +158,7 @@ def complete(api: Admin, key: str, model: str, **kwargs: Any) -> Any:
 
 
 ADMIN_ROUTES = [
-    ("GET", "/admin/api/engine"), ("GET", "/admin/api/usage"),
+    ("GET", "/admin/api/engine"), ("GET", "/admin/api/usage"), ("GET", "/admin/api/latency"),
     ("GET", "/admin/api/tenants"), ("POST", "/admin/api/tenants"),
     ("GET", "/admin/api/tenants/ops"), ("PATCH", "/admin/api/tenants/ops"),
     ("GET", "/admin/api/tenants/ops/keys"), ("POST", "/admin/api/tenants/ops/keys"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,9 @@ def _server(root: Path, model_dir: Path, policy: str,
     engine = db.make_engine(db_url)
     try:
         with db.transaction(db.make_session_factory(engine)) as session:
-            for name in ("noisy", "quiet"):
-                tenant = service.create_tenant(session, name)
+            for name, priority in (("noisy", "interactive"), ("quiet", "interactive"),
+                                   ("batchy", "batch")):
+                tenant = service.create_tenant(session, name, priority_class=priority)
                 _, keys[name] = service.create_key(session, tenant.id)
     finally:
         engine.dispose()
@@ -93,16 +93,16 @@ async def _scenario(url: str, keys: dict[str, str], admin_key: str, num_noisy: i
     quiet = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys["quiet"], max_retries=0,
                                timeout=120)
     tasks = [asyncio.create_task(noisy.completions.create(
-        model="tiny", prompt=f"noise {i}", max_tokens=200, temperature=0.0,
+        model="tiny", prompt=f"noise {i}", max_tokens=380, temperature=0.0,
         extra_body={"ignore_eos": True})) for i in range(num_noisy)]
     with httpx.Client(base_url=url, timeout=30) as http:
-        deadline = time.monotonic() + 120
+        # A full batch, and (with a backlog) at least another batch's worth waiting.
+        backlog = min(num_noisy - MAX_NUM_SEQS, MAX_NUM_SEQS)
         while True:
             stats = await asyncio.to_thread(_engine, http, admin_key)
-            if stats["num_running"] == MAX_NUM_SEQS \
-                    and stats["num_waiting"] == num_noisy - MAX_NUM_SEQS:
+            if stats["num_running"] == MAX_NUM_SEQS and stats["num_waiting"] >= backlog:
                 break
-            assert time.monotonic() < deadline, stats
+            assert not all(task.done() for task in tasks), "the noisy requests ended first"
             await asyncio.sleep(0.01)
         stream = await quiet.completions.create(model="tiny", prompt="hello", max_tokens=2,
                                                 temperature=0.0, stream=True)
@@ -129,3 +129,24 @@ def test_a_quiet_tenant_gets_its_first_token_within_three_steps(
                 count, within = _ttft_steps(http, admin_key, "quiet")
         assert count == 1
         assert within == (1 if policy == "fair" else 0), policy
+
+
+def test_a_request_may_ask_for_batch_but_never_above_its_tenants_class(
+        tiny_llama_dir: Path, tmp_path: Path,
+        serve_app: Callable[..., contextlib.AbstractContextManager[str]]) -> None:
+    with _server(tmp_path, tiny_llama_dir, "fair", serve_app) as (url, keys, admin_key):
+        def ask(tenant: str, priority: object) -> Any:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys[tenant], max_retries=0)
+            return client.completions.create(model="tiny", prompt="hi", max_tokens=2,
+                                             extra_body={"priority_class": priority})
+
+        assert ask("quiet", "batch").choices[0].text is not None
+        assert ask("batchy", "batch").choices[0].text is not None
+        assert ask("batchy", None).choices[0].text is not None  # the tenant's own class
+        for tenant, priority in (("batchy", "interactive"), ("quiet", "urgent"),
+                                 ("quiet", "Batch"), ("quiet", 1), ("quiet", ["batch"])):
+            with pytest.raises(openai.BadRequestError) as info:
+                ask(tenant, priority)
+            assert info.value.body["param"] == "priority_class", (tenant, priority)
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert _engine(http, admin_key)["num_unfinished"] == 0

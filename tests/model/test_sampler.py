@@ -90,9 +90,9 @@ def test_top_k_top_p_min_p_cut_the_tail() -> None:
 
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(1, 100)
-    alone = [sample(logits, [SamplingRow(1.0, generator=_gen(9))])[0].token_id]
-    row = SamplingRow(1.0, generator=_gen(9))
-    others = [SamplingRow(0.7, generator=_gen(i)) for i in range(5)]
+    alone = [sample(logits, [SamplingRow(temperature=1.0, generator=_gen(9))])[0].token_id]
+    row = SamplingRow(temperature=1.0, generator=_gen(9))
+    others = [SamplingRow(temperature=0.7, generator=_gen(i)) for i in range(5)]
     batch = torch.cat([torch.randn(2, 100), logits, torch.randn(3, 100)])
     mixed = sample(batch, others[:2] + [row] + others[2:])
     assert mixed[2].token_id == alone[0]

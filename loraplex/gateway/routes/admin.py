@@ -1,5 +1,6 @@
-"""Operator views under ``/admin/api``: the engine and usage. Every one needs an admin key
-(403 otherwise); tenants and keys are in ``admin_tenants``, adapters in ``admin_adapters``.
+"""Operator views under ``/admin/api``: the engine, each tenant's recent latency, and
+usage. Every one needs an admin key (403 otherwise); tenants and keys are in
+``admin_tenants``, adapters in ``admin_adapters``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loraplex.engine.stats import combine_stats
-from loraplex.errors import AdapterNotFoundError, InvalidRequestError
+from loraplex.engine.stats import EngineStats, combine_stats
+from loraplex.errors import AdapterNotFoundError, InvalidRequestError, NotFoundError
 from loraplex.gateway.auth import admin_principal
 from loraplex.gateway.http import MAX_INT32, parse_time_param
+from loraplex.gateway.latency import TenantLatency
 from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.db import transaction
@@ -46,6 +48,28 @@ def _adapter_entries(gw: Gateway, identities: set[str]) -> dict[str, dict[str, A
     return out
 
 
+def _tenant_names(gw: Gateway, tenant_ids: set[str]) -> dict[str, str | None]:
+    """Each scheduler tenant (the registry id as text; "" for none) with the registry
+    tenant's name, ``None`` where the registry does not know it."""
+    out: dict[str, str | None] = {}
+    with transaction(gw.sessions) as session:
+        for raw_id in tenant_ids:
+            out[raw_id] = None
+            # ASCII digits only (int() also reads "٣"), and few enough that int() accepts
+            # them and SQL's integer holds the value.
+            if raw_id.isascii() and raw_id.isdigit() and len(raw_id) <= 10 \
+                    and int(raw_id) <= MAX_INT32:
+                try:
+                    out[raw_id] = service.get_tenant(session, int(raw_id)).name
+                except NotFoundError:
+                    pass
+    return out
+
+
+def _named(tenants: list[dict[str, Any]], names: dict[str, str | None]) -> list[dict[str, Any]]:
+    return [t | {"name": names.get(t["tenant"])} for t in tenants]
+
+
 def _slots(slots: tuple[str | None, ...],
            entries: dict[str, dict[str, Any]]) -> list[dict[str, Any] | None]:
     return [None if slot is None else {"slot": index} | entries[slot]
@@ -53,18 +77,46 @@ def _slots(slots: tuple[str | None, ...],
 
 
 async def engine_stats(request: Request) -> Response:
-    """The engine's figures: queue, running requests, KV blocks, adapter slots; at the top
-    level for the whole deployment, and under ``replicas`` for each replica."""
+    """The engine's figures: queue, running requests, KV blocks, adapter slots, tenants
+    (each with its registry ``name``); at the top level for the whole deployment, and under
+    ``replicas`` for each replica."""
     gw, _ = await admin_principal(request)
     replicas = await gw.backend.replica_stats()
     total = combine_stats(replicas)
     entries = await run_in_threadpool(
         _adapter_entries, gw, {slot for slot in total.adapter_slots if slot is not None})
-    return JSONResponse(asdict(total) | {
-        "slots": _slots(total.adapter_slots, entries),
-        "served_model": gw.served_model_name,
-        "replicas": [asdict(r) | {"slots": _slots(r.adapter_slots, entries)}
-                     for r in replicas]})
+    names = await run_in_threadpool(
+        _tenant_names, gw, {t.tenant for r in replicas for t in r.tenants})
+
+    def view(stats: EngineStats) -> dict[str, Any]:
+        out = asdict(stats)
+        return out | {"slots": _slots(stats.adapter_slots, entries),
+                      "tenants": _named(out["tenants"], names)}
+
+    return JSONResponse(view(total) | {"served_model": gw.served_model_name,
+                                       "replicas": [view(r) for r in replicas]})
+
+
+def _latency_row(t: TenantLatency) -> dict[str, Any]:
+    return {"tenant": t.tenant, "requests": t.requests,
+            "ttft_p50_s": t.ttft.p50, "ttft_p99_s": t.ttft.p99,
+            "tpot_p50_s": t.tpot.p50, "tpot_p99_s": t.tpot.p99,
+            "e2e_p50_s": t.e2e.p50, "e2e_p99_s": t.e2e.p99,
+            "queue_p50_s": t.queue.p50, "queue_p99_s": t.queue.p99,
+            "ttft_steps_p50": t.ttft_steps.p50, "ttft_steps_p99": t.ttft_steps.p99,
+            "slo_ttft_ms": t.slo.ttft_ms if t.slo else None,
+            "slo_tpot_ms": t.slo.tpot_ms if t.slo else None,
+            "slo_attainment": t.slo_attainment}
+
+
+async def tenant_latency(request: Request) -> Response:
+    """Per tenant, over its latest ``window`` finished requests in this gateway process:
+    p50/p99 of TTFT, TPOT, end-to-end and queue time (seconds) and of TTFT in engine steps,
+    and the fraction that met the tenant's SLO."""
+    gw, _ = await admin_principal(request)
+    metrics = gw.metrics
+    return JSONResponse({"object": "tenant_latency", "window": metrics.latency_window,
+                         "data": [_latency_row(t) for t in metrics.tenant_latency()]})
 
 
 def _usage(gw: Gateway, tenant: str | None, since: datetime,
@@ -119,5 +171,6 @@ def routes() -> list[Route]:
     """The routes of this module, for ``create_app``."""
     return [
         Route("/admin/api/engine", engine_stats, methods=["GET"]),
+        Route("/admin/api/latency", tenant_latency, methods=["GET"]),
         Route("/admin/api/usage", usage, methods=["GET"]),
     ]

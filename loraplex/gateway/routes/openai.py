@@ -247,9 +247,11 @@ async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool
 async def _events(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
                   echo: Echo | None, tools: ToolUse | None,
                   chat_echo: str) -> AsyncGenerator[bytes, None]:
-    writer = ChunkWriter(chat, job.request_id, job.created, job.target.model, job.params.n,
-                         options.logprobs, options.include_usage, gw.tokenizers.token_text,
-                         echo, tools, chat_echo)
+    writer = ChunkWriter(chat=chat, rid=job.request_id, created=job.created,
+                         model=job.target.model, n=job.params.n, logprobs=options.logprobs,
+                         include_usage=options.include_usage,
+                         token_text=gw.tokenizers.token_text, echo=echo, tools=tools,
+                         chat_echo=chat_echo)
     try:
         for chunk in writer.role_chunks():
             yield sse(chunk)

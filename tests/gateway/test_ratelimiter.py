@@ -1,4 +1,6 @@
-"""Rate limits, against a real Redis and the in-process limiter alike."""
+"""The rate limiters themselves (gateway/ratelimit.py), against a real Redis and the
+in-process limiter alike; the limits as HTTP callers meet them are in
+test_rate_limits_http.py."""
 
 from __future__ import annotations
 
