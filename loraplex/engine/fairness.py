@@ -5,7 +5,8 @@ The Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language M
 
 - Every tenant has a counter of the service it has received: each token the scheduler
   gives one of its sequences adds ``prefill_cost`` (a prompt or recomputed token) or
-  ``decode_cost`` (a decoded or speculative token), divided by the tenant's weight.
+  ``decode_cost`` (a decoded or speculative token; more with a grammar or a logit_bias,
+  ``option_cost``), divided by the tenant's weight.
 - Waiting requests sit in one FIFO queue per (tenant, class). Admission tries interactive
   queues before batch ones and, within a class, the queue whose tenant has the least
   counter; the counters move as requests are admitted in the step, so one step's
@@ -67,6 +68,22 @@ class Share:
 
     def __post_init__(self) -> None:
         check_share(self.weight, self.priority, self.max_kv_fraction)
+
+
+# What a decoded token of a request with these options costs beyond a plain one, in
+# plain decode tokens: what the option adds to a step on the demo model, over the rows
+# that carry it (benchmarks/option_cost.py; docs/benchmarks.md, "Per-token options": a
+# grammar 1.15x and a full logit_bias 1.09x the step with 16 of 24 rows carrying it).
+# The other options cost a step under 2 %: not charged.
+GRAMMAR_COST = 0.25
+LOGIT_BIAS_COST = 0.15
+
+
+def option_cost(request: Request) -> float:
+    """The decode-token cost factor of the request's options (1: a plain request)."""
+    params = request.params
+    return (1.0 + (GRAMMAR_COST if params.grammar is not None else 0.0)
+            + (LOGIT_BIAS_COST if params.logit_bias else 0.0))
 
 
 @dataclass(frozen=True)
@@ -166,7 +183,9 @@ class TenantQueues:
 
     def charge(self, request: Request, num_prefill: int, num_decode: int) -> None:
         tenant = request.share.tenant
-        cost = self.prefill_cost * num_prefill + self.decode_cost * num_decode
+        # A request's costly options are charged to its own tenant, which then slows.
+        cost = self.prefill_cost * num_prefill \
+            + self.decode_cost * num_decode * (option_cost(request) if num_decode else 1.0)
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / request.share.weight
         tokens = self._tokens.setdefault(tenant, [0, 0])
         tokens[0] += num_prefill

@@ -21,7 +21,7 @@ from scheduling import Clock, complete_step, drain_loads
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.adapters import AdapterManager
-from loraplex.engine.fairness import Share
+from loraplex.engine.fairness import LOGIT_BIAS_COST, Share
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import AdapterRef, Request
 from loraplex.engine.sampling_params import SamplingParams
@@ -244,3 +244,23 @@ def test_a_rare_adapter_is_still_not_starved_between_tenants() -> None:
             started = clock.now
             break
     assert started is not None and started <= 1.0 + 0.1 * 10
+
+
+def test_a_tenants_costly_options_are_charged_to_it() -> None:
+    """Two backlogged tenants of equal weight, one biasing every request's logits: its
+    decode tokens cost 1 + LOGIT_BIAS_COST in its counter, so it gets that much fewer."""
+    sched, adapters, clock = _setup(max_seqs=8)
+    counter = 0
+    for _ in range(300):
+        for tenant in ("plain", "biased"):
+            while sum(r.share.tenant == tenant for r in sched.waiting) < 3:
+                request = _request(f"{tenant}-{counter}", tenant, clock, 4, 16)
+                if tenant == "biased":
+                    request.params = SamplingParams(temperature=0.0, max_tokens=16,
+                                                    logit_bias={5: 1.0})
+                sched.add(request)
+                counter += 1
+        _step(sched, adapters, clock)
+    stats = {t.tenant: t for t in sched.tenant_stats()}
+    ratio = stats["plain"].decode_tokens / stats["biased"].decode_tokens
+    assert 1 + LOGIT_BIAS_COST - 0.05 <= ratio <= 1 + LOGIT_BIAS_COST + 0.05, ratio
