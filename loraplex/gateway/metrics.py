@@ -110,47 +110,32 @@ class GatewayMetrics:
             namespace=ns,
             registry=reg,
         )
-        self.ttft = Histogram(
+
+        def by_tenant(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["tenant"], namespace=ns, registry=reg,
+                             buckets=buckets)
+
+        self.ttft = by_tenant(
             "time_to_first_token_seconds",
             "Time from arrival to the first output token, by tenant.",
-            ["tenant"],
-            namespace=ns,
-            registry=reg,
-            buckets=TTFT_BUCKETS,
-        )
-        self.tpot = Histogram(
+            TTFT_BUCKETS)
+        self.tpot = by_tenant(
             "time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request, by tenant.",
-            ["tenant"],
-            namespace=ns,
-            registry=reg,
-            buckets=TPOT_BUCKETS,
-        )
-        self.e2e = Histogram(
+            TPOT_BUCKETS)
+        self.e2e = by_tenant(
             "e2e_request_latency_seconds",
             "Time from arrival to the last output token, by tenant.",
-            ["tenant"],
-            namespace=ns,
-            registry=reg,
-            buckets=E2E_BUCKETS,
-        )
-        self.queue = Histogram(
+            E2E_BUCKETS)
+        self.queue = by_tenant(
             "queue_time_seconds",
             "Time from arrival until first scheduled, by tenant.",
-            ["tenant"],
-            namespace=ns,
-            registry=reg,
-            buckets=TTFT_BUCKETS,
-        )
-        self.ttft_steps = Histogram(
+            TTFT_BUCKETS)
+        self.ttft_steps = by_tenant(
             "time_to_first_token_steps",
             "Engine steps from arrival to the first output token (1: the first step after "
             "it arrived), by tenant: the scheduler's latency, free of the steps' length.",
-            ["tenant"],
-            namespace=ns,
-            registry=reg,
-            buckets=STEP_BUCKETS,
-        )
+            STEP_BUCKETS)
         self.slo = Counter(
             "slo_requests",
             "Finished requests by tenant and whether they met the tenant's TTFT and TPOT "

@@ -274,6 +274,59 @@ def serve_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
     return _serving
 
 
+@dataclass
+class OwnServer:
+    """A server of a test's own (``own_server``): its URL and app, each tenant's key and
+    registry id, and an admin key."""
+
+    url: str
+    app: Any
+    keys: dict[str, str]
+    tenant_ids: dict[str, int]
+    admin_key: str
+
+    def get(self, path: str, key: str | None = None) -> httpx.Response:
+        """GET ``path`` with ``key`` (default: the admin key)."""
+        headers = {"Authorization": f"Bearer {key or self.admin_key}"}
+        return httpx.get(f"{self.url}{path}", headers=headers, timeout=30)
+
+
+@contextlib.contextmanager
+def _own_server(root: Path, model_dir: Path, tenants: dict[str, dict[str, Any]],
+                scheduler: SchedulerConfig, config: ServerConfig) -> Iterator[OwnServer]:
+    root.mkdir(parents=True, exist_ok=True)
+    db_url = f"sqlite:///{root / 'registry.db'}"
+    admin_key = bootstrap_admin(db_url)
+    keys, ids = {}, {}
+    engine = db.make_engine(db_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            for name, settings in tenants.items():
+                tenant = service.create_tenant(session, name, **settings)
+                _, keys[name] = service.create_key(session, tenant.id)
+                ids[name] = tenant.id
+    finally:
+        engine.dispose()
+    client = EngineClient.from_config(EngineConfig(
+        ModelConfig(str(model_dir)), CacheConfig(block_size=16, num_kv_blocks=256),
+        LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4), scheduler))
+    app = create_app(config, RegistryConfig(db_url, str(root / "store")), client)
+    try:
+        with _serving(app) as url:
+            yield OwnServer(url, app, keys, ids, admin_key)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def own_server() -> Callable[..., contextlib.AbstractContextManager[OwnServer]]:
+    """``with own_server(root, model_dir, tenants, scheduler, config) as server:`` runs a
+    server of its own: a SQLite registry under ``root`` holding ``tenants`` (name ->
+    ``create_tenant`` settings) and an admin key, the model's engine with ``scheduler``,
+    and the gateway with ``config``."""
+    return _own_server
+
+
 @pytest.fixture
 def bearer() -> Callable[[str], dict[str, str]]:
     return lambda key: {"Authorization": f"Bearer {key}"}

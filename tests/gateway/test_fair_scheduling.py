@@ -16,18 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    RegistryConfig,
     SchedulerConfig,
     ServerConfig,
 )
-from loraplex.engine.client import EngineClient
-from loraplex.gateway.app import create_app
-from loraplex.registry import db, service
-from loraplex.testing import bootstrap_admin
 
 pytestmark = pytest.mark.slow
 MAX_NUM_SEQS = 4
@@ -35,32 +26,14 @@ MAX_NUM_SEQS = 4
 
 @contextlib.contextmanager
 def _server(root: Path, model_dir: Path, policy: str,
-            serve_app: Callable[..., contextlib.AbstractContextManager[str]],
+            own_server: Callable[..., contextlib.AbstractContextManager[Any]],
             ) -> Iterator[tuple[str, dict[str, str], str]]:
-    db_url = f"sqlite:///{root / f'{policy}.db'}"
-    admin_key = bootstrap_admin(db_url)
-    keys = {}
-    engine = db.make_engine(db_url)
-    try:
-        with db.transaction(db.make_session_factory(engine)) as session:
-            for name, priority in (("noisy", "interactive"), ("quiet", "interactive"),
-                                   ("batchy", "batch")):
-                tenant = service.create_tenant(session, name, priority_class=priority)
-                _, keys[name] = service.create_key(session, tenant.id)
-    finally:
-        engine.dispose()
-    client = EngineClient.from_config(EngineConfig(
-        ModelConfig(str(model_dir)), CacheConfig(block_size=16, num_kv_blocks=256),
-        LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
-        SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=256,
-                        policy=policy)))  # type: ignore[arg-type]
-    app = create_app(ServerConfig(served_model_name="tiny", max_tokens_limit=400),
-                     RegistryConfig(db_url, str(root / f"{policy}-store")), client)
-    try:
-        with serve_app(app) as url:
-            yield url, keys, admin_key
-    finally:
-        client.close()
+    tenants = {"noisy": {}, "quiet": {}, "batchy": {"priority_class": "batch"}}
+    with own_server(root / policy, model_dir, tenants,
+                    SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=256,
+                                    policy=policy),  # type: ignore[arg-type]
+                    ServerConfig(served_model_name="tiny", max_tokens_limit=400)) as own:
+        yield own.url, own.keys, own.admin_key
 
 
 def _engine(http: httpx.Client, admin_key: str) -> dict[str, Any]:
@@ -119,11 +92,11 @@ async def _scenario(url: str, keys: dict[str, str], admin_key: str, num_noisy: i
                          ids=["batch-full", "backlog"])
 def test_a_quiet_tenant_gets_its_first_token_within_three_steps(
         num_noisy: int, tiny_llama_dir: Path, tmp_path: Path,
-        serve_app: Callable[..., contextlib.AbstractContextManager[str]]) -> None:
+        own_server: Callable[..., contextlib.AbstractContextManager[Any]]) -> None:
     """Admitted within 2 steps of its arrival, first token in the next at the latest
     (fair); oldest-first makes it wait for a noisy request to end (the check can fail)."""
     for policy in ("fair", "fifo"):
-        with _server(tmp_path, tiny_llama_dir, policy, serve_app) as (url, keys, admin_key):
+        with _server(tmp_path, tiny_llama_dir, policy, own_server) as (url, keys, admin_key):
             asyncio.run(_scenario(url, keys, admin_key, num_noisy))
             with httpx.Client(base_url=url, timeout=30) as http:
                 count, within = _ttft_steps(http, admin_key, "quiet")
@@ -133,8 +106,8 @@ def test_a_quiet_tenant_gets_its_first_token_within_three_steps(
 
 def test_a_request_may_ask_for_batch_but_never_above_its_tenants_class(
         tiny_llama_dir: Path, tmp_path: Path,
-        serve_app: Callable[..., contextlib.AbstractContextManager[str]]) -> None:
-    with _server(tmp_path, tiny_llama_dir, "fair", serve_app) as (url, keys, admin_key):
+        own_server: Callable[..., contextlib.AbstractContextManager[Any]]) -> None:
+    with _server(tmp_path, tiny_llama_dir, "fair", own_server) as (url, keys, admin_key):
         def ask(tenant: str, priority: object) -> Any:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys[tenant], max_retries=0)
             return client.completions.create(model="tiny", prompt="hi", max_tokens=2,

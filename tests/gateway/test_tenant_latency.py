@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    RegistryConfig,
     SchedulerConfig,
     ServerConfig,
 )
-from loraplex.engine.client import EngineClient
-from loraplex.gateway.app import create_app
 from loraplex.gateway.routes import admin
-from loraplex.registry import db, service
 from loraplex.registry.models import MAX_SLO_MS
-from loraplex.testing import bootstrap_admin
 
 pytestmark = pytest.mark.server
 SERVER_SLO = (1500, 150)  # the server's default SLO (ms), for a tenant without its own
@@ -41,51 +31,19 @@ NUM_REQUESTS = {"roomy": 6, "strict": 5, "plain": 1}
 MAX_TOKENS = 8
 
 
-@dataclass
-class Server:
-    url: str
-    app: Any
-    keys: dict[str, str]
-    tenant_ids: dict[str, int]
-    admin_key: str
-
-    def get(self, path: str, key: str | None = None) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key or self.admin_key}"}
-        return httpx.get(f"{self.url}{path}", headers=headers, timeout=30)
-
-
 @pytest.fixture
 def server(tiny_llama_dir: Path, tmp_path: Path,
-           serve_app: Callable[..., contextlib.AbstractContextManager[str]],
-           ) -> Iterator[Server]:
-    db_url = f"sqlite:///{tmp_path / 'registry.db'}"
-    admin_key = bootstrap_admin(db_url)
-    keys, ids = {}, {}
-    engine = db.make_engine(db_url)
-    try:
-        with db.transaction(db.make_session_factory(engine)) as session:
-            for name, (ttft_ms, tpot_ms) in TENANT_SLOS.items():
-                tenant = service.create_tenant(session, name, slo_ttft_ms=ttft_ms,
-                                               slo_tpot_ms=tpot_ms)
-                _, keys[name] = service.create_key(session, tenant.id)
-                ids[name] = tenant.id
-    finally:
-        engine.dispose()
-    client = EngineClient.from_config(EngineConfig(
-        ModelConfig(str(tiny_llama_dir)), CacheConfig(block_size=16, num_kv_blocks=128),
-        LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)))
-    app = create_app(ServerConfig(served_model_name="tiny", slo_ttft_ms=SERVER_SLO[0],
-                                  slo_tpot_ms=SERVER_SLO[1]),
-                     RegistryConfig(db_url, str(tmp_path / "store")), client)
-    try:
-        with serve_app(app) as url:
-            yield Server(url, app, keys, ids, admin_key)
-    finally:
-        client.close()
+           own_server: Callable[..., contextlib.AbstractContextManager[Any]]) -> Iterator[Any]:
+    tenants = {name: {"slo_ttft_ms": ttft_ms, "slo_tpot_ms": tpot_ms}
+               for name, (ttft_ms, tpot_ms) in TENANT_SLOS.items()}
+    with own_server(tmp_path, tiny_llama_dir, tenants,
+                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+                    ServerConfig(served_model_name="tiny", slo_ttft_ms=SERVER_SLO[0],
+                                 slo_tpot_ms=SERVER_SLO[1])) as own:
+        yield own
 
 
-def _prometheus(server: Server) -> dict[str, list[Any]]:
+def _prometheus(server: Any) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for family in text_string_to_metric_families(server.get("/metrics").text):
         for sample in family.samples:
@@ -113,7 +71,7 @@ def _slo_counts(prom: dict[str, list[Any]], tenant: str) -> dict[str, float]:
             if s.labels["tenant"] == tenant}
 
 
-def test_each_tenants_latency_and_attainment(server: Server) -> None:
+def test_each_tenants_latency_and_attainment(server: Any) -> None:
     for tenant, num in NUM_REQUESTS.items():
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.keys[tenant],
                                max_retries=0, timeout=60)
@@ -169,7 +127,7 @@ def test_each_tenants_latency_and_attainment(server: Server) -> None:
     assert (rows["strict"]["tpot_p50_s"] <= 0.001) == (rows["strict"]["slo_attainment"] >= 0.5)
 
 
-def test_latency_needs_an_admin_key(server: Server) -> None:
+def test_latency_needs_an_admin_key(server: Any) -> None:
     assert server.get("/admin/api/latency", key=server.keys["roomy"]).status_code == 403
     anonymous = httpx.get(f"{server.url}/admin/api/latency", timeout=30)
     assert anonymous.status_code == 401
@@ -185,7 +143,7 @@ def test_latency_needs_an_admin_key(server: Server) -> None:
     assert body["data"] == []  # no request finished yet
 
 
-def test_the_engine_view_names_its_tenants(server: Server) -> None:
+def test_the_engine_view_names_its_tenants(server: Any) -> None:
     for tenant in ("roomy", "strict"):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.keys[tenant],
                                max_retries=0, timeout=60)
@@ -206,7 +164,7 @@ def test_the_engine_view_names_its_tenants(server: Server) -> None:
     assert set(declared["required"]) == set(stats["tenants"][0])
 
 
-def test_odd_scheduler_tenant_ids_have_no_name(server: Server) -> None:
+def test_odd_scheduler_tenant_ids_have_no_name(server: Any) -> None:
     """The engine's tenant is whatever the gateway set: none, or an id the registry does
     not know, is named None instead of failing the view."""
     odd = {"", "x", "-1", "1.5", "٣", "²", "2147483648", "9" * 5000,
