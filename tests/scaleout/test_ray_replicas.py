@@ -428,6 +428,9 @@ def test_every_replica_is_listed_and_labelled_by_ordinal(deployment: Deployment)
         assert [r["max_loras"] for r in replicas] == [MAX_LORAS, MAX_LORAS]
         assert engine["max_loras"] == 2 * MAX_LORAS == len(engine["adapter_slots"])
         assert any(s and s["model"] == "alice/qv" for r in replicas for s in r["slots"])
+        # The request's Share crossed to its replica: the scheduler served alice by name.
+        assert any(t["name"] == "alice" and t["prefill_tokens"] > 0
+                   for r in replicas for t in r["tenants"]), [r["tenants"] for r in replicas]
         text = httpx.get(f"{url}/metrics", headers=admin, timeout=30).text
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
         for name in ("loraplex_queue_depth", "loraplex_kv_pool_usage",
