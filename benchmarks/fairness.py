@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _output import add_out_argument, command_line, cpu_name, pyplot, save_figure, write_json  # noqa: E402
 
 from loraplex import LLM, SamplingParams  # noqa: E402
-from loraplex.engine.fairness import Share  # noqa: E402
+from loraplex.engine.share import Share  # noqa: E402
 
 
 def _prompt(seed: int, length: int) -> list[int]:

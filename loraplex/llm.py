@@ -21,10 +21,10 @@ from loraplex.config import (
     SpeculativeConfig,
 )
 from loraplex.engine.engine import LLMEngine
-from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.share import NO_SHARE, Share
 from loraplex.engine.stats import EngineStats
 from loraplex.errors import AdapterError, InvalidRequestError
 

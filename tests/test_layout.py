@@ -78,7 +78,7 @@ def test_the_gateway_never_reaches_into_the_engine_object() -> None:
     backend is ``gw.backend``), and none of the engine's internals imported."""
     allowed = {"loraplex.engine.backend", "loraplex.engine.outputs", "loraplex.engine.request",
                "loraplex.engine.sampling_params", "loraplex.engine.stats",
-               "loraplex.engine.fairness",
+               "loraplex.engine.share",
                # Pure compile checks (no engine state): a tool's parameters schema is checked
                # where the request is parsed, by the grammar engine that will enforce it.
                "loraplex.engine.grammar"}
@@ -116,3 +116,25 @@ def test_the_kernels_folder_is_the_loraplex_kernels_package() -> None:
     assert "ops.py" in modules
     undescribed = [name for name in modules if f"`{name}`" not in readme]
     assert not undescribed, f"kernels/README.md does not describe {undescribed}"
+
+
+def test_the_package_imports_form_no_circle() -> None:
+    """No module reaches itself through imports, type-only ones included: a circle means
+    two modules that can only be read (and changed) together."""
+    modules = {_module_name(p): p for p in _sources(PACKAGE)}
+    graph = {name: set(_imports(path)) & set(modules) - {name}
+             for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join(
+                path[path.index(name):] + [name]))
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

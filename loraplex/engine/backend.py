@@ -13,10 +13,10 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.share import NO_SHARE, Share
 from loraplex.engine.stats import EngineStats
 
 if TYPE_CHECKING:

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 from loraplex.config import EngineConfig
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.engine import LLMEngine
-from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.share import NO_SHARE, Share
 from loraplex.engine.stats import EngineStats
 from loraplex.errors import AdapterError, EngineDeadError, InvalidRequestError
 

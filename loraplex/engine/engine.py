@@ -15,16 +15,16 @@ from typing import Any
 import torch
 
 from loraplex.config import EngineConfig
-from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
-from loraplex.engine.fairness import NO_SHARE, Share
 from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
 from loraplex.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from loraplex.engine.share import NO_SHARE, Share
+from loraplex.engine.slot_cache import AdapterSlotCache
 from loraplex.engine.spec_step import SpecStep
 from loraplex.engine.stats import EngineStats
 from loraplex.engine.validation import check_params, check_prompt
@@ -69,7 +69,7 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching,
                                  config.cache.swap_space_blocks)
         self.target_shapes = TargetShapes.from_model_dir(config.model.model)
-        self.adapters = AdapterManager(config.lora.max_loras, config.lora.max_cpu_loras,
+        self.adapters = AdapterSlotCache(config.lora.max_loras, config.lora.max_cpu_loras,
                                        self._load_adapter, self.runner.set_lora_slot)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
                                    max_adapter_wait_s)

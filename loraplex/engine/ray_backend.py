@@ -51,11 +51,12 @@ from loraplex.adapter_format import stored_folder
 from loraplex.config import EngineConfig, RayConfig
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
-from loraplex.engine.fairness import NO_SHARE, Share, TenantStats
+from loraplex.engine.fairness import TenantStats
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.ray_address import check_reachable, ray_address
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.share import NO_SHARE, Share
 from loraplex.engine.stats import EngineStats, combine_stats
 from loraplex.errors import (
     AdapterError,

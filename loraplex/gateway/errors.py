@@ -1,9 +1,11 @@
 """The one place where errors become HTTP responses, in OpenAI's JSON shape.
 
 Every handler raises domain errors (``loraplex.errors``) or the few gateway errors below;
-``error_response`` maps each to its status and ``{"error": {"message", "type", "param",
-"code"}}``. Streaming responses, whose status is already sent, use ``error_payload`` to
-write the same object as a last server-sent event.
+``describe`` maps each to an ``ErrorInfo``: its status, headers (``Retry-After``,
+``Allow``) and ``{"error": {"message", "type", "param", "code"}}``, which
+``handle_exception`` answers with ``error_response``. Streaming responses, whose status
+is already sent, write the same object (``describe(exc).payload()``) as a last
+server-sent event.
 """
 
 from __future__ import annotations

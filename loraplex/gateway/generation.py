@@ -22,9 +22,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from redis.exceptions import RedisError
 
-from loraplex.engine.fairness import PRIORITIES, Share
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.share import PRIORITIES, Share
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.auth import cache_salt, tenant_limits
 from loraplex.gateway.errors import DependencyUnavailableError

@@ -13,12 +13,19 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, TypeVar
+from typing import Final, TypeVar
 
 from loraplex.engine.outputs import RequestMetrics
 
-if TYPE_CHECKING:
-    from loraplex.gateway.metrics import Slo
+
+@dataclass(frozen=True)
+class Slo:
+    """A tenant's latency objectives: first token within ``ttft_ms``, and the output tokens
+    after it at ``tpot_ms`` each or less on average."""
+
+    ttft_ms: int
+    tpot_ms: int
+
 
 DEFAULT_WINDOW: Final = 1000
 

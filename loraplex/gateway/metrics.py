@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from prometheus_client import (
@@ -29,7 +28,7 @@ from prometheus_client import (
 from loraplex.engine.outputs import RequestMetrics
 from loraplex.engine.stats import EngineStats
 from loraplex.gateway.engine_metrics import EngineMetrics
-from loraplex.gateway.latency import DEFAULT_WINDOW, LatencyWindows, TenantLatency
+from loraplex.gateway.latency import DEFAULT_WINDOW, LatencyWindows, Slo, TenantLatency
 
 OTHER_LABEL: Final = "other"
 
@@ -59,15 +58,6 @@ def status_for_http(code: int) -> str:
     if code < 500:
         return "client_error"
     return "server_error"
-
-
-@dataclass(frozen=True)
-class Slo:
-    """A tenant's latency objectives: first token within ``ttft_ms``, and the output tokens
-    after it at ``tpot_ms`` each or less on average."""
-
-    ttft_ms: int
-    tpot_ms: int
 
 
 class _CappedLabel:

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from loraplex.engine.fairness import PRIORITIES
 from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_SCHEMA_DEPTH, GrammarSpec
+from loraplex.engine.share import PRIORITIES
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.fields import (
     bad,

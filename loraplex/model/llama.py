@@ -6,13 +6,15 @@ linear, llama3), RMSNorm, tied embeddings, packed q/k/v and gate/up projections.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loraplex.model.args import ModelArgs, rope_inv_freq
 from loraplex.model.lora import LoRALinear, LoRAStep
-from loraplex.model.native_decode import NativeDecode
+from loraplex.model.native_decode import LayerParts, NativeDecode
 from loraplex_kernels.meta import AttentionMeta
 from loraplex_kernels.ops import (
     Backend,
@@ -158,7 +160,14 @@ class LlamaModel(nn.Module):
                 module.pack_weight()
         self.packed_lm_head = pack_linear_weight(
             self.lm_head, shared=self.args.tie_word_embeddings)
-        self.native_decode = NativeDecode.for_model(self)
+        parts = [LayerParts((layer.input_layernorm.weight, layer.input_layernorm.eps),
+                            (layer.post_attention_layernorm.weight,
+                             layer.post_attention_layernorm.eps),
+                            (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                 for layer in cast("list[DecoderLayer]", list(self.layers))]
+        self.native_decode = NativeDecode.for_layers(self.args, self.norm.eps,
+                                                     self.embed_tokens, parts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

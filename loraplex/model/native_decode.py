@@ -10,18 +10,29 @@ backend) goes layer by layer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from loraplex.model.args import ModelArgs
 from loraplex.model.lora import LoRALinear, LoRAStep
 from loraplex_kernels import cpu_decode, cpu_native
 from loraplex_kernels.lora_slots import LoRASlots
 from loraplex_kernels.meta import AttentionMeta
 from loraplex_kernels.ops import Backend, Rope, skinny_max_rows
 
-if TYPE_CHECKING:
-    from loraplex.model.llama import DecoderLayer, KVCache, LlamaModel
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (key, value) per layer
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What the native layer table takes of one decoder layer (the model hands them over,
+    so this module needs nothing of the model's classes)."""
+
+    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
+    post_attention_norm: tuple[torch.Tensor, float]
+    projections: tuple[LoRALinear, LoRALinear, LoRALinear, LoRALinear]  # qkv, o, gate_up, down
 
 
 def _projection(module: LoRALinear,
@@ -35,37 +46,38 @@ def _projection(module: LoRALinear,
 
 
 class NativeDecode:
-    """One model's layer table, built once its weights are packed (``for_model``)."""
+    """One model's layer table, built once its weights are packed (``for_layers``)."""
 
-    def __init__(self, model: LlamaModel, layers: torch.Tensor) -> None:
-        self.args = model.args
-        self.eps = model.norm.eps
-        self.scale = model.args.head_dim ** -0.5
-        self.dtype = model.embed_tokens.dtype
+    def __init__(self, args: ModelArgs, eps: float, dtype: torch.dtype,
+                 layers: torch.Tensor) -> None:
+        self.args = args
+        self.eps = eps
+        self.scale = args.head_dim ** -0.5
+        self.dtype = dtype
         self.layers = layers  # [num_layers, len(LAYER_FIELDS)] int64
         # KV-cache pointer tables by the caches' addresses (a layer-skip draft's steps
         # use its first layers' caches, the target's all of them: one table each)
         self._kv_tables: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
-    def for_model(cls, model: LlamaModel) -> NativeDecode | None:
-        """The native path for ``model``, or None where it cannot run: the library or the
-        switch, a projection not on the skinny GEMM (``LORAPLEX_CPU_GEMM``, dtype, CPU)."""
-        if not cpu_decode.available() or model.embed_tokens.device.type != "cpu":
+    def for_layers(cls, args: ModelArgs, eps: float, embed_tokens: torch.Tensor,
+                   layers: Sequence[LayerParts]) -> NativeDecode | None:
+        """The native path for a model's ``layers`` (``eps``: its final norm's), or None
+        where it cannot run: the library or the switch, a projection not on the skinny
+        GEMM (``LORAPLEX_CPU_GEMM``, dtype, CPU)."""
+        if not cpu_decode.available() or embed_tokens.device.type != "cpu":
             return None
         rows = []
-        for layer in cast("list[DecoderLayer]", list(model.layers)):
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj,
-                                                    mlp.gate_up_proj, mlp.down_proj)]
+        for layer in layers:
+            projections = [_projection(m) for m in layer.projections]
             present = [p for p in projections if p is not None]
             if len(present) != len(projections):
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.eps != model.norm.eps or not n.weight.is_contiguous() for n in norms):
+            norms = (layer.input_norm, layer.post_attention_norm)
+            if any(norm_eps != eps or not weight.is_contiguous() for weight, norm_eps in norms):
                 return None
-            rows.append(cpu_decode.layer_row(norms[0].weight, norms[1].weight, present))
-        return cls(model, torch.tensor(rows, dtype=torch.int64))
+            rows.append(cpu_decode.layer_row(norms[0][0], norms[1][0], present))
+        return cls(args, eps, embed_tokens.dtype, torch.tensor(rows, dtype=torch.int64))
 
     def takes(self, x: torch.Tensor, meta: AttentionMeta, lora: LoRAStep | None,
               backend: Backend | None) -> bool:
@@ -80,7 +92,7 @@ class NativeDecode:
         return (lora.backend in (None, "cpu") and lora.meta.short_segments is not None
                 and not lora.meta.long_segment_ids)
 
-    def _kv_caches(self, kv_caches: list[KVCache], num_layers: int) -> torch.Tensor:
+    def _kv_caches(self, kv_caches: KVCaches, num_layers: int) -> torch.Tensor:
         key = tuple(t.data_ptr() for kv in kv_caches[:num_layers] for t in kv)
         table = self._kv_tables.get(key)
         if table is None:
@@ -97,7 +109,7 @@ class NativeDecode:
             self._kv_tables[key] = table
         return table
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_caches: list[KVCache],
+    def forward(self, x: torch.Tensor, rope: Rope, kv_caches: KVCaches,
                 meta: AttentionMeta, lora: LoRAStep | None, num_layers: int,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over embeddings ``x`` [rows, hidden] (consumed: it becomes the

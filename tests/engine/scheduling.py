@@ -3,9 +3,9 @@ step played without a model."""
 
 from __future__ import annotations
 
-from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.request import RequestStatus
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.slot_cache import AdapterSlotCache
 
 
 class Clock:
@@ -27,6 +27,6 @@ def complete_step(sched: Scheduler, out: SchedulerOutput) -> None:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)
 
 
-def drain_loads(adapters: AdapterManager) -> None:
+def drain_loads(adapters: AdapterSlotCache) -> None:
     for fut in list(adapters._loading.values()):
         fut.result()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.engine.fairness import Share
+from loraplex.engine.share import Share
 from loraplex.testing import load_reference, reference_greedy
 
 NUM_REQUESTS = 56

@@ -20,17 +20,18 @@ from hypothesis import strategies as st
 from scheduling import Clock, complete_step, drain_loads
 
 from loraplex.config import SchedulerConfig
-from loraplex.engine.adapters import AdapterManager
-from loraplex.engine.fairness import LOGIT_BIAS_COST, Share
+from loraplex.engine.fairness import LOGIT_BIAS_COST
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import AdapterRef, Request
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.share import Share
+from loraplex.engine.slot_cache import AdapterSlotCache
 
 
 def _setup(policy: str = "fair", max_seqs: int = 8, budget: int = 64, num_blocks: int = 512,
-           max_loras: int = 2, **config: object) -> tuple[Scheduler, AdapterManager, Clock]:
-    adapters = AdapterManager(max_loras, max_loras + 2,
+           max_loras: int = 2, **config: object) -> tuple[Scheduler, AdapterSlotCache, Clock]:
+    adapters = AdapterSlotCache(max_loras, max_loras + 2,
                               load_from_disk=lambda ref: SimpleNamespace(rank=4, ref=ref),
                               install=lambda slot, adapter: None)
     clock = Clock()
@@ -52,7 +53,7 @@ def _request(rid: str, tenant: str | None, clock: Clock, prompt: int = 8, max_to
                    share=Share(tenant, weight, priority, kv))  # type: ignore[arg-type]
 
 
-def _step(sched: Scheduler, adapters: AdapterManager, clock: Clock,
+def _step(sched: Scheduler, adapters: AdapterSlotCache, clock: Clock,
           seconds: float = 0.1) -> SchedulerOutput:
     out = sched.schedule()
     complete_step(sched, out)

@@ -7,18 +7,18 @@ from types import SimpleNamespace
 from scheduling import Clock, complete_step, drain_loads
 
 from loraplex.config import SchedulerConfig
-from loraplex.engine.adapters import AdapterManager
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.slot_cache import AdapterSlotCache
 from loraplex.errors import AdapterError
 
 
 def _setup(max_loras: int = 2, num_blocks: int = 256, budget: int = 64,
-           max_seqs: int = 16) -> tuple[Scheduler, AdapterManager, Clock]:
+           max_seqs: int = 16) -> tuple[Scheduler, AdapterSlotCache, Clock]:
     installed: dict[int, object] = {}
-    adapters = AdapterManager(max_loras, max_loras + 2,
+    adapters = AdapterSlotCache(max_loras, max_loras + 2,
                               load_from_disk=lambda ref: SimpleNamespace(rank=4, ref=ref),
                               install=installed.__setitem__)
     clock = Clock()
@@ -247,7 +247,7 @@ def test_a_swapped_request_whose_adapter_was_deleted_fails_alone() -> None:
             raise AdapterError(f"adapter {ref.adapter_id}: files are gone")
         return SimpleNamespace(rank=4, ref=ref)
 
-    adapters = AdapterManager(2, 4, load_from_disk=load, install=lambda slot, a: None)
+    adapters = AdapterSlotCache(2, 4, load_from_disk=load, install=lambda slot, a: None)
     clock = Clock()
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                       preemption_mode="swap"),
@@ -282,7 +282,7 @@ def test_without_chunked_prefill_a_recomputed_request_past_the_budget_still_runs
     # Preempted by recompute after some outputs, its prompt and outputs together exceed
     # max_num_batched_tokens; it had waited at the head of the queue, and everything
     # behind it, for good.
-    adapters = AdapterManager(2, 4, load_from_disk=lambda ref: None,
+    adapters = AdapterSlotCache(2, 4, load_from_disk=lambda ref: None,
                               install=lambda slot, a: None)
     clock = Clock()
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=9,

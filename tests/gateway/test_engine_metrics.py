@@ -21,9 +21,9 @@ from loraplex.config import (
     SpeculativeConfig,
 )
 from loraplex.engine.engine import LLMEngine
-from loraplex.engine.fairness import Share
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.share import Share
 from loraplex.engine.stats import EngineStats
 from loraplex.gateway.engine_metrics import MAX_INFO_ADAPTERS, info_adapters
 from loraplex.gateway.metrics import OTHER_LABEL, GatewayMetrics

@@ -35,7 +35,7 @@ def _closed(*_: Any) -> None:
     raise RuntimeError("the engine is closed")
 
 
-class AdapterManager:
+class AdapterSlotCache:
     def __init__(self, max_loras: int, max_cpu_loras: int,
                  load_from_disk: Callable[[AdapterRef], Any],
                  install: Callable[[int, Any], None]) -> None:
