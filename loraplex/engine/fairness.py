@@ -179,6 +179,21 @@ class TenantQueues:
                 del cursors[key]
             yield snapshots[key][index]
 
+    def fair_sorted(self, requests: Iterable[Request], now: float,
+                    running: Iterable[Request]) -> list[Request]:
+        """``requests`` (swapped out, say) in the order their tenants' turns come: class,
+        then counter, then running sequences per weight; ties keep the given order (so
+        with one tenant nothing moves)."""
+        requests = list(requests)
+        if len({r.share.tenant for r in requests}) <= 1 and not any(
+                self.is_batch(r, now) for r in requests):
+            return requests
+        seats: dict[str | None, float] = {}
+        for request in running:
+            tenant = request.share.tenant
+            seats[tenant] = seats.get(tenant, 0.0) + 1 / request.share.weight
+        return sorted(requests, key=lambda r: self._rank(r, now, seats)[:3])
+
     def _rank(self, request: Request, now: float,
               seats: dict[str | None, float]) -> tuple[bool, float, float, float]:
         tenant = request.share.tenant

@@ -18,7 +18,8 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    of its tenant's queue; its prefix may hit the cache on return) or, in ``swap`` mode, by
    copying its blocks to the host pool (recompute when the pool is full). A tenant over
    its KV cap (``max_kv_fraction`` of the pool) preempts its own newest request instead.
-2. Swapped requests come back (oldest first) when nothing was preempted this step.
+2. Swapped requests come back when nothing was preempted this step, in fair order
+   between tenants and oldest swapped first within one (with one tenant, oldest first).
 3. Waiting requests are admitted in fair order (FIFO with one tenant or the ``fifo``
    policy) while budget, sequences, blocks and the tenant's KV cap allow.
    Adapters: at most ``max_loras`` distinct adapters are in flight (every running request
@@ -252,10 +253,11 @@ class Scheduler:
             # the request itself was preempted: the ones after it were considered first
         pressure = len(out.preempted) > num_fair
 
-        # 2. swapped requests come back when nothing was preempted
-        while self.swapped and not out.preempted and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
+        # 2. swapped requests come back when nothing was preempted, in their tenants'
+        # order (as admission's), oldest swapped first within a tenant
+        for request in self.waiting.fair_sorted(self.swapped, now, self.running):
+            if out.preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             ref = request.adapter
             if ref is not None:
                 # Its adapter may have been deleted (or its host copy evicted and its files
@@ -263,7 +265,7 @@ class Scheduler:
                 # not the step.
                 error = self.adapters.failure(ref)
                 if error is not None:
-                    self.swapped.popleft()
+                    self.swapped.remove(request)
                     self.kv.free(request.request_id)
                     out.failed.append((request, error))
                     continue
@@ -276,7 +278,7 @@ class Scheduler:
                 break
             pairs = self.kv.swap_in(request.request_id)
             assert pairs is not None
-            self.swapped.popleft()
+            self.swapped.remove(request)
             num_new = min(request.num_uncomputed_tokens, budget)
             if not self._within_cap(request, num_new) \
                     or self._allocate(request, num_new) is None:

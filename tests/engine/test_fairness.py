@@ -5,7 +5,8 @@ The bound on service: when tenant f is admitted, its counter is the least of the
 backlogged tenants'; from then on it grows only by what f's running requests receive, at
 most ``max_num_seqs`` requests each costing at most ``prefill_cost * (P + T) * (1 + k) +
 decode_cost * T`` (prompt P, output T, recomputed after each of at most k fair
-preemptions), over f's weight. So for any two backlogged tenants, at every step:
+preemptions), over f's weight. So for any two tenants backlogged throughout (a tenant
+whose queue runs dry takes less, by its own demand, and may fall behind), at every step:
 
     |service(f) - service(g)| <= max_num_seqs * (p * (P + T) * (1 + k) + d * T) / min weight
 """
@@ -103,15 +104,15 @@ def test_one_tenant_schedules_exactly_as_fifo(requests: list[tuple[int, int, int
 
 def _backlog_run(policy: str, weights: list[float], starts: list[int], shapes: list[tuple[int, int]],
                  steps: int, max_seqs: int = 8, check=None) -> tuple[Scheduler, list[float]]:
-    """Tenants t0.. keep at least 3 requests waiting from their start step on; ``shapes``
-    (prompt, max_tokens) are cycled through. ``check(sched, started)`` runs after every
-    step."""
+    """Tenants t0.. keep 2 * ``max_seqs`` requests waiting from their start step on, so
+    each is backlogged at every step (more waits than one step can admit); ``shapes`` (prompt,
+    max_tokens) are cycled through. ``check(sched, started)`` runs after every step."""
     sched, adapters, clock = _setup(policy, max_seqs=max_seqs, budget=64)
     counter = 0
     for step in range(steps):
         started = [f"t{i}" for i, s in enumerate(starts) if s <= step]
         for i, tenant in enumerate(started):
-            while sum(r.share.tenant == tenant for r in sched.waiting) < 3:
+            while sum(r.share.tenant == tenant for r in sched.waiting) < 2 * max_seqs:
                 prompt, max_tokens = shapes[counter % len(shapes)]
                 sched.add(_request(f"{tenant}-{counter}", tenant, clock, prompt, max_tokens,
                                    weights[i]))
@@ -141,6 +142,8 @@ def test_backlogged_tenants_service_stays_within_the_bound(
     worst = [0.0]
 
     def check(sched: Scheduler, started: list[str]) -> None:
+        waiting = {r.share.tenant for r in sched.waiting}
+        assert set(started) <= waiting  # every started tenant is still backlogged
         counters = [sched.waiting.service(t) for t in started]
         if len(counters) > 1:
             worst[0] = max(worst[0], max(counters) - min(counters))
@@ -265,3 +268,16 @@ def test_a_tenants_costly_options_are_charged_to_it() -> None:
     stats = {t.tenant: t for t in sched.tenant_stats()}
     ratio = stats["plain"].decode_tokens / stats["biased"].decode_tokens
     assert 1 + LOGIT_BIAS_COST - 0.05 <= ratio <= 1 + LOGIT_BIAS_COST + 0.05, ratio
+
+
+def test_swapped_requests_come_back_in_their_tenants_order() -> None:
+    """The tenant with less service first; one tenant's (or equal ones') in the order they
+    were swapped out."""
+    sched, _, clock = _setup()
+    a1, b1, a2 = (_request(rid, tenant, clock) for rid, tenant in
+                  (("a1", "a"), ("b1", "b"), ("a2", "a")))
+    sched.waiting.charge(a1, 100, 0)
+    assert sched.waiting.fair_sorted([a1, b1, a2], clock.now, []) == [b1, a1, a2]
+    assert sched.waiting.fair_sorted([a2, a1], clock.now, []) == [a2, a1]
+    sched.waiting.charge(b1, 100, 0)
+    assert sched.waiting.fair_sorted([a1, b1, a2], clock.now, []) == [a1, b1, a2]
