@@ -29,9 +29,9 @@ from loraplex.errors import InvalidRequestError
 from loraplex.gateway.auth import cache_salt, tenant_limits
 from loraplex.gateway.errors import DependencyUnavailableError
 from loraplex.gateway.metrics import Observation, Slo
+from loraplex.gateway.model_resolution import ResolvedModel
 from loraplex.gateway.ratelimit import Lease, TenantLimits
 from loraplex.gateway.state import Gateway
-from loraplex.gateway.targets import Target
 from loraplex.gateway.usage import OpenUsage
 from loraplex.registry.api_keys import Principal
 
@@ -54,13 +54,13 @@ def request_share(principal: Principal, priority_class: str | None) -> Share:
 class Job:
     """One admitted generation: lease, engine stream, and their cleanup."""
 
-    def __init__(self, gw: Gateway, principal: Principal, target: Target,
+    def __init__(self, gw: Gateway, principal: Principal, resolved: ResolvedModel,
                  prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  observation: Observation, share: Share) -> None:
         self.gw = gw
         self.share = share
         self.principal = principal
-        self.target = target
+        self.resolved = resolved
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.request_id = request_id
@@ -76,7 +76,7 @@ class Job:
         self._finished = False
         self._admitted = False
         self._metering = False
-        self.usage = OpenUsage(principal.tenant_id, target.adapter_id)
+        self.usage = OpenUsage(principal.tenant_id, resolved.adapter_id)
         # The metrics status of a stream that ended with an error event (its HTTP status,
         # 200, was already sent).
         self.stream_status = "ok"
@@ -116,7 +116,7 @@ class Job:
         salt = (None if gw.config.allow_cross_tenant_cache_sharing
                 else cache_salt(gw.salt_secret, principal.tenant_id))
         self._stream = gw.backend.generate(self.prompt_token_ids, self.params,
-                                          self.target.ref, salt, self.request_id,
+                                          self.resolved.ref, salt, self.request_id,
                                           share=self.share)
         try:
             self._first = await self._stream.__anext__()

@@ -35,6 +35,7 @@ from loraplex.gateway.http import (
     sse,
 )
 from loraplex.gateway.metrics import Observation, status_for_http
+from loraplex.gateway.model_resolution import ResolvedModel, resolve_model
 from loraplex.gateway.responses import Accumulator, ChunkWriter, Echo, dumps, usage
 from loraplex.gateway.schemas import (
     ChatCompletionRequest,
@@ -45,7 +46,6 @@ from loraplex.gateway.schemas import (
     with_call_format,
 )
 from loraplex.gateway.state import Gateway, gateway
-from loraplex.gateway.targets import Target, resolve_target
 from loraplex.gateway.tools import ToolUse, template_input
 from loraplex.registry import service
 from loraplex.registry.api_keys import Principal
@@ -152,18 +152,18 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
 
 
 async def _prepare(request: Request, gw: Gateway, obs: Observation,
-                   parse: Callable[..., R]) -> tuple[Principal, R, Target]:
+                   parse: Callable[..., R]) -> tuple[Principal, R, ResolvedModel]:
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
     body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
     req = parse(body, max_tokens_limit=gw.config.max_tokens_limit, max_n=gw.config.max_n)
-    target = await resolve_target(gw, principal, req.options.model)
-    obs.adapter = target.label
-    return principal, req, target
+    resolved = await resolve_model(gw, principal, req.options.model)
+    obs.adapter = resolved.label
+    return principal, req, resolved
 
 
 async def completions(request: Request, gw: Gateway, obs: Observation) -> Response:
-    principal, req, target = await _prepare(request, gw, obs, parse_completion)
+    principal, req, resolved = await _prepare(request, gw, obs, parse_completion)
     token_ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
                  else await gw.tokenizers.encode(req.prompt or ""))
     # OpenAI's default of 16 applies only when max_tokens is left out.
@@ -173,12 +173,12 @@ async def completions(request: Request, gw: Gateway, obs: Observation) -> Respon
     if req.echo:
         text = req.prompt if req.prompt is not None else await gw.tokenizers.decode(token_ids)
         echo = Echo(text, token_ids)
-    return await _generate(request, gw, obs, principal, target, token_ids, params,
+    return await _generate(request, gw, obs, principal, resolved, token_ids, params,
                            req.options, chat=False, echo=echo)
 
 
 async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> Response:
-    principal, req, target = await _prepare(request, gw, obs, parse_chat_completion)
+    principal, req, resolved = await _prepare(request, gw, obs, parse_chat_completion)
     if req.tools is not None:
         # Each tool's parameters compile (a 400 naming the tool otherwise), in the grammar
         # sandbox and off the event loop: a costly schema stalls nobody's request.
@@ -191,18 +191,18 @@ async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> R
     token_ids = await gw.tokenizers.encode_chat(messages, tools)
     params = _sampling_params(gw, req.options, len(token_ids),
                               default_max_tokens=gw.config.max_tokens_limit)
-    return await _generate(request, gw, obs, principal, target, token_ids, params,
+    return await _generate(request, gw, obs, principal, resolved, token_ids, params,
                            req.options, chat=True, tools=req.tools,
                            chat_echo=req.echo or "")
 
 
 async def _generate(request: Request, gw: Gateway, obs: Observation, principal: Principal,
-                    target: Target, token_ids: list[int], params: SamplingParams,
+                    resolved: ResolvedModel, token_ids: list[int], params: SamplingParams,
                     options: GenerationOptions, *, chat: bool, echo: Echo | None = None,
                     tools: ToolUse | None = None, chat_echo: str = "") -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     share = request_share(principal, options.priority_class)
-    job = Job(gw, principal, target, token_ids, params, rid, obs, share)
+    job = Job(gw, principal, resolved, token_ids, params, rid, obs, share)
     try:
         await job.start()
     except BaseException as exc:
@@ -241,14 +241,14 @@ async def _collect(gw: Gateway, job: Job, options: GenerationOptions, chat: bool
         raise EngineDeadError("the request was aborted: the server is shutting down")
     usage_ = usage(job.num_prompt_tokens, job.num_completion_tokens)
     build = acc.chat if chat else acc.completion
-    return build(job.request_id, job.created, job.target.model, usage_)
+    return build(job.request_id, job.created, job.resolved.model, usage_)
 
 
 async def _events(gw: Gateway, job: Job, options: GenerationOptions, chat: bool,
                   echo: Echo | None, tools: ToolUse | None,
                   chat_echo: str) -> AsyncGenerator[bytes, None]:
     writer = ChunkWriter(chat=chat, rid=job.request_id, created=job.created,
-                         model=job.target.model, n=job.params.n, logprobs=options.logprobs,
+                         model=job.resolved.model, n=job.params.n, logprobs=options.logprobs,
                          include_usage=options.include_usage,
                          token_text=gw.tokenizers.token_text, echo=echo, tools=tools,
                          chat_echo=chat_echo)

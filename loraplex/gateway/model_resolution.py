@@ -19,7 +19,7 @@ BASE_LABEL: Final = "base"
 
 
 @dataclass(frozen=True)
-class Target:
+class ResolvedModel:
     """What a ``model`` field resolved to for the caller."""
 
     model: str  # as the caller spelled it, echoed in responses
@@ -28,19 +28,19 @@ class Target:
     ref: AdapterRef | None = None
 
 
-def _resolve(gw: Gateway, factory: sessionmaker[Session], tenant_id: int, model: str) -> Target:
+def _resolve(gw: Gateway, factory: sessionmaker[Session], tenant_id: int, model: str) -> ResolvedModel:
     with transaction(factory) as session:
         row = service.resolve_adapter(session, tenant_id, model)
         owner = row.tenant.name
         folder = gw.store.resolve(row.storage_path)
         # The id names the version, the digest the bytes: caches key on both.
         ref = AdapterRef(adapter_id=str(row.id), digest=row.digest, path=str(folder))
-        return Target(model, f"{owner}/{row.name}", row.id, ref)
+        return ResolvedModel(model, f"{owner}/{row.name}", row.id, ref)
 
 
-async def resolve_target(gw: Gateway, principal: Principal, model: str) -> Target:
+async def resolve_model(gw: Gateway, principal: Principal, model: str) -> ResolvedModel:
     """The base model or the adapter ``model`` names; AdapterNotFoundError (404) when the
     caller may not see it, whether or not it exists."""
     if model == gw.served_model_name:
-        return Target(model, BASE_LABEL)
+        return ResolvedModel(model, BASE_LABEL)
     return await run_in_threadpool(_resolve, gw, gw.sessions, principal.tenant_id, model)
