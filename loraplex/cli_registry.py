@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,7 @@ from loraplex.errors import (
     ModelLoadError,
     first_line,
 )
-from loraplex.registry import db, service, upload
+from loraplex.registry import db, quotas, service, upload
 from loraplex.registry.db import transaction
 from loraplex.registry.move import move_registry
 from loraplex.registry.names import check_adapter_name
@@ -96,12 +97,16 @@ def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
 
 
-def _tenant_json(t: Any) -> dict[str, Any]:
+def _tenant_json(t: Any, storage: dict[int, tuple[int, int]] | None = None,
+                 ) -> dict[str, Any]:
+    num_bytes, num_versions = (storage or {}).get(t.id, (0, 0))
     return {"id": t.id, "name": t.name, "status": t.status,
             "max_requests_per_minute": t.max_requests_per_minute,
             "max_tokens_per_minute": t.max_tokens_per_minute,
             "max_concurrent_requests": t.max_concurrent_requests,
             **{field: getattr(t, field) for _, _, field, _ in _SETTING_FLAGS},
+            **{field: getattr(t, field) for _, _, field, _ in _QUOTA_FLAGS},
+            "storage_bytes": num_bytes, "num_adapter_versions": num_versions,
             "created_at": _iso(t.created_at)}
 
 
@@ -261,7 +266,8 @@ def _db_report(args: argparse.Namespace, url: str, action: str | None) -> int:
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
-    given = _limits_given(args) | _settings_given(args)  # refused before the database opens
+    # Refused before the database opens.
+    given = _limits_given(args) | _settings_given(args) | _quotas_given(args)
     with _sessions(args) as factory, transaction(factory) as session:
         tenant = service.create_tenant(session, args.name, **given)
         data = _tenant_json(tenant)
@@ -281,19 +287,20 @@ def _tenants_status(status: str, verb: str) -> Handler:
 
 
 def _tenants_limits(args: argparse.Namespace) -> int:
-    limits = _limits_given(args) | _settings_given(args)
+    limits = _limits_given(args) | _settings_given(args) | _quotas_given(args)
     with _sessions(args) as factory, transaction(factory) as session:
         tenant = service.get_tenant_by_name(session, args.name)
         if limits:
             tenant = service.update_tenant_limits(session, tenant.id, **limits)
-        data = _tenant_json(tenant)
+        data = _tenant_json(tenant, quotas.storage_by_tenant(session, [tenant.id]))
 
     def text() -> None:
         shown = [f"{flag} {'unlimited' if data[field] is None else data[field]}"
-                 for flag, _, field, _ in _LIMIT_FLAGS]
+                 for flag, _, field, _ in (*_LIMIT_FLAGS, *_QUOTA_FLAGS)]
         shown += [f"{flag} {'default' if data[field] is None else data[field]}"
                   for flag, _, field, _ in _SETTING_FLAGS]
-        print(f"tenant {data['name']}: {', '.join(shown)}")
+        print(f"tenant {data['name']}: {', '.join(shown)}; stores {data['storage_bytes']} "
+              f"bytes in {data['num_adapter_versions']} adapter versions")
 
     _emit(args, data, text)
     return 0
@@ -301,10 +308,13 @@ def _tenants_limits(args: argparse.Namespace) -> int:
 
 def _tenants_list(args: argparse.Namespace) -> int:
     with _sessions(args) as factory, transaction(factory) as session:
-        data = [_tenant_json(t) for t in service.list_tenants(session)]
+        storage = quotas.storage_by_tenant(session)
+        data = [_tenant_json(t, storage) for t in service.list_tenants(session)]
     _emit(args, data, lambda: _print_table(data, (
         "id", "name", "status", "max_requests_per_minute", "max_tokens_per_minute",
-        "max_concurrent_requests", *(field for _, _, field, _ in _SETTING_FLAGS))))
+        "max_concurrent_requests", *(field for _, _, field, _ in _SETTING_FLAGS),
+        "storage_bytes", "max_storage_bytes", "num_adapter_versions",
+        "max_adapter_versions")))
     return 0
 
 
@@ -512,6 +522,34 @@ def _setting(flag: str, field: str, text: str) -> Any:
     return service.SCHEDULING_CHECKS[field](value, flag)
 
 
+# The storage quotas, in the same shape; 'none' (or 'unlimited', 'default') removes one.
+_QUOTA_FLAGS = (("--max-storage-bytes", "max_storage_bytes", "max_storage_bytes",
+                 "most bytes of adapter files the tenant keeps, e.g. 500M or 2G (K, M, G, T: "
+                 "powers of 1024)"),
+                ("--max-adapter-versions", "max_adapter_versions", "max_adapter_versions",
+                 "most active adapter versions the tenant has"))
+_SIZE_RE = re.compile(r"\s*([0-9]+)\s*(?:([kmgt])(?:i?b)?|b)?\s*", re.IGNORECASE)
+_COUNT_RE = re.compile(r"\s*([0-9]+)\s*")
+
+
+def _quotas_given(args: argparse.Namespace) -> dict[str, Any]:
+    return {field: _quota(flag, field, getattr(args, dest))
+            for flag, dest, field, _ in _QUOTA_FLAGS
+            if getattr(args, dest) is not service.UNSET}
+
+
+def _quota(flag: str, field: str, text: str) -> int | None:
+    """A quota's text as the registry stores it; InvalidRequestError naming the flag."""
+    if text.strip().lower() in ("none", "unlimited", "default"):
+        return None
+    value: object = text  # left as text where it is no number, which the check refuses
+    match = (_SIZE_RE if field == "max_storage_bytes" else _COUNT_RE).fullmatch(text)
+    if match and len(match[1]) <= 40:  # int() refuses 4300 digits; 40 is past any quota
+        unit = (match[2] or "") if match.re is _SIZE_RE else ""
+        value = int(match[1]) << (10 * " kmgt".index(unit.lower() or " "))
+    return service.QUOTA_CHECKS[field](value, flag)
+
+
 def _limit(text: str) -> int | None:
     """A limit on the command line: a positive integer, or ``none`` for unlimited."""
     if text.strip().lower() in ("none", "unlimited"):
@@ -587,6 +625,9 @@ def add_registry_commands(subparsers: Any) -> None:
     for flag, _, _, help_ in _LIMIT_FLAGS:
         p.add_argument(flag, type=_positive_int, metavar="N", help=f"{help_} (default: none)")
     _add_setting_flags(p, creating=True)
+    for flag, dest, _, help_ in _QUOTA_FLAGS:
+        p.add_argument(flag, dest=dest, default=service.UNSET, metavar="N",
+                       help=f"{help_} (default: unlimited)")
     leaf(tenants, "list", _tenants_list, "list tenants")
     p = leaf(tenants, "suspend", _tenants_status("suspended", "suspended"),
              "suspend a tenant: its keys stop working and its public adapters stop "
@@ -596,13 +637,16 @@ def add_registry_commands(subparsers: Any) -> None:
              "reactivate a suspended tenant")
     p.add_argument("name")
     p = leaf(tenants, "limits", _tenants_limits,
-             "change a tenant's limits and scheduling settings (the ones given; 'none' "
-             "removes a limit) and show them")
+             "change a tenant's limits, scheduling settings and storage quotas (the ones "
+             "given; 'none' removes a limit or quota) and show them")
     p.add_argument("name")
     for flag, _, _, help_ in _LIMIT_FLAGS:
         p.add_argument(flag, type=_limit, default=service.UNSET, metavar="N|none",
                        help=f"{help_} (none: unlimited; default: unchanged)")
     _add_setting_flags(p, creating=False)
+    for flag, dest, _, help_ in _QUOTA_FLAGS:
+        p.add_argument(flag, dest=dest, default=service.UNSET, metavar="N|none",
+                       help=f"{help_} (none: unlimited; default: unchanged)")
 
     keys = group("keys", "manage API keys")
     p = leaf(keys, "create", _keys_create,

@@ -75,3 +75,13 @@ class UploadTooLargeError(AdapterError):
     def __init__(self, message: str, max_bytes: int) -> None:
         super().__init__(message)
         self.max_bytes = max_bytes
+
+
+class QuotaExceededError(LoraplexError):
+    """An upload would take a tenant past its storage quota: ``param`` names the quota
+    (``max_storage_bytes`` or ``max_adapter_versions``); nothing of the upload is kept."""
+
+    def __init__(self, message: str, param: str, quota: int) -> None:
+        super().__init__(message)
+        self.param = param
+        self.quota = quota

@@ -1,6 +1,8 @@
-// Tenants: create, change limits and scheduling settings, suspend and reactivate.
+// Tenants: create, change limits, scheduling settings and storage quotas, suspend and
+// reactivate.
 import { api } from "../api.js";
-import { badge, checkName, confirmButton, errorLine, field, h, table } from "../dom.js";
+import { badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtInt, h, table }
+  from "../dom.js";
 
 export const title = "Tenants";
 const TENANT_RULE = "use lower-case letters, digits, '.', '_' or '-', starting with a " +
@@ -103,6 +105,7 @@ export async function render(container) {
       const e = errorLine(); e.show(err); listArea.replaceChildren(e); return;
     }
     schedulingArea.replaceChildren(schedulingTable(data, load));
+    storageArea.replaceChildren(storageTable(data, load));
     const rows = data.map((t) => {
       const inputs = LIMITS.map(([key, label]) => limitInput(t[key], label));
       const rowError = errorLine();
@@ -134,6 +137,7 @@ export async function render(container) {
   }
 
   const schedulingArea = h("div", { id: "tenant-scheduling" });
+  const storageArea = h("div", { id: "tenant-storage" });
   container.append(
     h("h1", {}, "Tenants"),
     h("div", { class: "card" }, h("h2", {}, "New tenant"), form, createError),
@@ -144,7 +148,13 @@ export async function render(container) {
       h("p", { class: "muted" }, "When the engine is busy, interactive work is admitted " +
         "before batch work, and tenants of a class share it by weight. An empty KV fraction " +
         "or SLO uses the server's default. Changes apply from the next request."),
-      schedulingArea));
+      schedulingArea),
+    h("div", { class: "card" }, h("h2", {}, "Storage"),
+      h("p", { class: "muted" }, "What each tenant keeps in the adapter store against its " +
+        "quotas. An upload that would pass one is refused and nothing of it is kept. A " +
+        "deleted version counts until its files are removed. Sizes take K, M, G or T " +
+        "(powers of 1024); empty = unlimited."),
+      storageArea));
   await load();
 }
 
@@ -168,4 +178,63 @@ function schedulingTable(data, reload) {
   });
   return table(["Tenant", "Weight", "Class", ...SETTINGS.slice(1).map(([, l]) => l),
                 "Actions"], rows, "No tenants yet.");
+}
+
+const UNITS = ["", "K", "M", "G", "T"];
+
+/** A byte quota as typed: "500M", "2G", "1048576"; null when empty. Text that is not a
+ * size is sent as it is, so the server refuses it naming the field. */
+function sizeValue(input) {
+  const raw = input.value.trim();
+  if (raw === "") return null;
+  const m = /^(\d+)\s*(?:([kmgt])(?:i?b)?|b)?$/i.exec(raw);
+  if (!m) return raw;
+  const value = BigInt(m[1]) * 1024n ** BigInt(UNITS.indexOf((m[2] || "").toUpperCase()));
+  return value <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(value) : raw;
+}
+
+/** A byte quota shown in the largest unit that divides it exactly. */
+function sizeText(n) {
+  if (n === null || n === undefined) return "";
+  let i = 0;
+  while (i < UNITS.length - 1 && n % 1024 === 0 && n > 0) { n /= 1024; i += 1; }
+  return `${n}${UNITS[i]}`;
+}
+
+function used(n, quota, fmt) {
+  const pct = quota ? ` (${Math.round((100 * n) / quota)}%)` : "";
+  return `${fmt(n)} / ${quota === null || quota === undefined ? "unlimited" : fmt(quota)}${pct}`;
+}
+
+/** One row per tenant: stored bytes and versions against the quotas, which save with it. */
+function storageTable(data, reload) {
+  const rows = data.map((t) => {
+    const bytes = h("input", { type: "text", placeholder: "unlimited", "aria-label": "Max storage",
+                               "data-quota": "max_storage_bytes", autocomplete: "off",
+                               value: sizeText(t.max_storage_bytes) });
+    const versions = h("input", { type: "number", min: "1", step: "1", placeholder: "unlimited",
+                                  "aria-label": "Max adapter versions",
+                                  "data-quota": "max_adapter_versions",
+                                  value: t.max_adapter_versions === null ? ""
+                                    : String(t.max_adapter_versions) });
+    const rowError = errorLine();
+    const save = h("button", { type: "button", class: "small" }, "Save quotas");
+    save.addEventListener("click", async () => {
+      rowError.clear();
+      const raw = versions.value.trim();
+      try {
+        await api("PATCH", `/admin/api/tenants/${encodeURIComponent(t.name)}`, {
+          max_storage_bytes: sizeValue(bytes),
+          max_adapter_versions: raw === "" ? null : Number(raw) });
+        await reload();
+      } catch (err) { rowError.show(err); }
+    });
+    return [h("strong", { class: "storage-tenant" }, t.name),
+            h("span", { class: "storage-used" }, used(t.storage_bytes, t.max_storage_bytes, fmtBytes)),
+            h("span", { class: "versions-used" },
+              used(t.num_adapter_versions, t.max_adapter_versions, fmtInt)),
+            bytes, versions, h("div", {}, h("div", { class: "actions" }, save), rowError)];
+  });
+  return table(["Tenant", "Stored", "Versions", "Max storage", "Max versions", "Actions"], rows,
+               "No tenants yet.");
 }

@@ -39,6 +39,7 @@ from loraplex.gateway.http import declared_length
 from loraplex.registry import upload
 from loraplex.registry.archive import ALLOWED_FILES
 from loraplex.registry.models import Adapter
+from loraplex.registry.quotas import StorageUsage
 from loraplex.registry.store import AdapterStore
 from loraplex.registry.upload import AdapterUploader, DeletedAdapter, UploadResult
 
@@ -61,6 +62,14 @@ def adapter_json(row: Adapter, owner: str) -> dict[str, Any]:
         "target_modules": list(row.target_modules), "visibility": row.visibility,
         "status": row.status, "created_at": row.created_at.isoformat(),
     }
+
+
+def storage_json(usage: StorageUsage) -> dict[str, Any]:
+    """A tenant's storage against its quotas (``None``: unlimited): bytes of its active
+    versions and of deleted ones not yet reclaimed, and its active versions."""
+    return {"storage_bytes": usage.num_bytes, "max_storage_bytes": usage.max_storage_bytes,
+            "num_adapter_versions": usage.num_versions,
+            "max_adapter_versions": usage.max_adapter_versions}
 
 
 def deleted_json(rows: list[DeletedAdapter], owner: str) -> dict[str, Any]:
@@ -242,7 +251,9 @@ class AdapterService:
         """Receives a multipart upload into a staging folder and commits it for the tenant.
 
         Raises InvalidRequestError (400), UploadTooLargeError (413), AdapterRejectedError
-        (422, the reason in the message), ConflictError (409).
+        (422, the reason in the message), ConflictError (409), QuotaExceededError (413 for
+        bytes, 409 for versions; before a byte is read when the tenant is already full,
+        else as soon as the received files pass what is left, and before any is kept).
         """
         max_body = self.max_upload_bytes + BODY_SLACK_BYTES
         size = declared_length(request)
@@ -250,10 +261,11 @@ class AdapterService:
             raise UploadTooLargeError(
                 f"upload too large: {size} bytes, over the limit of "
                 f"{self.max_upload_bytes} bytes", self.max_upload_bytes)
+        quota = await asyncio.to_thread(self.uploader.check_quota, self.sessions, tenant_id)
         reader = MultipartReader(request, max_body)
         fields: dict[str, str] = {}
         try:
-            with self.uploader.staging() as staging:
+            with self.uploader.staging(quota=quota) as staging:
                 async for part in reader.parts():
                     if part.filename is None:
                         if part.field in FIELDS:
@@ -297,9 +309,13 @@ class AdapterService:
         except EngineDeadError:
             logger.warning("adapter %s deleted while the engine is not running", name)
         finally:
-            for digest in sorted({d.digest for d in deleted}):
+            digests = sorted({d.digest for d in deleted})
+            for digest in digests:
                 await asyncio.to_thread(upload.discard_unreferenced, self.sessions,
                                         self.store, digest)
+            # The tenant's quota gets the bytes back now, not at the next sweep.
+            await asyncio.to_thread(upload.reclaim_deleted, self.sessions, self.store,
+                                    digests)
         return deleted
 
 

@@ -32,6 +32,7 @@ from loraplex.errors import (
     LoraplexError,
     NotFoundError,
     PromptTooLongError,
+    QuotaExceededError,
     StoreNotOwnedError,
     TenantSuspendedError,
     UploadTooLargeError,
@@ -126,6 +127,12 @@ def describe(exc: BaseException) -> ErrorInfo:
         return ErrorInfo(413, str(exc), "invalid_request_error", None, "payload_too_large")
     if isinstance(exc, UploadTooLargeError):
         return ErrorInfo(413, str(exc), "invalid_request_error", None, "payload_too_large")
+    if isinstance(exc, QuotaExceededError):
+        # Bytes: the upload is too large for what is left (413, as the byte cap answers).
+        # Versions: the tenant's state refuses one more, whatever its size (409).
+        status = 413 if exc.param == "max_storage_bytes" else 409
+        return ErrorInfo(status, str(exc), "invalid_request_error", exc.param,
+                         "quota_exceeded")
     if isinstance(exc, AdapterRejectedError):
         return ErrorInfo(422, f"the adapter was refused: {exc}", "invalid_request_error",
                          "file", "invalid_adapter")

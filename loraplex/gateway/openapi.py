@@ -19,7 +19,14 @@ from typing import Any
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
 from loraplex.gateway.openapi_requests import closed, request_schemas
-from loraplex.registry.models import MAX_SLO_MS, MAX_WEIGHT, MIN_WEIGHT, PRIORITY_CLASSES
+from loraplex.registry.models import (
+    MAX_ADAPTER_VERSIONS,
+    MAX_SLO_MS,
+    MAX_STORAGE_BYTES,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    PRIORITY_CLASSES,
+)
 from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
 
 _REF = "#/components/schemas/"
@@ -156,6 +163,18 @@ _SETTINGS: dict[str, Any] = {
     "slo_ttft_ms": _slo("Time-to-first-token"),
     "slo_tpot_ms": _slo("Time-per-output-token"),
 }
+# The tenant's storage quotas, checked at upload; null: unlimited.
+_QUOTAS: dict[str, Any] = {
+    "max_storage_bytes": {"type": ["integer", "null"], "minimum": 1,
+                          "maximum": MAX_STORAGE_BYTES,
+                          "description": "Most bytes of adapter files the tenant keeps "
+                                         "(active versions, and deleted ones until their "
+                                         "bytes are reclaimed); null: unlimited"},
+    "max_adapter_versions": {"type": ["integer", "null"], "minimum": 1,
+                             "maximum": MAX_ADAPTER_VERSIONS,
+                             "description": "Most active adapter versions the tenant has; "
+                                            "null: unlimited"},
+}
 
 
 _COUNT = {"type": "integer", "minimum": 0}
@@ -252,7 +271,8 @@ def _adapter_paths() -> dict[str, Any]:
     """The tenant's own adapters."""
     return {
         "/v1/adapters": {
-            "get": {"summary": "Every version of the caller's adapters",
+            "get": {"summary": "Every version of the caller's adapters, and its storage "
+                               "against its quotas (storage)",
                     "parameters": [_query("include_deleted", {"type": "boolean"})],
                     "responses": {"200": _json(_LIST, "Adapter versions"),
                                   **_errors(400, 401)}},
@@ -290,17 +310,19 @@ def _admin_paths() -> dict[str, Any]:
             "post": {"summary": "Create a tenant (admin)",
                      "requestBody": _body(closed({
                          "type": "object", "required": ["name"],
-                         "properties": {"name": _TENANT_NAME} | _LIMITS | _SETTINGS})),
+                         "properties": {"name": _TENANT_NAME} | _LIMITS | _SETTINGS
+                                       | _QUOTAS})),
                      "responses": {"201": _json(_OBJ, "The tenant"),
                                    **_errors(400, 401, 403, 409, 413)}}},
         "/admin/api/tenants/{tenant}": {
             "parameters": [tenant],
             "get": {"summary": "One tenant (admin)",
                     "responses": {"200": _json(_OBJ, "The tenant"), **admin}},
-            "patch": {"summary": "Change a tenant's limits, scheduling settings or status "
-                                 "(admin)",
+            "patch": {"summary": "Change a tenant's limits, scheduling settings, storage "
+                                 "quotas or status (admin)",
                       "requestBody": _body(closed({"type": "object",
-                                                   "properties": _LIMITS | _SETTINGS | {
+                                                   "properties": _LIMITS | _SETTINGS
+                                                   | _QUOTAS | {
                           "status": {"type": "string", "enum": ["active", "suspended"]}}})),
                       "responses": {"200": _json(_OBJ, "The tenant"), **admin}}},
         "/admin/api/tenants/{tenant}/keys": {

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, contains_eager
 from loraplex.errors import AdapterNotFoundError, ConflictError, InvalidRequestError
 from loraplex.registry.models import VISIBILITIES, Adapter, Tenant
 from loraplex.registry.names import check_adapter_name, is_adapter_name, is_tenant_name
-from loraplex.registry.tenants import get_tenant
+from loraplex.registry.quotas import storage_usage
 
 
 def _check_visibility(visibility: str) -> str:
@@ -44,13 +44,16 @@ def register_adapter(
     deleted versions included, so a version number is never reused).
 
     Call it after the files are in the store, and commit after that. ConflictError if a
-    concurrent upload took the same version: retry.
+    concurrent upload took the same version: retry. QuotaExceededError if the version
+    would take the tenant past a storage quota: checked under a lock on the tenant, so
+    concurrent uploads cannot both fit in what is left (``registry.quotas``).
     """
     check_adapter_name(name)
     _check_visibility(visibility)
     if rank < 1:
         raise InvalidRequestError(f"rank must be >= 1, got {rank}", param="rank")
-    get_tenant(session, tenant_id)
+    # First statement of the transaction: the lock must come before any read (SQLite).
+    storage_usage(session, tenant_id, lock=True).check(size_bytes)
     latest = session.scalar(
         sa.select(sa.func.max(Adapter.version))
         .where(Adapter.tenant_id == tenant_id, Adapter.name == name))

@@ -29,6 +29,9 @@ MAX_WEIGHT: Final = 1000
 # Below this, service divided by weight outgrows any counter: the scheduler's bound too.
 MIN_WEIGHT: Final = 0.01
 MAX_SLO_MS: Final = 3_600_000  # one hour
+# Storage quotas: bytes fit PostgreSQL's bigint, versions its integer (migration 0005).
+MAX_STORAGE_BYTES: Final = 2**63 - 1
+MAX_ADAPTER_VERSIONS: Final = 2**31 - 1
 
 # Named constraints: PostgreSQL and SQLite batch migrations both need names to drop them.
 NAMING_CONVENTION: Final = {
@@ -106,6 +109,10 @@ class Tenant(Base):
                            f"slo_ttft_ms <= {MAX_SLO_MS})", name="slo_ttft_ms"),
         sa.CheckConstraint(f"slo_tpot_ms IS NULL OR (slo_tpot_ms >= 1 AND "
                            f"slo_tpot_ms <= {MAX_SLO_MS})", name="slo_tpot_ms"),
+        sa.CheckConstraint("max_storage_bytes IS NULL OR max_storage_bytes >= 1",
+                           name="max_storage_bytes"),
+        sa.CheckConstraint("max_adapter_versions IS NULL OR max_adapter_versions >= 1",
+                           name="max_adapter_versions"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -122,6 +129,9 @@ class Tenant(Base):
     max_kv_fraction: Mapped[float | None] = mapped_column(sa.Float)
     slo_ttft_ms: Mapped[int | None] = mapped_column(sa.Integer)
     slo_tpot_ms: Mapped[int | None] = mapped_column(sa.Integer)
+    # Storage quotas (``None``: unlimited), enforced at upload (``registry.quotas``).
+    max_storage_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    max_adapter_versions: Mapped[int | None] = mapped_column(sa.Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow,
                                                  onupdate=utcnow)
@@ -190,6 +200,10 @@ class Adapter(Base):
     visibility: Mapped[str] = mapped_column(sa.String(16), default="private")
     status: Mapped[str] = mapped_column(sa.String(16), default="active")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # When a deleted version's bytes stopped counting against its tenant's storage quota:
+    # its stored copy was removed, or another active row holds the same content. NULL
+    # while active, and while a deleted version's copy is still kept for it.
+    reclaimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
     tenant: Mapped[Tenant] = relationship(back_populates="adapters")
 

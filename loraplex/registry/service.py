@@ -33,6 +33,7 @@ from loraplex.registry.api_keys import (
     revoke_key,
 )
 from loraplex.registry.tenants import (
+    QUOTA_CHECKS,
     SCHEDULING_CHECKS,
     UNSET,
     create_tenant,
@@ -52,7 +53,7 @@ from loraplex.registry.usage import (
 )
 
 __all__ = [
-    "ADMIN_TENANT", "KEY_PREFIX", "SCHEDULING_CHECKS", "UNSET", "Principal", "UsageRecord", "UsageTotals",
+    "ADMIN_TENANT", "KEY_PREFIX", "QUOTA_CHECKS", "SCHEDULING_CHECKS", "UNSET", "Principal", "UsageRecord", "UsageTotals",
     "admin_tenant", "authenticate", "create_admin_key", "create_key", "create_tenant", "delete_adapter", "generate_key",
     "get_adapter", "get_tenant", "get_tenant_by_name", "hash_key", "hour_start",
     "is_digest_referenced", "list_adapters", "list_keys", "list_tenants", "list_usage",

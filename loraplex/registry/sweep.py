@@ -6,6 +6,10 @@ no row names. ``sweep_store`` removes both once they are older than the grace pe
 for temporary folders, no live process holds their lock (see ``registry.store``), so an
 upload in progress in this or any other process sharing the store is never touched.
 
+Deleted versions whose stored copy is gone (or held for an active row) stop counting
+against their tenants' storage quotas here too (``upload.reclaim_deleted``): deletion
+usually removes the files and reclaims at once; the sweep catches what it left.
+
 Only the registry that owns the store sweeps it (``registry.ownership``): a folder another
 registry's rows name is no orphan, whatever this registry's rows say.
 
@@ -22,17 +26,19 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.registry.store import AdapterStore
-from loraplex.registry.upload import remove_unreferenced
+from loraplex.registry.upload import reclaim_deleted, remove_unreferenced
 
 logger = logging.getLogger("loraplex.registry")
 
 
 @dataclass(frozen=True)
 class SweepResult:
-    """What one sweep removed: temporary entries, and digests of orphan folders."""
+    """What one sweep removed: temporary entries, and digests of orphan folders; and how
+    many deleted versions' bytes it reclaimed for their tenants' quotas."""
 
     num_tmp_removed: int
     orphans_removed: tuple[str, ...]
+    num_reclaimed: int = 0
 
 
 def sweep_store(factory: sessionmaker[Session], store: AdapterStore, *,
@@ -45,7 +51,7 @@ def sweep_store(factory: sessionmaker[Session], store: AdapterStore, *,
         return SweepResult(0, ())
     num_tmp = store.sweep_tmp(older_than_s=grace_s)
     orphans = remove_unreferenced(factory, store, older_than_s=grace_s)
-    return SweepResult(num_tmp, tuple(orphans))
+    return SweepResult(num_tmp, tuple(orphans), reclaim_deleted(factory, store))
 
 
 class StoreSweeper:
@@ -84,8 +90,9 @@ class StoreSweeper:
                 # A full disk or a database outage must not end crash recovery for good.
                 logger.exception("sweeping the adapter store failed; retrying later")
             else:
-                if result.num_tmp_removed or result.orphans_removed:
+                if result.num_tmp_removed or result.orphans_removed or result.num_reclaimed:
                     logger.info("adapter store sweep removed %d temporary entries and %d "
-                                "orphan folders", result.num_tmp_removed,
-                                len(result.orphans_removed))
+                                "orphan folders; reclaimed %d deleted versions' bytes",
+                                result.num_tmp_removed, len(result.orphans_removed),
+                                result.num_reclaimed)
             await asyncio.sleep(self.interval_s)

@@ -14,7 +14,9 @@ from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.registry.models import (
     DEFAULT_PRIORITY_CLASS,
     DEFAULT_WEIGHT,
+    MAX_ADAPTER_VERSIONS,
     MAX_SLO_MS,
+    MAX_STORAGE_BYTES,
     MAX_WEIGHT,
     MIN_WEIGHT,
     PRIORITY_CLASSES,
@@ -106,6 +108,37 @@ SCHEDULING_CHECKS: Final[dict[str, Callable[[Any, str], Any]]] = {
 }
 
 
+# --- storage quotas ----------------------------------------------------------------------
+# Same shape as the settings: value and name to report in, value as stored out.
+
+
+def check_quota(value: object, param: str, *, maximum: int) -> int | None:
+    """A storage quota: an integer from 1 to ``maximum``; ``None``: unlimited."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
+        return value
+    raise InvalidRequestError(f"{param} must be an integer from 1 to {maximum}, or null for "
+                              f"unlimited, got {_shown(value)}", param=param)
+
+
+def check_storage_bytes(value: object, param: str = "max_storage_bytes") -> int | None:
+    """The most bytes of adapter files the tenant may keep; ``None``: unlimited."""
+    return check_quota(value, param, maximum=MAX_STORAGE_BYTES)
+
+
+def check_adapter_versions(value: object, param: str = "max_adapter_versions") -> int | None:
+    """The most active adapter versions the tenant may have; ``None``: unlimited."""
+    return check_quota(value, param, maximum=MAX_ADAPTER_VERSIONS)
+
+
+# field -> its check: the quotas the CLI, the admin API and the admin UI set.
+QUOTA_CHECKS: Final[dict[str, Callable[[Any, str], Any]]] = {
+    "max_storage_bytes": check_storage_bytes,
+    "max_adapter_versions": check_adapter_versions,
+}
+
+
 def create_tenant(
     session: Session,
     name: str,
@@ -118,9 +151,11 @@ def create_tenant(
     max_kv_fraction: float | None = None,
     slo_ttft_ms: int | None = None,
     slo_tpot_ms: int | None = None,
+    max_storage_bytes: int | None = None,
+    max_adapter_versions: int | None = None,
 ) -> Tenant:
-    """Adds an active tenant. Limits of ``None`` mean unlimited; a KV fraction or SLO of
-    ``None``, the server's default. ConflictError if the name is taken."""
+    """Adds an active tenant. Limits and quotas of ``None`` mean unlimited; a KV fraction
+    or SLO of ``None``, the server's default. ConflictError if the name is taken."""
     check_tenant_name(name)
     tenant = Tenant(
         name=name,
@@ -131,7 +166,9 @@ def create_tenant(
         **_checked_settings({
             "weight": weight, "priority_class": priority_class,
             "max_kv_fraction": max_kv_fraction, "slo_ttft_ms": slo_ttft_ms,
-            "slo_tpot_ms": slo_tpot_ms}),
+            "slo_tpot_ms": slo_tpot_ms,
+            "max_storage_bytes": max_storage_bytes,
+            "max_adapter_versions": max_adapter_versions}),
     )
     if session.scalar(sa.select(Tenant.id).where(Tenant.name == name)) is not None:
         raise ConflictError(f"tenant {name!r} already exists")
@@ -167,7 +204,8 @@ def get_tenant_by_name(session: Session, name: str) -> Tenant:
 
 
 def _checked_settings(values: dict[str, Any]) -> dict[str, Any]:
-    return {field: SCHEDULING_CHECKS[field](value, field) for field, value in values.items()}
+    checks = SCHEDULING_CHECKS | QUOTA_CHECKS
+    return {field: checks[field](value, field) for field, value in values.items()}
 
 
 def update_tenant_limits(
@@ -182,9 +220,13 @@ def update_tenant_limits(
     max_kv_fraction: float | None | _Unset = UNSET,
     slo_ttft_ms: int | None | _Unset = UNSET,
     slo_tpot_ms: int | None | _Unset = UNSET,
+    max_storage_bytes: int | None | _Unset = UNSET,
+    max_adapter_versions: int | None | _Unset = UNSET,
 ) -> Tenant:
-    """Changes the limits and scheduling settings given; omitted ones stay as they are.
-    ``None`` removes a limit, or returns a KV fraction or SLO to the server's default.
+    """Changes the limits, scheduling settings and storage quotas given; omitted ones stay
+    as they are. ``None`` removes a limit or quota, or returns a KV fraction or SLO to the
+    server's default. A quota below what the tenant already stores is allowed: its next
+    upload is refused until it deletes enough.
 
     Every value is checked before any is set: one bad value changes nothing.
     """
@@ -195,7 +237,8 @@ def update_tenant_limits(
     settings = _checked_settings({field: value for field, value in (
         ("weight", weight), ("priority_class", priority_class),
         ("max_kv_fraction", max_kv_fraction), ("slo_ttft_ms", slo_ttft_ms),
-        ("slo_tpot_ms", slo_tpot_ms)) if value is not UNSET})
+        ("slo_tpot_ms", slo_tpot_ms), ("max_storage_bytes", max_storage_bytes),
+        ("max_adapter_versions", max_adapter_versions)) if value is not UNSET})
     tenant = get_tenant(session, tenant_id)
     for field, value in (limits | settings).items():
         setattr(tenant, field, value)

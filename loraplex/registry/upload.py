@@ -6,18 +6,22 @@ receive → unpack → validate → store → commit:
 1. Received bytes stream into a private staging folder under the store's ``.tmp`` (same
    filesystem, locked while this process lives, swept by ``AdapterStore.sweep_tmp`` after
    a crash; see ``registry.sweep``), under a running byte
-   cap. Only ``adapter_config.json`` + ``adapter_model.safetensors`` (+ ``README.md``), or
+   cap, and under what is left of the tenant's storage quota (``registry.quotas``). Only
+   ``adapter_config.json`` + ``adapter_model.safetensors`` (+ ``README.md``), or
    one ``.zip`` / ``.tar.gz`` of them, are accepted; pickle files are refused by name.
 2. An archive is unpacked by ``archive.unpack_archive``, member by member, into a flat
    folder: absolute paths, ``..``, links, devices, too many members and too many bytes are
    refused; sizes are checked as declared and counted while extracting (headers lie).
 3. The staged folder is checked by the engine's own loader, injected as ``validate`` so the
    registry never imports the engine.
-4. ``AdapterStore.put_dir`` hashes, fsyncs and renames the files into the content-addressed
+4. The tenant's storage quotas are checked against the files to be stored, then
+   ``AdapterStore.put_dir`` hashes, fsyncs and renames the files into the content-addressed
    store (identical content, both files byte for byte, is stored once).
 5. The row is registered and committed in a short transaction the pipeline owns: only then
    can it promise that a failure at any step, the commit included, leaves neither a file
-   (that this upload created) nor a row. ``on_registered`` runs inside that transaction.
+   (that this upload created) nor a row. The quotas are checked again there, under a lock
+   on the tenant, so concurrent uploads cannot both fit. ``on_registered`` runs inside
+   that transaction.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from loraplex.errors import (
     InvalidRequestError,
     UploadTooLargeError,
 )
-from loraplex.registry import service
+from loraplex.registry import quotas, service
 from loraplex.registry.archive import (
     ALLOWED_FILES,
     HINT,
@@ -62,6 +66,7 @@ from loraplex.registry.archive import (
 from loraplex.registry.db import transaction
 from loraplex.registry.models import VISIBILITIES, Adapter
 from loraplex.registry.names import check_adapter_name
+from loraplex.registry.quotas import StorageUsage
 from loraplex.registry.store import (
     CONFIG_FILE,
     PICKLE_SUFFIXES,
@@ -72,8 +77,8 @@ from loraplex.registry.store import (
 __all__ = [
     "AdapterUploader", "DeletedAdapter", "OnDeleted", "OnRegistered", "ProgressFn",
     "UploadLimits", "UploadResult", "UploadStaging", "ValidatedAdapter", "Validator",
-    "delete_adapter", "discard_unreferenced", "remove_unreferenced", "stored_digests",
-    "unpack_archive",
+    "delete_adapter", "discard_unreferenced", "reclaim_deleted", "remove_unreferenced",
+    "stored_digests", "unpack_archive",
 ]
 
 _CHUNK: Final = 1 << 20
@@ -82,6 +87,10 @@ _UPLOAD_PREFIX: Final = "upload-"
 # not work (some network filesystems) only its age does, so a slow upload renews it.
 _TOUCH_EVERY_S: Final = 60.0
 _MAX_VERSION_ATTEMPTS: Final = 3
+# Received bytes are cut off at what is left of the tenant's storage quota. The adapter's
+# own files arrive as stored; an archive may hold a README and framing besides (tar
+# headers, padding), which this allows for. The exact check is on the unpacked files.
+ARCHIVE_QUOTA_SLACK_BYTES: Final = 1 << 20
 
 ProgressFn = Callable[[int], None]  # called with the bytes received so far
 
@@ -162,14 +171,20 @@ class UploadStaging:
     """One upload's private folder under the store's ``.tmp``; removed on ``close``.
 
     ``write``/``write_async`` receive one file each under a running cap on the bytes of the
-    whole upload (UploadTooLargeError as soon as it is passed, before the rest is read).
+    whole upload (UploadTooLargeError as soon as it is passed, before the rest is read),
+    and, given the tenant's ``quota``, on the bytes of its adapter files or archive
+    (QuotaExceededError as soon as they pass what is left of it, plus an archive's slack).
     """
 
     def __init__(self, store: AdapterStore, limits: UploadLimits,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None,
+                 quota: StorageUsage | None = None) -> None:
         self.limits = limits
         self.num_bytes = 0
         self._progress = progress
+        self._quota = quota
+        self._num_quota_bytes = 0  # received bytes that will be stored (README excluded)
+        self._quota_cap: int | None = None  # for the file being received
         # Locked while this process lives: a sweep in any process leaves it alone.
         self._dir = store.tmp_dir(_UPLOAD_PREFIX)
         self.path = self._dir.path
@@ -225,6 +240,9 @@ class UploadStaging:
         if base in self._received:
             raise AdapterError(f"{base} was sent twice")
         self._received.append(base)
+        left = None if self._quota is None else self._quota.bytes_left
+        self._quota_cap = None if left is None or base == README_FILE else \
+            left + (ARCHIVE_QUOTA_SLACK_BYTES if is_archive(base) else 0)
         with open(self._inbox / base, "xb") as out:
             yield out
 
@@ -234,6 +252,12 @@ class UploadStaging:
             raise UploadTooLargeError(
                 f"upload too large: more than {self.limits.max_upload_bytes} bytes",
                 self.limits.max_upload_bytes)
+        if self._quota_cap is not None:
+            self._num_quota_bytes += len(chunk)
+            if self._num_quota_bytes > self._quota_cap:
+                assert self._quota is not None
+                # Refused before this chunk is written; the staging folder goes on close.
+                self._quota.check_bytes(self._num_quota_bytes, at_least=True)
         out.write(chunk)
         if self._progress is not None:
             self._progress(self.num_bytes)
@@ -263,6 +287,11 @@ class UploadStaging:
 
 
 # --- the pipeline ------------------------------------------------------------------------
+
+
+def _stored_size(adapter_dir: Path) -> int:
+    """The bytes ``put_dir`` will store from a validated folder: its two files."""
+    return sum((adapter_dir / name).stat().st_size for name in (WEIGHTS_FILE, CONFIG_FILE))
 
 
 def _model_key(name: str) -> str:
@@ -316,10 +345,24 @@ class AdapterUploader:
             raise InvalidRequestError(f"visibility must be one of {', '.join(VISIBILITIES)}, "
                                       f"got {value!r}", param="visibility")
 
-    def staging(self, progress: ProgressFn | None = None) -> UploadStaging:
+    def staging(self, progress: ProgressFn | None = None,
+                quota: StorageUsage | None = None) -> UploadStaging:
         """A fresh staging folder to receive one upload into (use as a context manager),
-        then pass to ``commit``."""
-        return UploadStaging(self.store, self.limits, progress)
+        then pass to ``commit``; ``quota`` (from ``check_quota``) cuts the upload off
+        where it passes what is left of the tenant's storage quota."""
+        return UploadStaging(self.store, self.limits, progress, quota)
+
+    def check_quota(self, factory: sessionmaker[Session], tenant_id: int,
+                    size_bytes: int | None = None) -> StorageUsage:
+        """The tenant's storage and quotas; QuotaExceededError if one more version (of
+        ``size_bytes``, or of any size) does not fit. NotFoundError for no such tenant.
+
+        Call it before receiving a byte; ``commit`` checks again before the files are
+        stored, and ``register_adapter`` under a lock before the row is written."""
+        with transaction(factory) as session:
+            usage = quotas.storage_usage(session, tenant_id)
+        usage.check(size_bytes)
+        return usage
 
     def upload_path(self, factory: sessionmaker[Session], *, tenant_id: int, name: str,
                     path: str | os.PathLike[str], visibility: str = "private",
@@ -329,7 +372,8 @@ class AdapterUploader:
         anywhere refuse the upload; other files (tokenizer, trainer state) are ignored."""
         self.check_request(name, visibility)
         src = Path(path)
-        with self.staging(progress) as staging:
+        quota = self.check_quota(factory, tenant_id)
+        with self.staging(progress, quota) as staging:
             if src.is_dir():
                 pickles = sorted(str(p.relative_to(src)) for p in src.rglob("*")
                                  if p.name.lower().endswith(PICKLE_SUFFIXES))
@@ -356,12 +400,14 @@ class AdapterUploader:
 
         Blocking (disk, torch, database): call it from a worker thread in async code.
         Raises AdapterError (UploadTooLargeError), InvalidRequestError, NotFoundError,
-        ConflictError, or whatever ``on_registered`` or the database raise; in every case
-        no row is left and no stored copy this upload created.
+        ConflictError, QuotaExceededError, or whatever ``on_registered`` or the database
+        raise; in every case no row is left and no stored copy this upload created.
         """
         self.check_request(name, visibility)
         adapter_dir = staging.adapter_dir()
         adapter = self._validate(adapter_dir)
+        # What put_dir will store, checked before a byte of it is kept.
+        self.check_quota(factory, tenant_id, _stored_size(adapter_dir))
         stored = self.store.put_dir(adapter_dir)
         try:
             if adapter.digest != stored.digest:
@@ -472,9 +518,39 @@ def delete_adapter(factory: sessionmaker[Session], store: AdapterStore, *, tenan
             on_deleted(deleted)
     finally:
         if remove_files:
-            for digest in sorted({d.digest for d in deleted}):
+            digests = sorted({d.digest for d in deleted})
+            for digest in digests:
                 discard_unreferenced(factory, store, digest)
+            reclaim_deleted(factory, store, digests)
     return deleted
+
+
+def reclaim_deleted(factory: sessionmaker[Session], store: AdapterStore,
+                    digests: Collection[str] | None = None) -> int:
+    """Deleted versions (of ``digests``, or all) stop counting against their tenants'
+    storage quotas once no copy is kept for them: their stored copy is gone, or an active
+    row holds the same content. Returns how many rows were marked. A database failure
+    marks nothing: the next sweep tries again."""
+    try:
+        with transaction(factory) as session:
+            pending = quotas.unreclaimed_digests(session, digests)
+        num_marked = 0
+        for digest in pending:
+            with transaction(factory) as session:
+                if _is_stored(store, digest) and not service.is_digest_referenced(session,
+                                                                                 digest):
+                    continue
+                num_marked += quotas.mark_reclaimed(session, digest)
+    except Exception:  # counted a little longer, never freed wrongly
+        return 0
+    return num_marked
+
+
+def _is_stored(store: AdapterStore, digest: str) -> bool:
+    try:
+        return store.exists(digest)
+    except (AdapterError, ValueError):  # not a digest the store can hold
+        return False
 
 
 def stored_digests(store: AdapterStore) -> list[str]:

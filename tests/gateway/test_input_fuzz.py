@@ -2,7 +2,8 @@
 5xx, and the same answer on both (each test states the one status an input class gets).
 
 Covers every string that reaches SQL (model names, tenant and adapter names in paths and
-queries, key names), any value of a tenant's scheduling settings, every query parameter the OpenAPI document declares, and the
+queries, key names), any value of a tenant's scheduling settings and storage quotas, every
+query parameter the OpenAPI document declares, and the
 multipart upload parser. Examples are capped and derandomized so the run stays short.
 """
 
@@ -124,8 +125,10 @@ def test_any_key_name_is_stored_or_400(send: Caller, name: str) -> None:
         send("DELETE", f"/admin/api/keys/{response.json()['id']}", admin=True)
 
 
-SCHEDULING = ("weight", "priority_class", "max_kv_fraction", "slo_ttft_ms", "slo_tpot_ms")
+SCHEDULING = ("weight", "priority_class", "max_kv_fraction", "slo_ttft_ms", "slo_tpot_ms",
+              "max_storage_bytes", "max_adapter_versions")  # and the storage quotas
 SETTING_VALUES = (st.none() | st.booleans() | st.integers() | st.integers(-2, 3_600_002)
+                  | st.integers(2**31 - 2, 2**31 + 1) | st.integers(2**63 - 2, 2**63 + 1)
                   | st.floats(allow_nan=False, allow_infinity=False) | st.floats(-0.5, 1001)
                   | st.sampled_from(["interactive", "batch", "Batch", "1", "0.5"]) | JSON_TEXT
                   | st.lists(st.integers(), max_size=2))
@@ -138,8 +141,11 @@ def _valid_setting(field: str, value: Any) -> bool:
         return number and 0.01 <= value <= 1000
     if field == "priority_class":
         return value in ("interactive", "batch")
-    if value is None:  # the server's default
+    if value is None:  # the server's default, or unlimited
         return True
+    if field in ("max_storage_bytes", "max_adapter_versions"):
+        bound = 2**63 - 1 if field == "max_storage_bytes" else 2**31 - 1
+        return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= bound
     if field == "max_kv_fraction":
         return number and 0 < value <= 1
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 3_600_000

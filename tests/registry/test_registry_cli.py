@@ -91,8 +91,8 @@ def _stored_digests(adapter_dir: Path) -> list[str]:
 
 def test_end_to_end(cli: Cli, make_adapter: Callable[..., Path],
                     server_view: Callable[[str], sessionmaker[Session]]) -> None:
-    assert cli("db", "upgrade")["revision"] == "0004"
-    assert cli("db", "current")["head"] == "0004"
+    assert cli("db", "upgrade")["revision"] == "0005"
+    assert cli("db", "current")["head"] == "0005"
 
     acme = cli("tenants", "create", "acme", "--rpm", "60", "--tpm", "1000",
                "--max-concurrency", "2")
@@ -369,9 +369,10 @@ def test_tenants_limits_text_output(cli: Cli, capsys: pytest.CaptureFixture[str]
     assert run_registry_cli(["tenants", "limits", "acme", "--rpm", "5",
                              "--database-url", cli.url]) == 0
     assert capsys.readouterr().out == (
-        "tenant acme: --rpm 5, --tpm unlimited, --max-concurrency unlimited, --weight 1.0, "
+        "tenant acme: --rpm 5, --tpm unlimited, --max-concurrency unlimited, "
+        "--max-storage-bytes unlimited, --max-adapter-versions unlimited, --weight 1.0, "
         "--priority-class interactive, --max-kv-fraction default, --slo-ttft-ms default, "
-        "--slo-tpot-ms default\n")
+        "--slo-tpot-ms default; stores 0 bytes in 0 adapter versions\n")
     with pytest.raises(SystemExit) as exited:
         run_registry_cli(["tenants", "limits", "acme", "--rpm", "0", "--database-url", cli.url])
     assert exited.value.code == 2
@@ -426,6 +427,48 @@ def test_bad_scheduling_settings_are_one_line_naming_the_flag(
     for argv in (["tenants", "create", "bob", "--priority-class", "batch", flag, value],
                  ["tenants", "limits", "acme", "--rpm", "5", "--priority-class", "batch",
                   flag, value]):
+        err = cli(*argv, expect=2)
+        assert err.startswith(f"loraplex: error: {flag} must be"), err
+        assert len(err) < 200, err
+    assert cli("tenants", "list") == [before]  # nothing created, nothing changed
+
+
+QUOTAS = ("max_storage_bytes", "max_adapter_versions")
+
+
+def test_tenants_storage_quotas(any_cli: Cli) -> None:
+    cli = any_cli
+    cli("db", "upgrade")
+    plain = cli("tenants", "create", "plain")
+    assert [plain[f] for f in (*QUOTAS, "storage_bytes", "num_adapter_versions")] == [
+        None, None, 0, 0]
+    acme = cli("tenants", "create", "acme", "--max-storage-bytes", "500M",
+               "--max-adapter-versions", "20")
+    assert [acme[f] for f in QUOTAS] == [500 << 20, 20]
+    for text, expected in (("2G", 2 << 30), ("1048576", 1 << 20), ("3 KiB", 3 << 10),
+                           ("7mb", 7 << 20), ("1T", 1 << 40), ("10b", 10)):
+        assert cli("tenants", "limits", "acme", "--max-storage-bytes",
+                   text)["max_storage_bytes"] == expected, text
+    changed = cli("tenants", "limits", "acme", "--max-adapter-versions", "none", "--rpm", "4")
+    assert [changed[f] for f in QUOTAS] == [10, None]  # the bytes quota unchanged
+    assert cli("tenants", "limits", "acme", "--max-storage-bytes",
+               "default")["max_storage_bytes"] is None
+    assert [[t[f] for f in QUOTAS] for t in cli("tenants", "list")] == [
+        [None, None], [None, None]]
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--max-storage-bytes", "0"), ("--max-storage-bytes", "-5"),
+    ("--max-storage-bytes", "1.5G"), ("--max-storage-bytes", "5X"),
+    ("--max-storage-bytes", "9" * 30), ("--max-storage-bytes", "9" * 5000),
+    ("--max-storage-bytes", "8388608T"), ("--max-storage-bytes", ""),
+    ("--max-adapter-versions", "0"), ("--max-adapter-versions", "2K"),
+    ("--max-adapter-versions", str(2**31)), ("--max-adapter-versions", "many")])
+def test_bad_quotas_are_one_line_naming_the_flag(cli: Cli, flag: str, value: str) -> None:
+    cli("db", "upgrade")
+    before = cli("tenants", "create", "acme", "--max-storage-bytes", "1G")
+    for argv in (["tenants", "create", "bob", "--max-adapter-versions", "3", flag, value],
+                 ["tenants", "limits", "acme", "--rpm", "5", "--weight", "2", flag, value]):
         err = cli(*argv, expect=2)
         assert err.startswith(f"loraplex: error: {flag} must be"), err
         assert len(err) < 200, err

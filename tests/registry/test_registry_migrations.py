@@ -44,7 +44,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0004"
+        assert db.current_revision(engine) == db.head_revision() == "0005"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -267,7 +267,68 @@ def test_0004_gives_existing_tenants_the_defaults_and_goes_down_again(
             assert conn.execute(sa.text("SELECT count(*) FROM api_keys")).scalar_one() == 1
         with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
             conn.execute(sa.text("UPDATE tenants SET max_requests_per_minute = 0"))
-        db.upgrade(url)
+        db.upgrade(url, "0004")
         assert db.current_revision(engine) == "0004"
+    finally:
+        engine.dispose()
+
+
+# --- 0005: storage quotas -----------------------------------------------------------------
+
+
+def test_0005_adds_quotas_backfills_reclaimed_and_goes_down_again(
+        empty_db_url: str, tmp_path: Path) -> None:
+    url = empty_db_url
+    db.upgrade(url, "0004")
+    engine = db.make_engine(url)
+    shared, gone, kept = "a" * 64, "b" * 64, "c" * 64
+    store = tmp_path / "store"
+    (store / kept[:2] / kept).mkdir(parents=True)  # only "kept" still has its folder
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO tenants (name, status, created_at, updated_at) "
+                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+            for version, (digest, status) in enumerate(
+                    ((shared, "active"), (shared, "deleted"), (gone, "deleted"),
+                     (kept, "deleted")), start=1):
+                conn.execute(sa.text(
+                    "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
+                    "use_rslora, target_modules, digest, size_bytes, storage_path, "
+                    "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
+                    "false, '[]', :d, 10, :p, 'private', :s, CURRENT_TIMESTAMP)"),
+                    {"t": tenant_id, "v": version, "d": digest, "p": f"{digest[:2]}/{digest}",
+                     "s": status})
+        db.upgrade(url, adapter_dir=str(store))
+        with engine.connect() as conn:
+            assert conn.execute(sa.text(
+                "SELECT max_storage_bytes, max_adapter_versions FROM tenants")).one() == (
+                None, None)
+            reclaimed = dict(conn.execute(sa.text(
+                "SELECT version, reclaimed_at IS NOT NULL FROM adapters")).all())
+        # The active row counts; of the deleted ones, those whose bytes no copy is kept for
+        # (held by an active row, or folder gone) are reclaimed; "kept" waits for the sweep.
+        assert {v: bool(r) for v, r in reclaimed.items()} == {
+            1: False, 2: True, 3: True, 4: False}
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET max_storage_bytes = 0"))
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET max_adapter_versions = 0"))
+        with engine.begin() as conn:  # a bigint: past 32 bits
+            conn.execute(sa.text("UPDATE tenants SET max_storage_bytes = 5000000000000, "
+                                 "max_adapter_versions = 3"))
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE tenants SET weight = 0"))  # 0004's rules stay
+
+        db.downgrade(url, "0004", adapter_dir=str(store))
+        assert not {c["name"] for c in sa.inspect(engine).get_columns("tenants")} & {
+            "max_storage_bytes", "max_adapter_versions"}
+        assert "reclaimed_at" not in {c["name"] for c in
+                                      sa.inspect(engine).get_columns("adapters")}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one() == 4
+        db.upgrade(url, adapter_dir=str(store))
+        assert db.current_revision(engine) == "0005"
     finally:
         engine.dispose()

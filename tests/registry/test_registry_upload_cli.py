@@ -120,6 +120,32 @@ def test_bad_uploads_exit_2_and_store_nothing(cli: Cli, tmp_path: Path,
     assert cli("adapters", "list") == []
 
 
+def test_uploads_over_a_quota_exit_2_and_store_nothing(
+        cli: Cli, make_adapter: Callable[..., Path]) -> None:
+    first, second = make_adapter("a", seed=1), make_adapter("b", seed=2)
+    size = sum((first / n).stat().st_size for n in (CONFIG_FILE, WEIGHTS_FILE))
+    cli("tenants", "limits", "acme", "--max-storage-bytes", str(size + 10))
+    up = ("adapters", "upload", "--tenant", "acme")
+    kept = cli(*up, "--name", "a", str(first))
+    err = cli(*up, "--name", "b", str(second), expect=2)
+    assert "storage quota exceeded" in err and "max_storage_bytes" in err
+    assert "10 bytes left" in err
+    assert cli.stored() == [kept["digest"]]
+    assert list((cli.adapter_dir / ".tmp").glob("*")) == []
+    assert [a["name"] for a in cli("adapters", "list")] == ["a"]
+    limits = cli("tenants", "limits", "acme")
+    assert (limits["storage_bytes"], limits["num_adapter_versions"]) == (size, 1)
+
+    # Deleting gives the bytes back; then the version quota refuses a second version.
+    cli("adapters", "delete", "--tenant", "acme", "--name", "a")
+    assert cli("tenants", "limits", "acme", "--max-adapter-versions",
+               "1")["storage_bytes"] == 0
+    cli(*up, "--name", "b", str(first))
+    err = cli(*up, "--name", "b", str(first), expect=2)
+    assert "adapter version quota exceeded" in err and "max_adapter_versions" in err
+    assert len(cli("adapters", "list")) == 1
+
+
 def test_byte_counter() -> None:
     out = io.StringIO()
     counter = _ByteCounter(4 << 20, out, every_s=3600.0)

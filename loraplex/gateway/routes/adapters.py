@@ -13,31 +13,38 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loraplex.gateway.adapter_uploads import adapter_json, adapter_service, deleted_json
+from loraplex.gateway.adapter_uploads import (
+    adapter_json,
+    adapter_service,
+    deleted_json,
+    storage_json,
+)
 from loraplex.gateway.auth import authenticate
 from loraplex.gateway.http import query_flag, query_version
 from loraplex.gateway.state import Gateway, gateway
-from loraplex.registry import service
+from loraplex.registry import quotas, service
 from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
 
 
 def _own_versions(gw: Gateway, principal: Principal,
-                  include_deleted: bool) -> list[dict[str, Any]]:
+                  include_deleted: bool) -> dict[str, Any]:
     with transaction(gw.sessions) as session:
         rows = service.list_adapters(session, principal.tenant_id,
                                      include_deleted=include_deleted)
-        return [adapter_json(row, principal.tenant_name) for row in rows]
+        usage = quotas.storage_usage(session, principal.tenant_id)
+        return {"object": "list",
+                "data": [adapter_json(row, principal.tenant_name) for row in rows],
+                "storage": storage_json(usage)}
 
 
 async def list_adapters(request: Request) -> Response:
     """Every version of the caller's adapters with its status (deleted ones with
-    ``?include_deleted=true``)."""
+    ``?include_deleted=true``), and under ``storage`` what it stores against its quotas."""
     gw = gateway(request)
     principal = await authenticate(request, gw.sessions)
-    data = await run_in_threadpool(_own_versions, gw, principal,
-                                   query_flag(request, "include_deleted"))
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse(await run_in_threadpool(_own_versions, gw, principal,
+                                                query_flag(request, "include_deleted")))
 
 
 async def upload_adapter(request: Request) -> Response:

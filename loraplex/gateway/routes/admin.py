@@ -16,11 +16,12 @@ from starlette.routing import Route
 
 from loraplex.engine.stats import EngineStats, combine_stats
 from loraplex.errors import AdapterNotFoundError, InvalidRequestError, NotFoundError
+from loraplex.gateway.adapter_uploads import storage_json
 from loraplex.gateway.auth import admin_principal
 from loraplex.gateway.http import MAX_INT32, parse_time_param
 from loraplex.gateway.latency import TenantLatency
 from loraplex.gateway.state import Gateway
-from loraplex.registry import service
+from loraplex.registry import quotas, service
 from loraplex.registry.db import transaction
 
 DEFAULT_USAGE_WINDOW: Final = timedelta(hours=48)
@@ -126,6 +127,10 @@ def _usage(gw: Gateway, tenant: str | None, since: datetime,
         if tenant is not None:
             tenants = [service.get_tenant_by_name(session, tenant)]
         adapters = {row.id: row for row in service.list_adapters(session, include_deleted=True)}
+        # Storage is a level now, not a sum over the window.
+        stored = quotas.storage_by_tenant(session, [t.id for t in tenants])
+        storage = [{"tenant": t.name} | storage_json(quotas.usage_of(t, stored))
+                   for t in tenants]
         data, totals = [], []
         for t in tenants:
             rows = service.list_usage(session, t.id, since=since, until=until)
@@ -147,12 +152,13 @@ def _usage(gw: Gateway, tenant: str | None, since: datetime,
                                "total_tokens": sums.total_tokens})
     data.sort(key=lambda r: (r["hour"], r["tenant"], r["model"]))
     return {"object": "usage", "since": since.isoformat(), "until": until.isoformat(),
-            "totals": totals, "data": data}
+            "totals": totals, "storage": storage, "data": data}
 
 
 async def usage(request: Request) -> Response:
     """Hourly requests and tokens per tenant and model over ``since``..``until`` (default:
-    the last 48 hours), optionally for one ``tenant``."""
+    the last 48 hours), optionally for one ``tenant``; and each tenant's storage now
+    against its quotas (``storage``)."""
     gw, _ = await admin_principal(request)
     now = datetime.now(UTC)
     until = parse_time_param(request.query_params, "until") or now + timedelta(hours=1)

@@ -15,10 +15,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.gateway.adapter_uploads import storage_json
 from loraplex.gateway.auth import admin_principal, check_not_own_key, check_not_own_tenant
 from loraplex.gateway.http import MAX_INT32, read_json_object
 from loraplex.gateway.state import Gateway
-from loraplex.registry import service
+from loraplex.registry import quotas, service
 from loraplex.registry.api_keys import Principal
 from loraplex.registry.db import transaction
 from loraplex.registry.models import ApiKey, Tenant
@@ -26,6 +27,8 @@ from loraplex.registry.models import ApiKey, Tenant
 LIMITS: Final = ("max_requests_per_minute", "max_tokens_per_minute", "max_concurrent_requests")
 # Weight, priority class, KV fraction and SLOs: the registry checks their types and ranges.
 SETTINGS: Final = tuple(service.SCHEDULING_CHECKS)
+# Storage quotas (max_storage_bytes, max_adapter_versions); null: unlimited.
+QUOTAS: Final = tuple(service.QUOTA_CHECKS)
 
 
 def _limit(body: dict[str, Any], field: str) -> int | None:
@@ -41,7 +44,7 @@ def _limit(body: dict[str, Any], field: str) -> int | None:
 def _limits_and_settings(body: dict[str, Any]) -> dict[str, Any]:
     """The limits and scheduling settings the body gives, as the registry takes them."""
     given: dict[str, Any] = {field: _limit(body, field) for field in LIMITS if field in body}
-    return given | {field: body[field] for field in SETTINGS if field in body}
+    return given | {field: body[field] for field in (*SETTINGS, *QUOTAS) if field in body}
 
 
 def _string(body: dict[str, Any], field: str) -> str:
@@ -51,9 +54,11 @@ def _string(body: dict[str, Any], field: str) -> str:
     return value
 
 
-def tenant_json(tenant: Tenant, num_keys: int = 0, num_adapters: int = 0) -> dict[str, Any]:
+def tenant_json(tenant: Tenant, num_keys: int = 0, num_adapters: int = 0,
+                storage: dict[int, tuple[int, int]] | None = None) -> dict[str, Any]:
     return {"object": "tenant", "id": tenant.id, "name": tenant.name, "status": tenant.status,
             **{field: getattr(tenant, field) for field in (*LIMITS, *SETTINGS)},
+            **storage_json(quotas.usage_of(tenant, storage or {})),
             "created_at": tenant.created_at.isoformat(),
             "num_active_keys": num_keys, "num_adapters": num_adapters}
 
@@ -69,8 +74,9 @@ def key_json(key: ApiKey, tenant_name: str) -> dict[str, Any]:
 
 def _described(session: Session, tenant: Tenant) -> dict[str, Any]:
     keys = [k for k in service.list_keys(session, tenant.id) if k.revoked_at is None]
-    return tenant_json(tenant, len(keys), len({a.name for a in
-                                               service.list_adapters(session, tenant.id)}))
+    return tenant_json(tenant, len(keys),
+                       len({a.name for a in service.list_adapters(session, tenant.id)}),
+                       quotas.storage_by_tenant(session, [tenant.id]))
 
 
 # --- tenants -----------------------------------------------------------------------------
@@ -85,7 +91,8 @@ def _list_tenants(gw: Gateway) -> list[dict[str, Any]]:
         adapters: dict[int, set[str]] = {}
         for row in service.list_adapters(session):
             adapters.setdefault(row.tenant_id, set()).add(row.name)
-        return [tenant_json(t, keys.get(t.id, 0), len(adapters.get(t.id, ())))
+        storage = quotas.storage_by_tenant(session)
+        return [tenant_json(t, keys.get(t.id, 0), len(adapters.get(t.id, ())), storage)
                 for t in service.list_tenants(session)]
 
 
@@ -105,7 +112,7 @@ def _create_tenant(gw: Gateway, body: dict[str, Any]) -> dict[str, Any]:
 async def create_tenant(request: Request) -> Response:
     gw, _ = await admin_principal(request)
     body = await read_json_object(request, gw.config.max_body_bytes,
-                                  ("name", *LIMITS, *SETTINGS))
+                                  ("name", *LIMITS, *SETTINGS, *QUOTAS))
     return JSONResponse(await run_in_threadpool(_create_tenant, gw, body), status_code=201)
 
 
@@ -136,12 +143,12 @@ def _update_tenant(gw: Gateway, caller: Principal, name: str,
 
 
 async def update_tenant(request: Request) -> Response:
-    """Changes limits (null removes one), scheduling settings (null returns a KV fraction or
-    SLO to the server's default) and/or ``status`` (``active``/``suspended``). One bad
+    """Changes limits and storage quotas (null removes one), scheduling settings (null
+    returns a KV fraction or SLO to the server's default) and/or ``status`` (``active``/``suspended``). One bad
     field changes nothing: the transaction is rolled back."""
     gw, caller = await admin_principal(request)
     body = await read_json_object(request, gw.config.max_body_bytes,
-                                  (*LIMITS, *SETTINGS, "status"))
+                                  (*LIMITS, *SETTINGS, *QUOTAS, "status"))
     data = await run_in_threadpool(_update_tenant, gw, caller, request.path_params["tenant"],
                                    body)
     return JSONResponse(data)
