@@ -59,8 +59,16 @@ class TenantStats:
     kv_blocks: int  # held by its running requests
 
 
-
 _Key = tuple[str | None, str]  # (tenant, class)
+
+
+def _seats(running: Iterable[Request]) -> dict[str | None, float]:
+    """Each tenant's running sequences over its weight (ties between equal counters)."""
+    seats: dict[str | None, float] = {}
+    for request in running:
+        tenant = request.share.tenant
+        seats[tenant] = seats.get(tenant, 0.0) + 1 / request.share.weight
+    return seats
 
 
 class TenantQueues:
@@ -80,7 +88,6 @@ class TenantQueues:
         self._counters: dict[str | None, float] = {}
         self._weights: dict[str | None, float] = {}
         self._tokens: dict[str | None, list[int]] = {}  # [prefill, decode]
-        self._len = 0
 
     # --- the queues --------------------------------------------------------------------
 
@@ -91,19 +98,16 @@ class TenantQueues:
 
     def append(self, request: Request) -> None:
         self._queues.setdefault(self._key(request), deque()).append(request)
-        self._len += 1
 
     def appendleft(self, request: Request) -> None:
         """Back at the head of its tenant's queue (preempted: it keeps its place)."""
         self._queues.setdefault(self._key(request), deque()).appendleft(request)
-        self._len += 1
 
     def remove(self, request: Request) -> None:
         key = self._key(request)
         queue = self._queues[key]
         queue.remove(request)
-        self._len -= 1
-        if not queue:
+        if not queue:  # an empty queue goes: ``tenants`` and ``bool`` read the keys
             del self._queues[key]
 
     def __contains__(self, request: object) -> bool:
@@ -114,10 +118,10 @@ class TenantQueues:
             yield from queue
 
     def __len__(self) -> int:
-        return self._len
+        return sum(len(queue) for queue in self._queues.values())
 
     def __bool__(self) -> bool:
-        return self._len > 0
+        return bool(self._queues)
 
     def tenants(self) -> set[str | None]:
         return {tenant for tenant, _ in self._queues}
@@ -163,11 +167,7 @@ class TenantQueues:
         request it was given."""
         snapshots = {key: list(queue) for key, queue in self._queues.items()}
         cursors = dict.fromkeys(snapshots, 0)
-        seats: dict[str | None, float] = {}
-        if len(cursors) > 1:
-            for request in running:
-                tenant = request.share.tenant
-                seats[tenant] = seats.get(tenant, 0.0) + 1 / request.share.weight
+        seats = _seats(running) if len(cursors) > 1 else {}
         while cursors:
             key = (next(iter(cursors)) if len(cursors) == 1 else
                    min(cursors, key=lambda k: self._rank(snapshots[k][cursors[k]], now,
@@ -188,10 +188,7 @@ class TenantQueues:
         if len({r.share.tenant for r in requests}) <= 1 and not any(
                 self.is_batch(r, now) for r in requests):
             return requests
-        seats: dict[str | None, float] = {}
-        for request in running:
-            tenant = request.share.tenant
-            seats[tenant] = seats.get(tenant, 0.0) + 1 / request.share.weight
+        seats = _seats(running)
         return sorted(requests, key=lambda r: self._rank(r, now, seats)[:3])
 
     def _rank(self, request: Request, now: float,

@@ -156,15 +156,11 @@ class Scheduler:
         request.finish_time = self.clock()
 
     def _activate(self, request: Request) -> None:
-        tenant = request.share.tenant
-        if tenant in self.waiting.tenants() or any(
-                r.share.tenant == tenant for r in (*self.running, *self.swapped)):
-            return
-        self.waiting.activate(request, self._active_tenants())
-
-    def _active_tenants(self) -> set[str | None]:
-        return (self.waiting.tenants() | {r.share.tenant for r in self.running}
-                | {r.share.tenant for r in self.swapped})
+        """Lifts the counter of a tenant that had nothing waiting, running or swapped."""
+        active = (self.waiting.tenants() | {r.share.tenant for r in self.running}
+                  | {r.share.tenant for r in self.swapped})
+        if request.share.tenant not in active:
+            self.waiting.activate(request, active)
 
     def kv_cap(self, request: Request) -> int | None:
         """The most blocks the request's tenant's running requests may hold together."""
@@ -324,6 +320,9 @@ class Scheduler:
             return  # nobody else to make room: one tenant schedules as FIFO did
         cap = self.kv_cap(request)
         seats = len(self.running) + request.params.n - self.config.max_num_seqs
+        if seats <= 0 and self.kv.num_free_blocks() >= self.kv.blocks_for(
+                min(request.num_tokens, self.config.max_num_batched_tokens)):
+            return  # room for its first chunk even without a cache hit: nothing to make
         cached = (self.kv.get_computed_blocks(request.all_token_ids, request.extra_keys)
                   if request.num_computed_tokens == 0 and not request.needs_prompt_logits
                   else None)

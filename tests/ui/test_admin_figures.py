@@ -59,6 +59,32 @@ def wait_metered(server: UIServer, key: str, completion_tokens: int) -> None:
         time.sleep(0.1)
 
 
+def tenant_fields(server: UIServer, name: str, fields: tuple[str, ...]) -> tuple[Any, ...]:
+    """``fields`` of the tenant as the admin API reads them."""
+    with admin(server) as http:
+        response = http.get(f"/admin/api/tenants/{name}")
+    assert response.status_code == 200, response.text
+    return tuple(response.json()[field] for field in fields)
+
+
+def watch_errors(page: Any) -> list[str]:
+    """The page's script errors and console errors, as they come. 4xx answers are logged
+    by the browser ("Failed to load resource"): refusals a test provokes on purpose; any
+    other console error is a bug of the page."""
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" and
+            not msg.text.startswith("Failed to load resource") else None)
+    return errors
+
+
+def save_row(page: Any, row: Any, button: str, status: int) -> None:
+    """Clicks the row's ``button`` and checks the PATCH it sends is answered ``status``."""
+    with page.expect_response(lambda r: r.request.method == "PATCH") as answered:
+        row.locator("button", has_text=button).click()
+    assert answered.value.status == status
+
+
 def signed_in_page(browser: Any, server: UIServer, page_name: str) -> Any:
     page = browser.new_page()
     page.goto(f"{server.url}/admin")

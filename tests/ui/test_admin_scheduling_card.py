@@ -8,7 +8,14 @@ import uuid
 from typing import Any
 
 import pytest
-from test_admin_figures import admin, new_tenant, signed_in_page
+from test_admin_figures import (
+    admin,
+    new_tenant,
+    save_row,
+    signed_in_page,
+    tenant_fields,
+    watch_errors,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -17,26 +24,11 @@ SETTINGS = ("weight", "priority_class", "max_kv_fraction", "slo_ttft_ms", "slo_t
 
 
 def _settings(server: UIServer, name: str) -> tuple[Any, ...]:
-    with admin(server) as http:
-        response = http.get(f"/admin/api/tenants/{name}")
-    assert response.status_code == 200, response.text
-    return tuple(response.json()[field] for field in SETTINGS)
-
-
-def _watch_errors(page: Any) -> list[str]:
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    # 4xx answers are logged by the browser ("Failed to load resource"): the refusal below
-    # is on purpose; any other console error is a bug of the page.
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" and
-            not msg.text.startswith("Failed to load resource") else None)
-    return errors
+    return tenant_fields(server, name, SETTINGS)
 
 
 def _save(page: Any, row: Any, status: int) -> None:
-    with page.expect_response(lambda r: r.request.method == "PATCH") as answered:
-        row.locator("button", has_text="Save scheduling").click()
-    assert answered.value.status == status
+    save_row(page, row, "Save scheduling", status)
 
 
 def test_scheduling_settings_set_in_the_ui_are_what_the_api_reads(
@@ -48,7 +40,7 @@ def test_scheduling_settings_set_in_the_ui_are_what_the_api_reads(
         assert http.patch(f"/admin/api/tenants/{name}",
                           json={"slo_tpot_ms": 40}).status_code == 200
     page = signed_in_page(browser, ui_server, "tenants")
-    errors = _watch_errors(page)
+    errors = watch_errors(page)
     row = page.locator("#tenant-scheduling tr", has=page.locator(".scheduled-tenant",
                                                                  has_text=name))
     expect(row.locator("input[data-setting=weight]")).to_have_value("1")
@@ -86,7 +78,7 @@ def test_weight_and_class_are_set_on_creation(browser: Any, ui_server: UIServer)
     from playwright.sync_api import expect
 
     page = signed_in_page(browser, ui_server, "tenants")
-    errors = _watch_errors(page)
+    errors = watch_errors(page)
     name = f"ui-{uuid.uuid4().hex[:6]}"
     form = page.locator("#create-tenant")
     form.locator("input[placeholder=acme]").fill(name)

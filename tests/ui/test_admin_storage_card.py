@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_admin_figures import admin, new_tenant, signed_in_page
+from test_admin_figures import (
+    admin,
+    new_tenant,
+    save_row,
+    signed_in_page,
+    tenant_fields,
+    watch_errors,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -16,16 +23,11 @@ QUOTAS = ("max_storage_bytes", "max_adapter_versions")
 
 
 def _quotas(server: UIServer, name: str) -> tuple[Any, ...]:
-    with admin(server) as http:
-        response = http.get(f"/admin/api/tenants/{name}")
-    assert response.status_code == 200, response.text
-    return tuple(response.json()[field] for field in QUOTAS)
+    return tenant_fields(server, name, QUOTAS)
 
 
 def _save(page: Any, row: Any, status: int) -> None:
-    with page.expect_response(lambda r: r.request.method == "PATCH") as answered:
-        row.locator("button", has_text="Save quotas").click()
-    assert answered.value.status == status
+    save_row(page, row, "Save quotas", status)
 
 
 def test_storage_quotas_set_in_the_ui_are_what_the_api_reads(
@@ -37,10 +39,7 @@ def test_storage_quotas_set_in_the_ui_are_what_the_api_reads(
         assert http.patch(f"/admin/api/tenants/{name}",
                           json={"max_adapter_versions": 4}).status_code == 200
     page = signed_in_page(browser, ui_server, "tenants")
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" and
-            not msg.text.startswith("Failed to load resource") else None)
+    errors = watch_errors(page)
     row = page.locator("#tenant-storage tr", has=page.locator(".storage-tenant",
                                                               has_text=name))
     expect(row.locator("input[data-quota=max_storage_bytes]")).to_have_value("")

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from test_admin_figures import watch_errors
 
 pytestmark = pytest.mark.browser
 
@@ -30,12 +31,7 @@ def test_admin_flow(browser: Any, ui_server: UIServer, ui_adapters: dict[str, Pa
     from playwright.sync_api import expect
 
     page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    # The browser logs every 4xx it is given ("Failed to load resource"): the refusals
-    # below are on purpose; any other console error is a bug of the pages.
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" and
-            not msg.text.startswith("Failed to load resource") else None)
+    errors = watch_errors(page)  # the refusals below are on purpose
     page.goto(f"{ui_server.url}/admin")
 
     # Sign in: a wrong key is refused in place, the admin key opens the tenants page.
