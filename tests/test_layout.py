@@ -79,6 +79,8 @@ def test_the_gateway_never_reaches_into_the_engine_object() -> None:
     allowed = {"loraplex.engine.backend", "loraplex.engine.outputs", "loraplex.engine.request",
                "loraplex.engine.sampling_params", "loraplex.engine.stats",
                "loraplex.engine.share",
+               # The request fields' table (plain data), which SamplingParams reads too.
+               "loraplex.engine.request_fields",
                # Pure compile checks (no engine state): a tool's parameters schema is checked
                # where the request is parsed, by the grammar engine that will enforce it.
                "loraplex.engine.grammar"}

@@ -1,24 +1,25 @@
 """What a caller asks of generation. Pure Python: validated here, used by the engine.
 
-Every range is checked here, once; what needs the served model (a ``logit_bias`` token id
-below the vocabulary size) is checked at admission (``loraplex.engine.validation``).
+Each scalar option's type and range come from its entry in ``request_fields.FIELDS``, the
+table the HTTP API's parser and document derive from too, so both APIs take the same
+values; the rules here are the engine's own (``min_tokens`` up to ``max_tokens``,
+``logit_bias``, ``stop``). What needs the served model (a ``logit_bias`` token id below the
+vocabulary size) is checked at admission (``loraplex.engine.validation``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal
 
+from loraplex.engine.request_fields import ENGINE_FIELDS
 from loraplex.errors import InvalidRequestError
 
-MAX_LOGPROBS: Final = 20
-MAX_PENALTY: Final = 2.0  # presence and frequency penalties: OpenAI's [-2, 2]
 MAX_LOGIT_BIAS: Final = 100.0  # OpenAI's [-100, 100]
 
 
@@ -104,18 +105,6 @@ def _canonical(value: Any, param: str) -> str:
         raise InvalidRequestError(f"is not plain JSON: {exc}", param=param) from None
 
 
-# Each field stored as its type whatever it is given as (`presence_penalty=1` is an int;
-# the sampler's tensors of a batch whose penalties were all ints came out int64).
-_FLOAT_FIELDS: Final = ("temperature", "top_p", "min_p", "presence_penalty",
-                        "frequency_penalty", "repetition_penalty")
-_INT_FIELDS: Final = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
-                       "prompt_logprobs")
-_OPTIONAL_FIELDS: Final = ("seed", "logprobs", "prompt_logprobs")
-_BOOL_FIELDS: Final = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-# The seeds a sequence's generator takes (torch.Generator.manual_seed).
-SEED_RANGE: Final = (-(1 << 63), (1 << 64) - 1)
-
-
 def _as_int(value: Any, param: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidRequestError(f"{param} must be an integer, got {value!r}", param=param)
@@ -195,57 +184,43 @@ class SamplingParams:
         bias = self.logit_bias if self.logit_bias is not None else ()
         pairs = bias.items() if isinstance(bias, Mapping) else _as_tuple(bias, "logit_bias")
         put("logit_bias", tuple(sorted(_bias_pair(pair) for pair in pairs)))
-        for name in _FLOAT_FIELDS:
-            put(name, _as_float(getattr(self, name), name))
-        for name in _INT_FIELDS:
+        # Each scalar stored as its type whatever it is given as (`presence_penalty=1` is
+        # an int; the sampler's tensors of a batch whose penalties were all ints came out
+        # int64); None only where None is the default.
+        for name, spec in ENGINE_FIELDS.items():
             value = getattr(self, name)
-            if value is not None or name not in _OPTIONAL_FIELDS:
+            if value is None and name in _OPTIONAL:
+                continue
+            if spec.json_type == "number":
+                put(name, _as_float(value, name))
+            elif spec.json_type == "integer":
                 put(name, _as_int(value, name))
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(f"{name} must be true or false, got "
-                                          f"{getattr(self, name)!r}", param=name)
+            elif not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {value!r}",
+                                          param=name)
         self._validate()
 
     def _validate(self) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
 
-        if self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if not 0 <= self.temperature < math.inf:  # NaN too
-            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name, spec in ENGINE_FIELDS.items():
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+            problem = None if value is None else spec.refusal(value)
+            if problem is not None:
+                raise bad(name, problem)
+        # The engine's own rules, beyond each field's range.
         for token_id, value in self.logit_bias:
             if token_id < 0:
                 raise bad("logit_bias", f"token ids must be >= 0, got {token_id}")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, "
                                         f"{MAX_LOGIT_BIAS:g}], got {value} for {token_id}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]"
                                     f", got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "entries must be non-empty strings")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise bad("seed", f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:
@@ -255,3 +230,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+# The keywords that may be None: those whose default is.
+_OPTIONAL: Final = frozenset(f.name for f in fields(SamplingParams) if f.default is None)

@@ -1,13 +1,14 @@
 """Readers of JSON request fields shared by the request parsers: each checks one field's
-JSON type (and, where no layer below does, its range) and raises an
+JSON type (and, for the table's fields, their range) and raises an
 ``InvalidRequestError`` that names the field."""
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Mapping
 from typing import Any, Final
 
+from loraplex.engine.request_fields import RequestField
 from loraplex.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES: Final = 4
@@ -49,16 +50,28 @@ def read_token_ids(value: Any) -> tuple[int, ...] | None:
     return tuple(int(t) for t in value)
 
 
-def read_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    value = body.get(key)
+def read_field(body: dict[str, Any], field: RequestField,
+               limits: Mapping[str, int]) -> Any:
+    """The value of a field of ``request_fields``' table: its default when absent or null,
+    otherwise of its JSON type and in its range (under the server's ``limits``)."""
+    value = body.get(field.name)
     if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 16.0 is an integer in JSON's eyes
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise bad(key, f"expected an integer, got {type_name(value)}")
-    if not lo <= value <= hi:
-        raise bad(key, f"must be between {lo} and {hi}, got {value}")
+        return field.default
+    key = field.name
+    if field.json_type == "boolean":
+        if not isinstance(value, bool):
+            raise bad(key, f"expected a boolean, got {type_name(value)}")
+        return value
+    if field.json_type == "integer":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 16.0 is an integer in JSON's eyes
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad(key, f"expected an integer, got {type_name(value)}")
+    else:
+        value = as_float(key, value)
+    problem = field.refusal(value, limits)
+    if problem is not None:
+        raise bad(key, problem)
     return value
 
 
@@ -75,26 +88,6 @@ def as_float(key: str, value: Any, what: str = "a number") -> float:
         return float(value)
     except OverflowError:
         raise bad(key, f"expected {what}, got an integer too large for one") from None
-
-
-def read_float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
-           lo_open: bool = False) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    value = as_float(key, value)
-    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise bad(key, f"must be in {bracket}{lo:g}, {hi:g}], got {value:g}")
-    return value
-
-
-def read_number(body: dict[str, Any], key: str, default: float) -> float:
-    # The type only: the range is SamplingParams' to check.
-    value = body.get(key)
-    if value is None:
-        return default
-    return as_float(key, value)
 
 
 def read_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:

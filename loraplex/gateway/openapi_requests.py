@@ -1,7 +1,9 @@
 """The OpenAPI schemas of the generation routes' request bodies (completions and chat).
 
 They list exactly the fields the parsers read (``COMPLETION_FIELDS``, ``CHAT_FIELDS``), the
-vendor extras included, and the cross-field rules JSON Schema can state: one output
+vendor extras included: the scalar sampling fields from their table
+(``loraplex.engine.request_fields.FIELDS``, which the parser and ``SamplingParams`` read
+too), the others written here; and the cross-field rules JSON Schema can state: one output
 constraint per request, none beside a forced tool call, ``top_logprobs`` only with
 ``logprobs``. Where a field takes more than a schema can say (any JSON schema, regex or
 grammar the grammar engine compiles; ``min_tokens`` up to ``max_tokens``), the schema states
@@ -15,18 +17,10 @@ from typing import Any
 
 from loraplex.config import ServerConfig
 from loraplex.engine.backend import ModelDescription
-from loraplex.engine.sampling_params import (
-    MAX_CHOICES,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_PENALTY,
-)
+from loraplex.engine.request_fields import RequestField, Route, route_fields
+from loraplex.engine.sampling_params import MAX_CHOICES, MAX_LOGIT_BIAS
 from loraplex.gateway.fields import MAX_STOP_SEQUENCES
-from loraplex.gateway.schemas import CHAT_ROLES, MAX_SEED
-
-# The document's range of repetition_penalty (the server takes any value > 0).
-MIN_REPETITION_PENALTY = 0.01
-MAX_REPETITION_PENALTY = 100.0
+from loraplex.gateway.schemas import CHAT_ROLES
 
 
 def closed(schema: dict[str, Any]) -> dict[str, Any]:
@@ -100,20 +94,32 @@ def _guided() -> dict[str, Any]:
     }
 
 
+def _table_field(field: RequestField, config: ServerConfig) -> dict[str, Any]:
+    """A field of the table as the document states it: its JSON type or null, the range
+    the server takes under its limits (or the narrower one it documents), its text."""
+    schema: dict[str, Any] = {"type": [field.json_type, "null"]}
+    limits = {"max_n": config.max_n, "max_tokens_limit": config.max_tokens_limit}
+    accepted = field.documented or field.accepted(limits)
+    if accepted is not None:
+        if accepted.lo is not None:
+            schema["exclusiveMinimum" if accepted.lo_open else "minimum"] = accepted.lo
+        if accepted.hi is not None:
+            schema["exclusiveMaximum" if accepted.hi_open else "maximum"] = accepted.hi
+    if field.description:
+        schema["description"] = field.description
+    return schema
+
+
+def _table(route: Route, config: ServerConfig) -> dict[str, Any]:
+    return {f.name: _table_field(f, config) for f in route_fields(route)}
+
+
 def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
-    nullable_num = {"type": ["number", "null"]}
-    nullable_bool = {"type": ["boolean", "null"]}
-    penalty = nullable_num | {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
+    """The fields both routes take beside the table's."""
     return _guided() | {
         "model": {"type": "string", "minLength": 1,
                   "description": "The base model's name, your adapter's name, or a public "
                                  "adapter as owner/name"},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1,
-                       "maximum": config.max_tokens_limit},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": config.max_n},
-        "temperature": nullable_num | {"minimum": 0, "maximum": 2},
-        "top_p": nullable_num | {"exclusiveMinimum": 0, "maximum": 1},
-        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
         "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 256},
                            {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
                             "items": {"type": "string", "minLength": 1, "maxLength": 256}},
@@ -122,8 +128,6 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
         "stream_options": {"type": ["object", "null"],
                            "properties": {"include_usage": {"type": "boolean"}}},
         "user": {"type": ["string", "null"]},
-        "presence_penalty": penalty,
-        "frequency_penalty": penalty,
         "response_format": {"oneOf": [
             {"type": "null"},
             closed({"type": "object", "required": ["type"],
@@ -149,22 +153,6 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                        "propertyNames": {"pattern": _below(model.vocab_size)},
                        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                 "maximum": MAX_LOGIT_BIAS}},
-        # vLLM's sampling extras
-        "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 1 << 31,
-                  "description": "Keep the k most likely tokens; 0 or -1: off"},
-        "min_p": nullable_num | {"minimum": 0, "maximum": 1,
-                                 "description": "Drop tokens below min_p times the top "
-                                                "token's probability"},
-        "repetition_penalty": nullable_num | {
-            "minimum": MIN_REPETITION_PENALTY, "maximum": MAX_REPETITION_PENALTY,
-            "description": "vLLM's, over prompt and output tokens; 1: off. Any value > 0 is "
-                           "accepted; this document lists a useful range"},
-        "min_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": 1,
-                       "description": "EOS, stop_token_ids and stop strings are ignored "
-                                      "until this many tokens. Up to max_tokens is accepted "
-                                      "(a 400 names min_tokens above it); this document "
-                                      "states the bound that holds whatever max_tokens"},
-        "ignore_eos": nullable_bool,
         "priority_class": {"type": ["string", "null"], "enum": ["interactive", "batch", None],
                            "description": "batch: this request waits behind interactive "
                                           "work (at most the server's max_batch_wait_s). A "
@@ -172,7 +160,6 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
                                           "tenant's (a 400 names priority_class)"},
         "stop_token_ids": {"type": ["array", "null"], "maxItems": 16, "items": {
             "type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}},
-        "include_stop_str_in_output": nullable_bool,
         "cache_salt": {"type": ["string", "null"],
                        "description": "Accepted and ignored: the server derives each "
                                       "tenant's prefix-cache salt"},
@@ -238,14 +225,12 @@ def request_schemas(config: ServerConfig, model: ModelDescription) -> dict[str, 
         "CompletionRequest": closed({
             "type": "object", "required": ["model", "prompt"],
             "dependentSchemas": _one_constraint(),
-            "properties": sampling | {
+            "properties": sampling | _table("completions", config) | {
                 "prompt": {"oneOf": [
                     {"type": "string", "minLength": 1},
                     token_ids,
                     {"type": "array", "minItems": 1, "maxItems": 1,
                      "items": {"type": "string", "minLength": 1}}]},
-                "logprobs": {"type": ["integer", "null"], "minimum": 0,
-                             "maximum": MAX_LOGPROBS},
                 "echo": {"type": ["boolean", "null"],
                          "description": "The prompt (with logprobs: its logprobs, null for "
                                         "the first token) before the completion"},
@@ -268,7 +253,7 @@ def request_schemas(config: ServerConfig, model: ModelDescription) -> dict[str, 
                 {"if": {"required": ["tool_choice"], "properties": {
                     "tool_choice": {"const": "required"}}},
                  "then": _alone("")}],
-            "properties": sampling | {
+            "properties": sampling | _table("chat", config) | {
                 "messages": {"type": "array", "minItems": 1, "items": message},
                 "tools": {"type": ["array", "null"], "items": tool,
                           "description": "Functions the model may call"},
@@ -280,11 +265,6 @@ def request_schemas(config: ServerConfig, model: ModelDescription) -> dict[str, 
                                    "names none), which forces that function"},
                 "parallel_tool_calls": {"type": ["boolean", "null"],
                                         "description": "false: at most one call"},
-                "logprobs": {"type": ["boolean", "null"]},
-                "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
-                                 "maximum": MAX_LOGPROBS},
-                "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
-                                          "maximum": config.max_tokens_limit},
                 "echo": {"type": ["boolean", "null"],
                          "description": "vLLM's: when the last message is the assistant's, "
                                         "the answer opens with its content (streamed as the "

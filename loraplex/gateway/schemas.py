@@ -10,29 +10,35 @@ include the vendor extras loraplex accepts, as vLLM does (``top_k``, ``min_p``,
 through the client's ``extra_body``). Known OpenAI fields that loraplex cannot honour
 (``suffix``, ``best_of`` other than ``n``, the deprecated ``functions`` and
 ``function_call``) are refused when set to anything but their neutral value, never silently
-dropped. Ranges of sampling options are checked once, by ``SamplingParams``; this module
-checks JSON types and shapes. ``cache_salt``/``salt`` in a body is accepted and ignored on
-purpose: the salt is derived by the server from the tenant.
+dropped. The scalar sampling fields (their JSON types, defaults, ranges and the
+``SamplingParams`` keywords they set) are read from one table,
+``loraplex.engine.request_fields.FIELDS``, which ``SamplingParams`` checks its ranges from
+too: a value the HTTP API takes, the engine takes, and the other way round, short of the
+server's own caps (``max_n``, ``max_tokens_limit``). This module adds the shapes the table
+does not hold (messages, tools, stop sequences, logit_bias, output constraints) and the
+rules between fields; the engine's own rules (``min_tokens`` up to ``max_tokens``) are
+``SamplingParams``'. ``cache_salt``/``salt`` in a body is accepted and ignored on purpose:
+the salt is derived by the server from the tenant.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_SCHEMA_DEPTH, GrammarSpec
+from loraplex.engine.request_fields import Route, route_fields
+from loraplex.engine.sampling_params import MAX_SCHEMA_DEPTH, GrammarSpec
 from loraplex.engine.share import PRIORITIES
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.fields import (
     bad,
     check_text,
     read_bool,
-    read_float,
-    read_int,
+    read_field,
     read_logit_bias,
-    read_number,
     read_stop,
     read_str,
     read_token_ids,
@@ -46,7 +52,6 @@ from loraplex.gateway.tools import (
     tool_arguments,
 )
 
-MAX_SEED: Final = (1 << 63) - 1  # the engine seeds a 64-bit generator
 CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
 
 # OpenAI fields with no effect here when left at their neutral value; anything else is
@@ -61,21 +66,25 @@ _DEPRECATED: Final = {"functions": "use tools instead",
                       "function_call": "use tool_choice (with tools) instead"}
 
 
+# The fields besides the table's (request_fields.FIELDS, which says which route takes each).
 _COMMON_FIELDS: Final = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-    "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-    "response_format",
+    "model", "stream", "stream_options", "stop", "user", "logit_bias", "response_format",
     # structured outputs as vLLM spells them: its older guided_* fields and its newer object
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     # vendor extras, and the salt that is ignored on purpose
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "cache_salt", "salt", "priority_class",
+    "stop_token_ids", "cache_salt", "salt", "priority_class",
 })
-COMPLETION_FIELDS: Final = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS: Final = _COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools",
-    "tool_choice", "functions", "function_call", "parallel_tool_calls", "store", "metadata",
-    "echo",
+
+
+def _table_names(route: Route) -> frozenset[str]:
+    return frozenset(f.name for f in route_fields(route))
+
+
+COMPLETION_FIELDS: Final = _COMMON_FIELDS | _table_names("completions") | {
+    "prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS: Final = _COMMON_FIELDS | _table_names("chat") | {
+    "messages", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "store", "metadata", "echo",
 }
 
 
@@ -199,28 +208,26 @@ class GenerationOptions:
     """What both routes share: the model, sampling and streaming options."""
 
     model: str
-    n: int
+    # SamplingParams' keywords as the request sets them, max_tokens aside: the table's
+    # fields, stop, stop_token_ids, logit_bias, logprobs and grammar.
+    sampling: Mapping[str, Any]
     max_tokens: int | None  # None: as many as fit (chat) or OpenAI's 16 (completions)
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    include_stop_str_in_output: bool
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logit_bias: tuple[tuple[int, float], ...]
-    min_tokens: int
-    logprobs: int | None  # top alternatives per token; 0: only the sampled token's
-    grammar: GrammarSpec | None  # the output's constraint (structured outputs)
     stream: bool
     include_usage: bool
     user: str | None
     priority_class: str | None = None  # None: the tenant's class
+
+    @property
+    def logprobs(self) -> int | None:
+        """Top alternatives per token; 0: only the sampled token's; None: no logprobs."""
+        value: int | None = self.sampling["logprobs"]
+        return value
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The output's constraint (structured outputs)."""
+        value: GrammarSpec | None = self.sampling["grammar"]
+        return value
 
 
 @dataclass(frozen=True)
@@ -244,17 +251,19 @@ class ChatCompletionRequest:
     echo: str | None = None
 
 
-def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
-             logprobs: int | None, max_tokens_keys: tuple[str, ...]) -> GenerationOptions:
+def _options(body: dict[str, Any], route: Route, limits: Mapping[str, int],
+             derived: Mapping[str, Any]) -> GenerationOptions:
+    """The options both routes share; ``derived``: keywords the route sets itself."""
     model = read_str(body, "model")
     if not model:
         raise bad("model", "is required (the base model's name or an adapter's)")
     _check_neutral(body)
+    table = route_fields(route)
+    values = {f.name: read_field(body, f, limits) for f in table}
     max_tokens = None
-    for key in max_tokens_keys:
-        value = read_int(body, key, 1, max_tokens_limit)
-        if value is not None:
-            max_tokens = value
+    for f in table:  # max_tokens, and chat's max_completion_tokens, the later one winning
+        if f.keyword == "max_tokens" and values[f.name] is not None:
+            max_tokens = values[f.name]
     stream = read_bool(body, "stream", False)
     include_usage = False
     stream_options = body.get("stream_options")
@@ -266,26 +275,12 @@ def _options(body: dict[str, Any], *, max_tokens_limit: int, max_n: int,
     stop_token_ids = read_token_ids(raw_stop_ids) if raw_stop_ids is not None else ()
     if stop_token_ids is None:
         raise bad("stop_token_ids", "expected an array of integers")
+    sampling = {f.keyword: values[f.name] for f in table if f.keyword and f.passed}
     return GenerationOptions(
         model=model,
-        n=read_int(body, "n", 1, max_n) or 1,
+        sampling={**sampling, "stop": read_stop(body), "stop_token_ids": stop_token_ids,
+                  "logit_bias": read_logit_bias(body), "grammar": _grammar(body), **derived},
         max_tokens=max_tokens,
-        temperature=read_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=read_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=read_int(body, "top_k", -1, 1 << 31) or 0,
-        min_p=read_float(body, "min_p", 0.0, 0.0, 1.0),
-        seed=read_int(body, "seed", 0, MAX_SEED),
-        stop=read_stop(body),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=read_bool(body, "ignore_eos", False),
-        include_stop_str_in_output=read_bool(body, "include_stop_str_in_output", False),
-        presence_penalty=read_number(body, "presence_penalty", 0.0),
-        frequency_penalty=read_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=read_number(body, "repetition_penalty", 1.0),
-        logit_bias=read_logit_bias(body),
-        min_tokens=read_int(body, "min_tokens", 0, max_tokens_limit) or 0,
-        logprobs=logprobs,
-        grammar=_grammar(body),
         stream=stream,
         include_usage=include_usage,
         user=read_str(body, "user"),
@@ -304,9 +299,8 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
                      max_n: int) -> CompletionRequest:
     """Validates a completions body; InvalidRequestError names the first bad field."""
     _check_known(body, COMPLETION_FIELDS)
-    logprobs = read_int(body, "logprobs", 0, MAX_LOGPROBS)
-    options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
-                       logprobs=logprobs, max_tokens_keys=("max_tokens",))
+    limits = {"max_tokens_limit": max_tokens_limit, "max_n": max_n}
+    options = _options(body, "completions", limits, derived={})
     if options.max_tokens is None:
         options = _replace_max_tokens(options, min(16, max_tokens_limit))  # OpenAI's default
     echo = read_bool(body, "echo", False)
@@ -391,15 +385,17 @@ def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
                           max_n: int) -> ChatCompletionRequest:
     """Validates a chat completions body; InvalidRequestError names the first bad field."""
     _check_known(body, CHAT_FIELDS)
+    limits = {"max_tokens_limit": max_tokens_limit, "max_n": max_n}
+    # Chat's logprobs is a switch; top_logprobs (in range, or the 400 names it) says how
+    # many alternatives, and only with it.
+    top = {f.name: f for f in route_fields("chat")}["top_logprobs"]
+    top_logprobs = read_field(body, top, limits)
     logprobs = None
     if read_bool(body, "logprobs", False):
-        logprobs = read_int(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
-    elif body.get("top_logprobs") is not None:
-        read_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        logprobs = top_logprobs or 0
+    elif top_logprobs is not None:
         raise bad("top_logprobs", "requires logprobs to be true")
-    options = _options(body, max_tokens_limit=max_tokens_limit, max_n=max_n,
-                       logprobs=logprobs,
-                       max_tokens_keys=("max_tokens", "max_completion_tokens"))
+    options = _options(body, "chat", limits, derived={"logprobs": logprobs})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "expected a non-empty array of messages")
@@ -422,7 +418,8 @@ def with_call_format(req: ChatCompletionRequest, *, bare: bool) -> ChatCompletio
         return req
     tools = replace(req.tools, bare=bare)
     forced = tools.grammar()
-    options = req.options if forced is None else replace(req.options, grammar=forced)
+    options = req.options if forced is None else replace(
+        req.options, sampling={**req.options.sampling, "grammar": forced})
     return replace(req, options=options, tools=tools)
 
 

@@ -138,15 +138,10 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
         # As many as fit; the engine refuses a prompt that leaves room for none.
         room = gw.backend.description.max_model_len - num_prompt
         max_tokens = max(1, min(default_max_tokens, gw.config.max_tokens_limit, room))
+    # The request's keywords come from the field table (request_fields.FIELDS) and the
+    # shapes the parser reads beside it; max_tokens and prompt_logprobs are the route's.
     return SamplingParams(
-        n=options.n, temperature=options.temperature, top_p=options.top_p,
-        top_k=options.top_k, min_p=options.min_p, seed=options.seed, max_tokens=max_tokens,
-        stop=options.stop, stop_token_ids=options.stop_token_ids,
-        ignore_eos=options.ignore_eos, logprobs=options.logprobs,
-        include_stop_str_in_output=options.include_stop_str_in_output,
-        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-        repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
-        min_tokens=options.min_tokens, grammar=options.grammar,
+        **options.sampling, max_tokens=max_tokens,
         # An echoed prompt's logprobs need the prompt's logits: the engine computes them.
         prompt_logprobs=options.logprobs if echo else None)
 
