@@ -468,6 +468,67 @@ def _adapters_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_state_json(state: service.NameVersions, tenant_name: str) -> dict[str, Any]:
+    traffic = state.traffic
+    return {"tenant": tenant_name, "name": state.name, "model": f"{tenant_name}/{state.name}",
+            "current_version": state.version(traffic.current_id),
+            "latest_version": state.versions[-1].version, "promoted": traffic.promoted,
+            "split": None if traffic.canary_id is None else {
+                "version": state.version(traffic.canary_id),
+                "percent": traffic.canary_percent},
+            "versions": [_adapter_json(a, tenant_name) | {
+                "current": a.id == traffic.current_id,
+                "traffic_percent": traffic.percent_of(a.id)} for a in state.versions]}
+
+
+def _print_name_state(data: dict[str, Any]) -> None:
+    split = data["split"]
+    text = f"{data['model']}: current version {data['current_version']}"
+    if split is not None:
+        text += (f", {split['percent']:g}% of requests split to version {split['version']} "
+                 f"({100 - split['percent']:g}% stay on {data['current_version']})")
+    print(text)
+
+
+def _number(text: str, check: Callable[[object, str], Any], flag: str) -> Any:
+    """A number on the command line, checked by the registry's own rule (naming the
+    flag), so a bad one is one line on stderr like every other refusal."""
+    value: object = text
+    with suppress(ValueError):
+        value = int(text) if check is service.check_version else float(text)
+    return check(value, flag)
+
+
+def _adapters_promote(args: argparse.Namespace) -> int:
+    version = _number(args.version, service.check_version, "VERSION")
+    with _sessions(args) as factory, transaction(factory) as session:
+        tenant = service.get_tenant_by_name(session, args.tenant)
+        data = _name_state_json(service.promote(session, tenant.id, args.name, version),
+                                tenant.name)
+    _emit(args, data, lambda: _print_name_state(data))
+    return 0
+
+
+def _adapters_split(args: argparse.Namespace) -> int:
+    if args.cancel:
+        if args.to is not None or args.percent is not None:
+            raise InvalidRequestError("adapters split --cancel takes neither --to nor "
+                                      "--percent")
+    elif args.to is None or args.percent is None:
+        raise InvalidRequestError("adapters split needs --to N and --percent P (or --cancel, "
+                                  "to end the split)")
+    else:
+        version = _number(args.to, service.check_version, "--to")
+        percent = _number(args.percent, service.check_percent, "--percent")
+    with _sessions(args) as factory, transaction(factory) as session:
+        tenant = service.get_tenant_by_name(session, args.tenant)
+        state = (service.cancel_split(session, tenant.id, args.name) if args.cancel
+                 else service.start_split(session, tenant.id, args.name, version, percent))
+        data = _name_state_json(state, tenant.name)
+    _emit(args, data, lambda: _print_name_state(data))
+    return 0
+
+
 # --- wiring ------------------------------------------------------------------------------
 
 
@@ -683,9 +744,25 @@ def add_registry_commands(subparsers: Any) -> None:
     p.add_argument("--tenant", required=True, metavar="NAME")
     p.add_argument("--name", required=True, metavar="NAME")
     p.add_argument("--version", type=_row_id, help="only this version (default: all)")
+    p = leaf(adapters, "promote", _adapters_promote,
+             "make VERSION the current version of an adapter, the one its bare name "
+             "reaches (rollback: promote an older one); ends a split in progress")
+    p.add_argument("--tenant", required=True, metavar="NAME")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("version", metavar="VERSION")
+    p = leaf(adapters, "split", _adapters_split,
+             "split the requests naming an adapter: --percent of them go to version --to "
+             "(the canary), the rest to the current version; the same request 'user' always "
+             "gets the same side. Ended by promote or --cancel")
+    p.add_argument("--tenant", required=True, metavar="NAME")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--to", metavar="N", help="the canary version")
+    p.add_argument("--percent", metavar="P", help="its share of requests, 0 to 100")
+    p.add_argument("--cancel", action="store_true",
+                   help="end the split: every request goes to the current version")
     p = leaf(adapters, "list", _adapters_list, "list adapters")
     p.add_argument("--tenant", metavar="NAME",
-                   help="what this tenant can call (own and public, latest versions)")
+                   help="what this tenant can call (own and public, current versions)")
     p.add_argument("--all", action="store_true",
                    help="every version, deleted ones included")
 

@@ -1,4 +1,5 @@
-// Adapters: upload (with progress; refusals shown inline), versions, visibility, delete.
+// Adapters: upload (with progress; refusals shown inline), versions with the current one
+// and a canary split's shares, promote (confirmed), split, cancel, visibility, delete.
 import { api, upload } from "../api.js";
 import {
   badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtTime, h, table,
@@ -78,26 +79,53 @@ export async function render(container) {
       const e = errorLine(); e.show(err); listArea.replaceChildren(e); return;
     }
     listArea.replaceChildren(table(
-      ["Adapter", "Version", "Rank", "Size", "Visibility", "Status", "Uploaded", "Identity", ""],
+      ["Adapter", "Version", "Rank", "Size", "Visibility", "Status", "Uploaded", "Identity",
+       ""],
       data.map((a) => {
         const rowError = errorLine();
         const path = `/admin/api/tenants/${enc(a.tenant)}/adapters/${enc(a.name)}`;
         const actions = h("div", { class: "actions" });
+        const act = async (method, suffix, body) => {
+          rowError.clear();
+          try { await api(method, `${path}${suffix}`, body); await load(); }
+          catch (err) { rowError.show(err); }
+        };
+        // A split is in progress on a name when one of its versions has a share strictly
+        // between 0 and 100: its current version carries the rest.
+        const splitting = data.some((b) => b.tenant === a.tenant && b.name === a.name &&
+                                    b.traffic_percent > 0 && b.traffic_percent < 100);
         if (a.status === "active") {
+          if (!a.current) {
+            actions.append(confirmButton("Promote", `Make v${a.version} current?`,
+              () => act("POST", "/promote", { version: a.version }), "small promote"));
+            const percent = h("input", { type: "number", min: "0", max: "100", step: "any",
+                                         class: "percent", placeholder: "%",
+                                         "aria-label": `Percent of requests to v${a.version}` });
+            const split = h("button", { type: "button", class: "small split" }, "Split");
+            split.addEventListener("click", () => act("POST", "/split", {
+              version: a.version, percent: percent.value === "" ? null : Number(percent.value) }));
+            actions.append(h("span", { class: "split-control" }, percent, split));
+          } else if (splitting) {
+            const cancel = h("button", { type: "button", class: "small cancel-split" },
+                             "Cancel split");
+            cancel.addEventListener("click", () => act("DELETE", "/split"));
+            actions.append(cancel);
+          }
           const other = a.visibility === "public" ? "private" : "public";
           const toggle = h("button", { type: "button", class: "small" }, `Make ${other}`);
-          toggle.addEventListener("click", async () => {
-            rowError.clear();
-            try { await api("PATCH", path, { visibility: other }); await load(); }
-            catch (err) { rowError.show(err); }
-          });
-          actions.append(toggle, confirmButton("Delete", `Delete v${a.version}?`, async () => {
-            rowError.clear();
-            try { await api("DELETE", `${path}?version=${a.version}`); await load(); }
-            catch (err) { rowError.show(err); }
-          }, "danger small"));
+          toggle.addEventListener("click", () => act("PATCH", "", { visibility: other }));
+          actions.append(toggle, confirmButton("Delete", `Delete v${a.version}?`,
+            () => act("DELETE", `?version=${a.version}`), "danger small"));
         }
-        return [h("strong", {}, a.model), `v${a.version}`,
+        const traffic = a.status !== "active" ? "—"
+          : a.traffic_percent > 0 ? `${Number(a.traffic_percent.toFixed(2))}%` : "0%";
+        // The version, whether it is current or a canary, and its share of the requests.
+        return [h("strong", {}, a.model),
+                h("div", {}, h("span", { class: "nowrap" }, `v${a.version} `,
+                  a.current ? badge("current", "good") : null,
+                  a.traffic_percent > 0 && !a.current ? badge("canary", "warn") : null),
+                  h("div", { class: "muted subline traffic", title: "share of requests" },
+                    `${traffic} of traffic`)),
                 `${a.rank}${a.use_rslora ? " (rs)" : ""}`, fmtBytes(a.size_bytes),
                 badge(a.visibility), badge(a.status), fmtTime(a.created_at),
                 h("code", { title: a.identity }, `${a.id}@${a.digest.slice(0, 12)}`),

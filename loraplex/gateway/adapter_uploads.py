@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -36,12 +36,13 @@ from loraplex.errors import (
 )
 from loraplex.gateway.errors import AdapterRejectedError, ClientDisconnected
 from loraplex.gateway.http import declared_length
-from loraplex.registry import upload
+from loraplex.registry import service, upload
 from loraplex.registry.archive import ALLOWED_FILES
 from loraplex.registry.models import Adapter
 from loraplex.registry.quotas import StorageUsage
 from loraplex.registry.store import AdapterStore
 from loraplex.registry.upload import AdapterUploader, DeletedAdapter, UploadResult
+from loraplex.registry.versions import Traffic
 
 logger = logging.getLogger("loraplex.gateway")
 
@@ -52,9 +53,11 @@ MAX_FIELD_BYTES: Final = 1024
 FIELDS: Final = ("name", "visibility")
 
 
-def adapter_json(row: Adapter, owner: str) -> dict[str, Any]:
-    """An adapter version as the API shows it (never its path on the server)."""
-    return {
+def adapter_json(row: Adapter, owner: str,
+                 traffic: Mapping[tuple[int, str], Traffic] | None = None) -> dict[str, Any]:
+    """An adapter version as the API shows it (never its path on the server); with its
+    name's ``traffic``: whether it is the current version and its share of the requests."""
+    out = {
         "object": "adapter", "id": row.id, "tenant": owner, "name": row.name,
         "model": f"{owner}/{row.name}", "version": row.version, "identity": row.identity,
         "digest": row.digest, "size_bytes": row.size_bytes, "rank": row.rank,
@@ -62,6 +65,19 @@ def adapter_json(row: Adapter, owner: str) -> dict[str, Any]:
         "target_modules": list(row.target_modules), "visibility": row.visibility,
         "status": row.status, "created_at": row.created_at.isoformat(),
     }
+    if traffic is not None:
+        shares = traffic.get((row.tenant_id, row.name))
+        active = shares is not None and row.status == "active"
+        out["current"] = active and shares is not None and shares.current_id == row.id
+        out["traffic_percent"] = shares.percent_of(row.id) if active and shares else 0.0
+    return out
+
+
+def versions_json(session: Session, rows: Sequence[Adapter],
+                  owner: Callable[[Adapter], str]) -> list[dict[str, Any]]:
+    """Adapter versions as the API lists them, each with its name's traffic."""
+    traffic = service.traffic(session, {(row.tenant_id, row.name) for row in rows})
+    return [adapter_json(row, owner(row), traffic) for row in rows]
 
 
 def storage_json(usage: StorageUsage) -> dict[str, Any]:

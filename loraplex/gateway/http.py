@@ -185,12 +185,14 @@ class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncGenerator[bytes, None],
-                 on_close: Callable[[bool], Awaitable[None]]) -> None:
+                 on_close: Callable[[bool], Awaitable[None]],
+                 headers: Mapping[str, str] | None = None) -> None:
         self.events = events
         self.on_close = on_close
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                           **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         completed = False

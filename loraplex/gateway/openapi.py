@@ -27,7 +27,7 @@ from loraplex.registry.models import (
     MIN_WEIGHT,
     PRIORITY_CLASSES,
 )
-from loraplex.registry.names import ADAPTER_NAME_RE, TENANT_NAME_RE
+from loraplex.registry.names import ADAPTER_NAME_RE, MAX_VERSION, TENANT_NAME_RE
 
 _REF = "#/components/schemas/"
 
@@ -267,6 +267,36 @@ def _upload_body() -> dict[str, Any]:
 _VERSION = _query("version", {"type": "integer", "minimum": 1, "maximum": 2**31 - 1})
 
 
+_PROMOTE = closed({"type": "object", "required": ["version"], "properties": {
+    "version": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION,
+                "description": "The version that becomes current (an older one: rollback)"}}})
+_SPLIT = closed({"type": "object", "required": ["version", "percent"], "properties": {
+    "version": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION,
+                "description": "The canary version (not the current one)"},
+    "percent": {"type": "number", "minimum": 0, "maximum": 100,
+                "description": "Share of the name's requests the canary gets; requests "
+                               "with the same user always get the same side"}}})
+
+
+def _version_paths(prefix: str, params: list[dict[str, Any]], errors: dict[str, Any],
+                   who: str) -> dict[str, Any]:
+    """A name's versions, promote, split and cancel, under ``prefix`` (the name's path)."""
+    changed = _json(_OBJ, "The name as it now stands: current version, split, versions")
+    return {
+        f"{prefix}/promote": {"parameters": params, "post": {
+            "summary": f"Make a version of {who} adapter its current version (rollback: "
+                       "an older one); ends a split",
+            "requestBody": _body(_PROMOTE), "responses": {"200": changed, **errors}}},
+        f"{prefix}/split": {
+            "parameters": params,
+            "post": {"summary": f"Split the requests naming {who} adapter between its "
+                                "current version and a canary",
+                     "requestBody": _body(_SPLIT), "responses": {"200": changed, **errors}},
+            "delete": {"summary": f"End the split of {who} adapter",
+                       "responses": {"200": changed, **errors}}},
+    }
+
+
 def _adapter_paths() -> dict[str, Any]:
     """The tenant's own adapters."""
     return {
@@ -280,11 +310,19 @@ def _adapter_paths() -> dict[str, Any]:
                      "requestBody": _upload_body(),
                      "responses": {"201": _json(_OBJ, "The stored version"),
                                    **_errors(400, 401, 409, 413, 422)}}},
-        "/v1/adapters/{name}": {"delete": {
-            "summary": "Delete the caller's adapter (every version, or ?version=N)",
-            "parameters": [_path_param("name", _ADAPTER_NAME), _VERSION],
-            "responses": {"200": _json(_OBJ, "The deleted versions"),
-                          **_errors(400, 401, 404)}}},
+        "/v1/adapters/{name}": {
+            "get": {"summary": "The caller's adapter: its versions, the current one and the "
+                               "split in progress",
+                    "parameters": [_path_param("name", _ADAPTER_NAME)],
+                    "responses": {"200": _json(_OBJ, "The adapter's versions"),
+                                  **_errors(401, 404)}},
+            "delete": {
+                "summary": "Delete the caller's adapter (every version, or ?version=N)",
+                "parameters": [_path_param("name", _ADAPTER_NAME), _VERSION],
+                "responses": {"200": _json(_OBJ, "The deleted versions"),
+                              **_errors(400, 401, 404)}}},
+        **_version_paths("/v1/adapters/{name}", [_path_param("name", _ADAPTER_NAME)],
+                         _errors(400, 401, 404, 409, 413), "the caller's"),
     }
 
 
@@ -365,9 +403,15 @@ def _admin_paths() -> dict[str, Any]:
                           "properties": {"visibility": {"type": "string",
                                                         "enum": ["private", "public"]}}})),
                       "responses": {"200": _json(_LIST, "The adapter's versions"), **admin}},
+            "get": {"summary": "A tenant's adapter: its versions, the current one and the "
+                               "split in progress (admin)",
+                    "responses": {"200": _json(_OBJ, "The adapter's versions"), **admin}},
             "delete": {"summary": "Delete an adapter (every version, or ?version=N) (admin)",
                        "parameters": [_VERSION],
                        "responses": {"200": _json(_OBJ, "The deleted versions"), **admin}}},
+        **_version_paths("/admin/api/tenants/{tenant}/adapters/{name}",
+                         [tenant, _path_param("name", _ADAPTER_NAME)],
+                         _errors(400, 401, 403, 404, 409, 413), "a tenant's"),
     }
 
 
@@ -382,11 +426,15 @@ def openapi_document(config: ServerConfig, model: ModelDescription) -> dict[str,
                                 "with 'Authorization: Bearer <key>'."},
         "security": [{"bearer": []}],
         "paths": {
-            "/v1/models": {"get": {"summary": "Models the caller may use", "responses": {
-                "200": _json(_ref("ModelList"), "The base model, own and public adapters"),
-                **_errors(401)}}},
+            "/v1/models": {"get": {
+                "summary": "Models the caller may use: each adapter name once, with the "
+                           "version it reaches (and every version with include_versions)",
+                "parameters": [_query("include_versions", {"type": "boolean"})],
+                "responses": {
+                    "200": _json(_ref("ModelList"), "The base model, own and public adapters"),
+                    **_errors(400, 401)}}},
             "/v1/models/{model}": {"get": {
-                "summary": "One model, if the caller may use it",
+                "summary": "One model, if the caller may use it (name@N: version N)",
                 "parameters": [{"name": "model", "in": "path", "required": True,
                                 "schema": {"type": "string", "minLength": 1}}],
                 "responses": {"200": _json(_ref("Model"), "The model"), **_errors(401, 404)}}},

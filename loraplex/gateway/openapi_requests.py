@@ -119,7 +119,8 @@ def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     return _guided() | {
         "model": {"type": "string", "minLength": 1,
                   "description": "The base model's name, your adapter's name, or a public "
-                                 "adapter as owner/name"},
+                                 "adapter as owner/name; name@N (owner/name@N) is version "
+                                 "N, a name alone its current version"},
         "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 256},
                            {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
                             "items": {"type": "string", "minLength": 1, "maxLength": 256}},

@@ -1,8 +1,9 @@
 """Adapter use cases: versions, visibility, and resolving a ``model`` name for a tenant.
 
 A request names an adapter as ``name`` (the caller's own) or ``owner/name`` (another
-tenant's public one, or the caller's own spelled in full). Either resolves to the latest
-active version; its identity ``id@digest`` is what caches key on.
+tenant's public one, or the caller's own spelled in full), either with ``@N`` for version
+N. A name resolves to its current version (``registry.versions``: the latest active one
+unless a promote chose another); its identity ``id@digest`` is what caches key on.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from sqlalchemy.orm import Session, contains_eager
 
 from loraplex.errors import AdapterNotFoundError, ConflictError, InvalidRequestError
 from loraplex.registry.models import VISIBILITIES, Adapter, Tenant
-from loraplex.registry.names import check_adapter_name, is_adapter_name, is_tenant_name
+from loraplex.registry.names import check_adapter_name, is_adapter_name
 from loraplex.registry.quotas import storage_usage
+from loraplex.registry.versions import after_delete, list_current_versions, resolve_versions
 
 
 def _check_visibility(visibility: str) -> str:
@@ -80,56 +82,34 @@ def get_adapter(session: Session, adapter_id: int) -> Adapter:
 
 
 def resolve_adapter(session: Session, tenant_id: int, model_name: str) -> Adapter:
-    """The adapter version that ``model_name`` means for the calling tenant.
+    """The adapter version that ``model_name`` means for the calling tenant: version N
+    for ``[owner/]name@N``, else the name's current version (a split's canary aside: the
+    gateway chooses per request, see ``versions.resolve_versions``).
 
-    ``name`` is the caller's own adapter; ``owner/name`` is the owner's latest active
-    version, visible if the caller is the owner, or if that version is public and the
-    owner is active. Anything else raises AdapterNotFoundError with the same message, so a
-    private adapter's existence is not revealed.
+    ``owner/name`` is visible if the caller is the owner, or if that version is public
+    and the owner is active. Anything else raises AdapterNotFoundError with the same
+    message, so a private adapter's existence is not revealed.
     """
-    not_found = AdapterNotFoundError(f"the model {model_name!r} does not exist or you do not "
-                                     "have access to it")
-    owner_name, sep, name = model_name.rpartition("/")
-    # A name no tenant or adapter can have is not looked up (nor sent to the database).
-    if not is_adapter_name(name) or (sep and not is_tenant_name(owner_name)):
-        raise not_found
-    # One statement whatever exists: a missing owner, a missing adapter and a private one
-    # cost the same queries, so the answer's timing does not tell them apart.
-    owner = Tenant.name == owner_name if sep else Tenant.id == tenant_id
-    adapter = session.scalar(
-        sa.select(Adapter).join(Adapter.tenant).options(contains_eager(Adapter.tenant))
-        .where(owner, Adapter.name == name, Adapter.status == "active")
-        .order_by(Adapter.version.desc()).limit(1)
-        # A long-lived session must still see a deletion or visibility change made elsewhere.
-        .execution_options(populate_existing=True))
-    if adapter is None or not (adapter.tenant_id == tenant_id or (
-            adapter.visibility == "public" and adapter.tenant.status == "active")):
-        raise not_found
-    return adapter
+    return resolve_versions(session, tenant_id, model_name).current
 
 
 def list_visible_adapters(
-    session: Session, tenant_id: int, *, latest_only: bool = True
+    session: Session, tenant_id: int, *, current_only: bool = True
 ) -> list[Adapter]:
     """Active adapters the tenant can call: its own, and other active tenants' public ones.
 
-    With ``latest_only`` (the default), one row per name: the version a bare name or
-    ``owner/name`` resolves to, listed only if that version is visible. Rows come with
-    ``tenant`` loaded, ordered by owner name, adapter name, version.
+    With ``current_only`` (the default), one row per name: the version a bare name or
+    ``owner/name`` resolves to, listed only if that version is visible; else every
+    visible version. Rows come with ``tenant`` loaded, ordered by owner name, adapter
+    name, version.
     """
+    if current_only:
+        return list_current_versions(session, tenant_id)
     visible = sa.or_(Adapter.tenant_id == tenant_id,
                      sa.and_(Adapter.visibility == "public", Tenant.status == "active"))
     stmt = (sa.select(Adapter).join(Adapter.tenant).options(contains_eager(Adapter.tenant))
             .where(Adapter.status == "active", visible)
             .order_by(Tenant.name, Adapter.name, Adapter.version))
-    if latest_only:
-        latest = (sa.select(Adapter.tenant_id, Adapter.name,
-                            sa.func.max(Adapter.version).label("version"))
-                  .where(Adapter.status == "active")
-                  .group_by(Adapter.tenant_id, Adapter.name).subquery())
-        stmt = stmt.join(latest, sa.and_(Adapter.tenant_id == latest.c.tenant_id,
-                                         Adapter.name == latest.c.name,
-                                         Adapter.version == latest.c.version))
     return list(session.scalars(stmt))
 
 
@@ -176,7 +156,9 @@ def _own_versions(session: Session, tenant_id: int, name: str,
 def delete_adapter(
     session: Session, tenant_id: int, name: str, *, version: int | None = None
 ) -> list[Adapter]:
-    """Marks the tenant's adapter deleted: every version, or just ``version``.
+    """Marks the tenant's adapter deleted: every version, or just ``version``. A deleted
+    current version hands over to the previous active one, a deleted canary ends its
+    split (``versions.after_delete``).
 
     Rows stay (usage refers to them, and version numbers are never reused); files stay in
     the store until no active row needs them (see ``is_digest_referenced``).
@@ -185,6 +167,7 @@ def delete_adapter(
     for row in rows:
         row.status = "deleted"
     session.flush()
+    after_delete(session, tenant_id, name, rows)
     return rows
 
 

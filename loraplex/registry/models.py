@@ -221,6 +221,41 @@ class Adapter(Base):
                 f"version={self.version!r}, digest={self.digest[:12]!r})")
 
 
+class AdapterRoute(Base):
+    """Where a tenant's adapter name sends requests that name no version: its current
+    version (``current_id``; NULL: the latest active version) and, during a canary split,
+    ``canary_percent`` of them to ``canary_id``. No row: the latest active version.
+
+    The service layer keeps both ids on active versions of this tenant and name
+    (``registry.versions``); a version's deletion moves them before it commits.
+    """
+
+    __tablename__ = "adapter_routes"
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "name"),
+        sa.CheckConstraint("canary_percent IS NULL OR "
+                           "(canary_percent >= 0 AND canary_percent <= 100)",
+                           name="canary_percent"),
+        sa.CheckConstraint("(canary_id IS NULL AND canary_percent IS NULL) OR "
+                           "(canary_id IS NOT NULL AND canary_percent IS NOT NULL)",
+                           name="canary"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(sa.ForeignKey("tenants.id"))
+    name: Mapped[str] = mapped_column(sa.String(128))
+    current_id: Mapped[int | None] = mapped_column(sa.ForeignKey("adapters.id"))
+    canary_id: Mapped[int | None] = mapped_column(sa.ForeignKey("adapters.id"))
+    canary_percent: Mapped[float | None] = mapped_column(sa.Float)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow,
+                                                 onupdate=utcnow)
+
+    def __repr__(self) -> str:
+        return (f"AdapterRoute(tenant_id={self.tenant_id!r}, name={self.name!r}, "
+                f"current_id={self.current_id!r}, canary_id={self.canary_id!r}, "
+                f"canary_percent={self.canary_percent!r})")
+
+
 class Usage(Base):
     """Requests and tokens of one tenant on one adapter (or the base model) in one hour."""
 

@@ -17,13 +17,13 @@ import sqlalchemy as sa
 
 from loraplex.errors import ConfigError
 from loraplex.registry import db
-from loraplex.registry.models import Adapter, ApiKey, Tenant, Usage
+from loraplex.registry.models import Adapter, AdapterRoute, ApiKey, Tenant, Usage
 from loraplex.registry.ownership import describe_database, open_store, registry_id
 from loraplex.registry.store import StoreOwner
 
 # In the order foreign keys need them.
 TABLES: tuple[sa.Table, ...] = tuple(
-    model.__table__ for model in (Tenant, ApiKey, Adapter, Usage))  # type: ignore[misc]
+    model.__table__ for model in (Tenant, ApiKey, Adapter, AdapterRoute, Usage))  # type: ignore[misc]
 _BATCH = 1000
 
 

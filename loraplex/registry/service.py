@@ -51,9 +51,25 @@ from loraplex.registry.usage import (
     record_usage,
     usage_totals,
 )
+from loraplex.registry.versions import (
+    NameVersions,
+    Resolution,
+    Traffic,
+    cancel_split,
+    check_percent,
+    check_version,
+    name_versions,
+    promote,
+    resolve_versions,
+    start_split,
+    traffic,
+)
 
 __all__ = [
-    "ADMIN_TENANT", "KEY_PREFIX", "QUOTA_CHECKS", "SCHEDULING_CHECKS", "UNSET", "Principal", "UsageRecord", "UsageTotals",
+    "ADMIN_TENANT", "KEY_PREFIX", "QUOTA_CHECKS", "SCHEDULING_CHECKS", "UNSET", "NameVersions",
+    "Principal", "Resolution", "Traffic", "UsageRecord", "UsageTotals",
+    "cancel_split", "check_percent", "check_version", "name_versions", "promote",
+    "resolve_versions", "start_split", "traffic",
     "admin_tenant", "authenticate", "create_admin_key", "create_key", "create_tenant", "delete_adapter", "generate_key",
     "get_adapter", "get_tenant", "get_tenant_by_name", "hash_key", "hour_start",
     "is_digest_referenced", "list_adapters", "list_keys", "list_tenants", "list_usage",

@@ -1,8 +1,9 @@
 """Generated inputs against a live server, once on SQLite and once on PostgreSQL: never a
 5xx, and the same answer on both (each test states the one status an input class gets).
 
-Covers every string that reaches SQL (model names, tenant and adapter names in paths and
-queries, key names), any value of a tenant's scheduling settings and storage quotas, every
+Covers every string that reaches SQL (model names with or without an ``@`` version,
+tenant and adapter names in paths and queries, key names), any value of a tenant's
+scheduling settings and storage quotas, any body of a promote or a canary split, every
 query parameter the OpenAPI document declares, and the
 multipart upload parser. Examples are capped and derandomized so the run stays short.
 """
@@ -10,8 +11,10 @@ multipart upload parser. Examples are capped and derandomized so the run stays s
 from __future__ import annotations
 
 import json
+import re
 import string
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -82,8 +85,17 @@ def test_what_the_hostile_tester_found_is_4xx(send: Caller) -> None:
     assert key.status_code == 400 and "NUL" in key.json()["error"]["message"]
 
 
+# Model names with an '@' version: digits, look-alikes, signs, huge numbers, and any text.
+VERSION_TEXT = st.sampled_from(["1", "v1", "01", "0", "-1", "+1", "1.0", " 1", "1 ", "v",
+                                "٣", "¹", "1@2", "2147483647", "2147483648", "9" * 5000,
+                                "\x00", "1\n"]) | st.integers(0, 2**40).map(str) | JSON_TEXT
+MODEL_TEXT = JSON_TEXT | st.builds(lambda name, tail: f"{name}@{tail}",
+                                   st.sampled_from(["x", "fuzzer/x", "a\x00b", ""]) | JSON_TEXT,
+                                   VERSION_TEXT)
+
+
 @FUZZ
-@given(model=JSON_TEXT)
+@given(model=MODEL_TEXT)
 def test_any_model_name_is_404_unless_it_is_served(fuzz_live: LiveServer, send: Caller,
                                                    model: str) -> None:
     response = send("POST", "/v1/completions",
@@ -108,10 +120,113 @@ def test_any_tenant_or_adapter_name_in_a_path_or_query_is_404(send: Caller,
                          ("GET", f"/admin/api/keys?{urlencode({'tenant': name})}"),
                          ("GET", f"/admin/api/adapters?{urlencode({'tenant': name})}"),
                          ("GET", f"/admin/api/usage?{urlencode({'tenant': name})}"),
-                         ("DELETE", f"/admin/api/tenants/fuzzer/adapters/{segment}")):
+                         ("DELETE", f"/admin/api/tenants/fuzzer/adapters/{segment}"),
+                         ("GET", f"/admin/api/tenants/fuzzer/adapters/{segment}"),
+                         ("DELETE", f"/admin/api/tenants/fuzzer/adapters/{segment}/split"),
+                         ("DELETE", f"/admin/api/tenants/{segment}/adapters/x/split")):
         response = send(method, path, admin=True)
         assert response.status_code == 404, (method, path, response.text)
+    for path, body in ((f"/admin/api/tenants/fuzzer/adapters/{segment}/promote",
+                        {"version": 1}),
+                       (f"/admin/api/tenants/{segment}/adapters/x/promote", {"version": 1}),
+                       (f"/admin/api/tenants/fuzzer/adapters/{segment}/split",
+                        {"version": 1, "percent": 5})):
+        response = send("POST", path, admin=True, body=body)
+        assert response.status_code == 404, (path, response.text)
     assert send("DELETE", f"/v1/adapters/{segment}").status_code == 404
+    assert send("GET", f"/v1/adapters/{segment}").status_code == 404
+    assert send("DELETE", f"/v1/adapters/{segment}/split").status_code == 404
+    assert send("POST", f"/v1/adapters/{segment}/promote",
+                body={"version": 1}).status_code == 404
+    assert send("POST", f"/v1/adapters/{segment}/split",
+                body={"version": 2, "percent": 50}).status_code == 404
+
+
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def versioned(send: Caller, llama_adapters: dict[str, Path]) -> str:
+    """The fuzzer's adapter ``fz`` at versions 1 and 2, uploaded through the API."""
+    if send("GET", "/v1/adapters/fz").status_code == 404:
+        for spec in ("r4", "r8qv"):
+            files = {name: (llama_adapters[spec] / name).read_bytes() for name in FILES}
+            response = send.http.post("/v1/adapters", data={"name": "fz"}, files=files,
+                                      headers={"Authorization":
+                                               f"Bearer {send.live.keys['fuzzer']}"})
+            assert response.status_code == 201, response.text
+    return "fz"
+
+
+def _existing_version(tail: str) -> bool:
+    """The documented rule of a version after '@', written out again as the oracle: ASCII
+    digits (after an optional 'v') naming a version fz has, 1 or 2."""
+    return re.fullmatch(r"v?0*[12]", tail, re.ASCII) is not None
+
+
+@FUZZ
+@given(owner=st.sampled_from(["", "fuzzer/"]), tail=VERSION_TEXT)
+def test_any_version_of_a_real_adapter_is_served_or_404(send: Caller, versioned: str,
+                                                        owner: str, tail: str) -> None:
+    model = f"{owner}{versioned}@{tail}"
+    response = send("POST", "/v1/completions",
+                    body={"model": model, "prompt": "hi", "max_tokens": 1})
+    expected = (400 if _has_surrogate(model) else 200 if _existing_version(tail) else 404)
+    assert response.status_code == expected, (model, response.text)
+    if expected == 200:
+        assert response.headers["X-Loraplex-Adapter-Version"] == tail.lstrip("v").lstrip("0")
+    elif expected == 404:
+        assert len(response.json()["error"]["message"]) < 300
+
+
+VERSION_VALUES = (st.none() | st.booleans() | st.integers(-2, 4) | st.integers(2**31 - 2, 2**31 + 1)
+                  | st.integers() | st.floats() | st.sampled_from(["1", "2", "v1", "1e2"])
+                  | JSON_TEXT | st.lists(st.integers(), max_size=2))
+PERCENT_VALUES = (st.none() | st.booleans() | st.integers(-2, 102) | st.floats()
+                  | st.floats(-0.5, 100.5) | st.sampled_from(["10", "10%", "nan"]) | JSON_TEXT)
+
+
+def _is_int(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+@FUZZ
+@given(version=VERSION_VALUES, percent=PERCENT_VALUES, split=st.booleans(),
+       admin=st.booleans())
+def test_any_promote_or_split_body_is_answered_or_refused_naming_it(
+        send: Caller, versioned: str, version: Any, percent: Any, split: bool,
+        admin: bool) -> None:
+    base = (f"/admin/api/tenants/fuzzer/adapters/{versioned}" if admin
+            else f"/v1/adapters/{versioned}")
+    before = send("GET", base, admin=admin).json()
+    body = {"version": version, "percent": percent} if split else {"version": version}
+    response = send("POST", f"{base}/{'split' if split else 'promote'}", admin=admin,
+                    body=body)
+    good_percent = (isinstance(percent, int | float) and not isinstance(percent, bool)
+                    and 0 <= percent <= 100)
+    if isinstance(version, float) and version.is_integer():
+        version = int(version)  # JSON Schema's integers include 2.0
+    if not _is_int(version, 1, 2**31 - 1):
+        expected, param = 400, "version"
+    elif split and not good_percent:
+        expected, param = 400, "percent"
+    elif version not in (1, 2):
+        expected, param = 404, "model"
+    elif split and version == before["current_version"]:
+        expected, param = 409, None
+    else:
+        expected, param = 200, None
+    assert response.status_code == expected, (body, response.text)
+    if expected != 200:
+        assert response.json()["error"]["param"] == param, response.text
+        assert send("GET", base, admin=admin).json() == before
+    else:
+        state = response.json()
+        if split:
+            assert state["split"] == {"version": version, "percent": float(percent)}
+            assert state["current_version"] == before["current_version"]
+        else:
+            assert (state["current_version"], state["split"]) == (version, None)
 
 
 @FUZZ

@@ -22,7 +22,7 @@ from loraplex.registry import db
 from loraplex.testing import postgres_schema_url, postgres_url_for_tests
 
 POSTGRES_URL = postgres_url_for_tests()
-TABLES_CHILD_FIRST = ("usage", "adapters", "api_keys", "tenants")
+TABLES_CHILD_FIRST = ("usage", "adapter_routes", "adapters", "api_keys", "tenants")
 
 # A tiny Llama: adapters are validated against these shapes by the engine's loader.
 HIDDEN, INTERMEDIATE, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 32, 64, 2, 4, 2

@@ -194,7 +194,7 @@ def test_list_visible(session: Session, two: tuple[Tenant, Tenant]) -> None:
     assert [(a.tenant.name, a.name, a.version) for a in visible] == [
         ("alice", "mine", 2), ("bob", "pub", 1)]
     assert [a.id for a in visible] == [mine2.id, pub.id]
-    every = service.list_visible_adapters(session, alice.id, latest_only=False)
+    every = service.list_visible_adapters(session, alice.id, current_only=False)
     assert [(a.name, a.version) for a in every] == [("mine", 1), ("mine", 2), ("pub", 1)]
     assert [a.name for a in service.list_visible_adapters(session, bob.id)] == ["priv", "pub"]
 

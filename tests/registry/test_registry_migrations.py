@@ -16,13 +16,13 @@ from alembic.runtime.migration import MigrationContext
 
 from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE, folder_digest
 from loraplex.errors import ConfigError, StoreNotOwnedError
-from loraplex.registry import db
+from loraplex.registry import db, service
 from loraplex.registry.models import Base
 from loraplex.registry.ownership import open_store
 from loraplex.registry.store import AdapterStore
 from loraplex.registry.sweep import sweep_store
 
-TABLES = {"tenants", "api_keys", "adapters", "usage", "registry_identity"}
+TABLES = {"tenants", "api_keys", "adapters", "adapter_routes", "usage", "registry_identity"}
 
 
 def _tables(url: str) -> set[str]:
@@ -44,7 +44,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0005"
+        assert db.current_revision(engine) == db.head_revision() == "0006"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -328,7 +328,59 @@ def test_0005_adds_quotas_backfills_reclaimed_and_goes_down_again(
                                       sa.inspect(engine).get_columns("adapters")}
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one() == 4
-        db.upgrade(url, adapter_dir=str(store))
+        db.upgrade(url, "0005", adapter_dir=str(store))
         assert db.current_revision(engine) == "0005"
+    finally:
+        engine.dispose()
+
+
+def test_0006_keeps_every_name_on_its_latest_version_and_goes_down_again(
+        empty_db_url: str) -> None:
+    """An existing database gets the routes table and no row in it: a name keeps reaching
+    its latest active version; the table's rules hold; downgrade drops only the table."""
+    url = empty_db_url
+    db.upgrade(url, "0005")
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO tenants (name, status, created_at, updated_at) "
+                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+            for version, status in ((1, "active"), (2, "active"), (3, "deleted")):
+                conn.execute(sa.text(
+                    "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
+                    "use_rslora, target_modules, digest, size_bytes, storage_path, "
+                    "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
+                    "false, '[]', :d, 10, 'p', 'private', :s, CURRENT_TIMESTAMP)"),
+                    {"t": tenant_id, "v": version, "d": str(version) * 64, "s": status})
+        db.upgrade(url)
+        assert db.current_revision(engine) == "0006"
+        factory = db.make_session_factory(engine)
+        with db.transaction(factory) as session:
+            assert service.resolve_adapter(session, tenant_id, "a").version == 2
+            assert service.resolve_adapter(session, tenant_id, "a@1").version == 1
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM adapter_routes")).scalar_one() == 0
+            ids = dict(conn.execute(sa.text("SELECT version, id FROM adapters")).all())
+        insert = ("INSERT INTO adapter_routes (tenant_id, name, current_id, canary_id, "
+                  "canary_percent, updated_at) VALUES (:t, 'a', :c, :k, :p, CURRENT_TIMESTAMP)")
+        for canary, percent in ((ids[2], 100.5), (ids[2], -1), (ids[2], None), (None, 5)):
+            with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+                conn.execute(sa.text(insert), {"t": tenant_id, "c": ids[1], "k": canary,
+                                               "p": percent})
+        with engine.begin() as conn:
+            conn.execute(sa.text(insert), {"t": tenant_id, "c": ids[1], "k": ids[2], "p": 10})
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:  # one per name
+            conn.execute(sa.text(insert), {"t": tenant_id, "c": ids[2], "k": None, "p": None})
+        with db.transaction(factory) as session:
+            assert service.resolve_adapter(session, tenant_id, "a").version == 1
+
+        db.downgrade(url, "0005")
+        assert "adapter_routes" not in sa.inspect(engine).get_table_names()
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one() == 3
+        db.upgrade(url)
+        assert db.current_revision(engine) == "0006"
     finally:
         engine.dispose()

@@ -1,4 +1,5 @@
-"""The tenant's own adapters: ``/v1/adapters`` upload, list and delete.
+"""The tenant's own adapters: ``/v1/adapters`` upload, list and delete; a name's versions,
+promote, canary split and its cancel.
 
 A tenant sees and deletes only its own adapters; another tenant's is reported as not found
 (404), public or not, so names are not revealed.
@@ -13,11 +14,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex.gateway import adapter_versions
 from loraplex.gateway.adapter_uploads import (
     adapter_json,
     adapter_service,
     deleted_json,
     storage_json,
+    versions_json,
 )
 from loraplex.gateway.auth import authenticate
 from loraplex.gateway.http import query_flag, query_version
@@ -34,7 +37,7 @@ def _own_versions(gw: Gateway, principal: Principal,
                                      include_deleted=include_deleted)
         usage = quotas.storage_usage(session, principal.tenant_id)
         return {"object": "list",
-                "data": [adapter_json(row, principal.tenant_name) for row in rows],
+                "data": versions_json(session, rows, lambda _: principal.tenant_name),
                 "storage": storage_json(usage)}
 
 
@@ -65,10 +68,53 @@ async def delete_adapter(request: Request) -> Response:
     return JSONResponse(deleted_json(deleted, principal.tenant_name))
 
 
+async def get_name(request: Request) -> Response:
+    """The caller's adapter name: its versions, the current one, the split in progress."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    return JSONResponse(await run_in_threadpool(
+        adapter_versions.show, gw, principal.tenant_id, principal.tenant_name,
+        request.path_params["name"]))
+
+
+async def promote(request: Request) -> Response:
+    """``{"version": N}`` becomes the name's current version (rollback: an older one);
+    a split in progress ends."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    body = await adapter_versions.read_body(request, gw, adapter_versions.PROMOTE_FIELDS)
+    return JSONResponse(await run_in_threadpool(
+        adapter_versions.promote, gw, principal.tenant_id, principal.tenant_name,
+        request.path_params["name"], body))
+
+
+async def split(request: Request) -> Response:
+    """``{"version": N, "percent": P}``: P percent of the name's requests go to version N."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    body = await adapter_versions.read_body(request, gw, adapter_versions.SPLIT_FIELDS)
+    return JSONResponse(await run_in_threadpool(
+        adapter_versions.split, gw, principal.tenant_id, principal.tenant_name,
+        request.path_params["name"], body))
+
+
+async def cancel_split(request: Request) -> Response:
+    """Ends the name's split: every request goes to the current version."""
+    gw = gateway(request)
+    principal = await authenticate(request, gw.sessions)
+    return JSONResponse(await run_in_threadpool(
+        adapter_versions.cancel, gw, principal.tenant_id, principal.tenant_name,
+        request.path_params["name"]))
+
+
 def routes() -> list[Route]:
     """The routes of this module, for ``create_app``."""
     return [
         Route("/v1/adapters", list_adapters, methods=["GET"]),
         Route("/v1/adapters", upload_adapter, methods=["POST"]),
+        Route("/v1/adapters/{name}", get_name, methods=["GET"]),
         Route("/v1/adapters/{name}", delete_adapter, methods=["DELETE"]),
+        Route("/v1/adapters/{name}/promote", promote, methods=["POST"]),
+        Route("/v1/adapters/{name}/split", split, methods=["POST"]),
+        Route("/v1/adapters/{name}/split", cancel_split, methods=["DELETE"]),
     ]

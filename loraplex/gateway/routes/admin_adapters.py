@@ -1,4 +1,5 @@
-"""Admin routes for any tenant's adapters: list versions, upload, visibility, delete."""
+"""Admin routes for any tenant's adapters: list versions, upload, visibility, delete; a
+name's versions, promote, canary split and its cancel."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.errors import InvalidRequestError
-from loraplex.gateway.adapter_uploads import adapter_json, adapter_service, deleted_json
+from loraplex.gateway import adapter_versions
+from loraplex.gateway.adapter_uploads import (
+    adapter_json,
+    adapter_service,
+    deleted_json,
+    versions_json,
+)
 from loraplex.gateway.auth import admin_principal
 from loraplex.gateway.http import query_flag, query_version, read_json_object
 from loraplex.gateway.state import Gateway
@@ -23,9 +30,8 @@ def list_versions(gw: Gateway, tenant: str | None, include_deleted: bool,
     """Every version of the adapters of one tenant (by name) or of all tenants."""
     with transaction(gw.sessions) as session:
         tenant_id = None if tenant is None else service.get_tenant_by_name(session, tenant).id
-        return [adapter_json(row, row.tenant.name)
-                for row in service.list_adapters(session, tenant_id,
-                                                 include_deleted=include_deleted)]
+        rows = service.list_adapters(session, tenant_id, include_deleted=include_deleted)
+        return versions_json(session, rows, lambda row: row.tenant.name)
 
 
 async def list_adapters(request: Request) -> Response:
@@ -81,9 +87,52 @@ async def delete_adapter(request: Request) -> Response:
     return JSONResponse(deleted_json(deleted, tenant))
 
 
+async def get_name(request: Request) -> Response:
+    """A tenant's adapter name: its versions, the current one, the split in progress."""
+    gw, _ = await admin_principal(request)
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    return JSONResponse(await run_in_threadpool(adapter_versions.show, gw, tenant_id, tenant,
+                                                request.path_params["name"]))
+
+
+async def promote(request: Request) -> Response:
+    """``{"version": N}`` becomes the name's current version; a split in progress ends."""
+    gw, _ = await admin_principal(request)
+    body = await adapter_versions.read_body(request, gw, adapter_versions.PROMOTE_FIELDS)
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    return JSONResponse(await run_in_threadpool(adapter_versions.promote, gw, tenant_id,
+                                                tenant, request.path_params["name"], body))
+
+
+async def split(request: Request) -> Response:
+    """``{"version": N, "percent": P}``: P percent of the name's requests go to version N."""
+    gw, _ = await admin_principal(request)
+    body = await adapter_versions.read_body(request, gw, adapter_versions.SPLIT_FIELDS)
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    return JSONResponse(await run_in_threadpool(adapter_versions.split, gw, tenant_id,
+                                                tenant, request.path_params["name"], body))
+
+
+async def cancel_split(request: Request) -> Response:
+    """Ends the name's split: every request goes to the current version."""
+    gw, _ = await admin_principal(request)
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    return JSONResponse(await run_in_threadpool(adapter_versions.cancel, gw, tenant_id,
+                                                tenant, request.path_params["name"]))
+
+
 def routes() -> list[Route]:
     """The routes of this module, for ``create_app``."""
+    name = "/admin/api/tenants/{tenant}/adapters/{name}"
     return [
+        Route(name, get_name, methods=["GET"]),
+        Route(f"{name}/promote", promote, methods=["POST"]),
+        Route(f"{name}/split", split, methods=["POST"]),
+        Route(f"{name}/split", cancel_split, methods=["DELETE"]),
         Route("/admin/api/adapters", list_adapters, methods=["GET"]),
         Route("/admin/api/tenants/{tenant}/adapters", list_adapters, methods=["GET"]),
         Route("/admin/api/tenants/{tenant}/adapters", upload_adapter, methods=["POST"]),

@@ -29,6 +29,7 @@ from loraplex.gateway.http import (
     EventStreamResponse,
     parse_json_body,
     parse_time_param,
+    query_flag,
     read_body,
     run_until_disconnect,
     shielded,
@@ -81,28 +82,55 @@ def _observed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 # --- models ------------------------------------------------------------------------------
 
 
-def _model_object(gw: Gateway, principal: Principal, row: Adapter | None) -> dict[str, Any]:
+def _model_object(gw: Gateway, principal: Principal, row: Adapter | None, *,
+                  versioned: bool = False, split: dict[str, Any] | None = None,
+                  versions: list[Adapter] | None = None) -> dict[str, Any]:
     # The one shape of a model, for the list and for one model: the base model, or an
-    # adapter version named as the caller names it (bare when it is the caller's own).
+    # adapter named as the caller names it (bare when it is the caller's own; with @N
+    # when the caller named a version), with the version it reaches.
     if row is None:
         return {"id": gw.served_model_name, "object": "model", "created": 0,
                 "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}
-    own = is_own(principal, row.tenant_id)
-    return {"id": row.name if own else f"{row.tenant.name}/{row.name}", "object": "model",
-            "created": int(row.created_at.timestamp()), "owned_by": row.tenant.name,
-            "root": row.identity, "parent": gw.served_model_name}
+    name = row.name if is_own(principal, row.tenant_id) else f"{row.tenant.name}/{row.name}"
+    entry: dict[str, Any] = {
+        "id": f"{name}@{row.version}" if versioned else name, "object": "model",
+        "created": int(row.created_at.timestamp()), "owned_by": row.tenant.name,
+        "root": row.identity, "parent": gw.served_model_name, "version": row.version}
+    if split is not None:
+        entry["split"] = split
+    if versions is not None:
+        entry["versions"] = [{"id": f"{name}@{v.version}", "version": v.version,
+                              "root": v.identity, "created": int(v.created_at.timestamp())}
+                             for v in versions]
+    return entry
 
 
-def _model_entries(gw: Gateway, principal: Principal) -> list[dict[str, Any]]:
+def _model_entries(gw: Gateway, principal: Principal,
+                   include_versions: bool) -> list[dict[str, Any]]:
     with transaction(gw.sessions) as session:
         rows = service.list_visible_adapters(session, principal.tenant_id)
         # An own adapter named like the base model (an upload from before such names were
         # refused) cannot be called: listing it would name the base model twice.
         served = gw.served_model_name.casefold()
+        rows = [row for row in rows if not (row.tenant_id == principal.tenant_id
+                                            and row.name.casefold() == served)]
+        versions: dict[tuple[int, str], list[Adapter]] = {}
+        if include_versions:
+            for v in service.list_visible_adapters(session, principal.tenant_id,
+                                                   current_only=False):
+                versions.setdefault((v.tenant_id, v.name), []).append(v)
+        # Only the owner sees a split (another tenant's callers are told one version).
+        splits = {}
+        own = [(row.tenant_id, row.name) for row in rows if row.tenant_id == principal.tenant_id]
+        for key, traffic in service.traffic(session, own).items():
+            if traffic.canary_id is not None:
+                canary = service.get_adapter(session, traffic.canary_id)
+                splits[key] = {"version": canary.version, "percent": traffic.canary_percent}
         return [_model_object(gw, principal, None),
-                *(_model_object(gw, principal, row) for row in rows
-                  if not (row.tenant_id == principal.tenant_id
-                          and row.name.casefold() == served))]
+                *(_model_object(gw, principal, row, split=splits.get((row.tenant_id, row.name)),
+                                versions=versions.get((row.tenant_id, row.name), [])
+                                if include_versions else None)
+                  for row in rows)]
 
 
 def _model_entry(gw: Gateway, principal: Principal, model: str) -> dict[str, Any]:
@@ -110,13 +138,14 @@ def _model_entry(gw: Gateway, principal: Principal, model: str) -> dict[str, Any
         return _model_object(gw, principal, None)
     with transaction(gw.sessions) as session:
         row = service.resolve_adapter(session, principal.tenant_id, model)
-        return _model_object(gw, principal, row)
+        return _model_object(gw, principal, row, versioned="@" in model)
 
 
 async def list_models(request: Request, gw: Gateway, obs: Observation) -> Response:
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
-    data = await run_in_threadpool(_model_entries, gw, principal)
+    data = await run_in_threadpool(_model_entries, gw, principal,
+                                   query_flag(request, "include_versions"))
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -152,7 +181,7 @@ async def _prepare(request: Request, gw: Gateway, obs: Observation,
     obs.tenant = principal.tenant_name
     body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
     req = parse(body, max_tokens_limit=gw.config.max_tokens_limit, max_n=gw.config.max_n)
-    resolved = await resolve_model(gw, principal, req.options.model)
+    resolved = await resolve_model(gw, principal, req.options.model, req.options.user)
     obs.adapter = resolved.label
     return principal, req, resolved
 
@@ -206,7 +235,8 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
     if options.stream:
         return EventStreamResponse(_events(gw, job, options, chat, echo, tools, chat_echo),
                                    on_close=lambda gone: job.finish(
-                                       "aborted" if gone else job.stream_status))
+                                       "aborted" if gone else job.stream_status),
+                                   headers=resolved.headers)
     try:
         body = await run_until_disconnect(request,
                                           lambda: _collect(gw, job, options, chat, echo,
@@ -216,7 +246,7 @@ async def _generate(request: Request, gw: Gateway, obs: Observation, principal: 
         raise
     job.sent()  # the whole answer is handed over: all of it is metered
     await shielded(job.finish("ok"))
-    return JSONResponse(body)
+    return JSONResponse(body, headers=resolved.headers)
 
 
 def _failure_status(exc: BaseException) -> str:
