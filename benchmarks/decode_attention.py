@@ -85,10 +85,11 @@ class Shape:
                 self.ids.data_ptr(), self.ids.data_ptr(), self.batch, HEADS, KV_HEADS,
                 HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, self.out.data_ptr(), self.out.stride(0),
                 self.out.stride(1), threads)
+        # no sliding window, no soft-cap (a baseline revision's build ignores the two)
         if impl is None:
-            status = lib.paged_decode_attention_f32(*args)
+            status = lib.paged_decode_attention_f32(*args, 0, 0.0)
         else:
-            status = lib.paged_decode_attention_bf16(*args, impl)
+            status = lib.paged_decode_attention_bf16(*args, impl, 0, 0.0)
         assert status == 0
 
 

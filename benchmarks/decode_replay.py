@@ -63,6 +63,9 @@ class _ReadAhead:
     def __init__(self, lib: Any, on: bool) -> None:
         self.lib, self.on = lib, on
 
+    def decode_layer_fields(self) -> int:
+        return int(self.lib.decode_layer_fields())
+
     def decode_layers(self, *args: Any) -> int:
         cpu_native.lora_read_ahead(self.on, self.lib)
         try:
@@ -111,13 +114,17 @@ class Replayer:
             tables[lora] = torch.tensor([fields[f] for f in cpu_decode.STEP_FIELDS],
                                         dtype=torch.int64)
         best: dict[tuple[str, bool], float] = {}
+        # a baseline revision's layer rows may lack the fields added since at their end
+        # (the attention's window and soft-cap, 0 in the demo model)
+        rows = {name: layers[:, :lib.decode_layer_fields()].contiguous()
+                for name, lib in self.libs.items()}
         for _ in range(self.repeats):
             for name, lib in self.libs.items():
                 for lora, table in tables.items():
                     for k, buf in saved.items():
                         ctypes.memmove(step[k], buf, nbytes)
                     start = time.perf_counter()
-                    status = lib.decode_layers(layers.data_ptr(), num_layers,
+                    status = lib.decode_layers(rows[name].data_ptr(), num_layers,
                                                kv_caches.data_ptr(), table.data_ptr(), eps,
                                                scale)
                     seconds = time.perf_counter() - start

@@ -15,7 +15,12 @@ Attention is split by query length, decided per sequence on the device:
   (sequence, query tile, head) with the causal mask aligned bottom-right; its key loop
   stops at the last key any of its queries may see.
 
-Both use an online softmax in fp32. Semantics match :mod:`loraplex_kernels.attention_ref`.
+Both use an online softmax in fp32. Semantics match :mod:`loraplex_kernels.attention_ref`,
+sliding windows and soft-capped scores included: with a window (``WINDOW``) a program's
+key loop starts at the first key its first query sees, so no block before a sequence's
+window is read (the engine may have released it), and with soft-capping (``SOFTCAP``) a
+score ``s`` is ``cap * tanh(s / cap)`` before the mask. Both are compile-time switches, so
+the kernels without them are the same code as before.
 """
 
 from __future__ import annotations
@@ -63,14 +68,31 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _softcap(s, scale, softcap):
+    """``softcap * tanh(s * scale / softcap)`` in log2 units (times log2 e), for exp2.
+    Triton has no tanh: as Cephes' tanhf, an odd polynomial below |y| = 0.625 and
+    (1 - e) / (1 + e) with e = exp(-2|y|) above (never overflows), as the CPU kernels."""
+    y = s * scale / softcap
+    a = tl.abs(y)
+    z = a * a
+    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+              + 1.33314422036e-1) * z - 3.33332819422e-1) * z * a + a
+    e = tl.exp(-2.0 * a)
+    t = tl.where(a < 0.625, small, (1.0 - e) / (1.0 + e))
+    return tl.where(y < 0, -t, t) * (softcap * 1.4426950408889634)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
     scale_log2, group, head_dim, block_size, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_bt,
+    scale, softcap, window,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -82,9 +104,16 @@ def _paged_decode_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + b)
-    # Splits own whole key tiles so every non-empty split starts on a tile boundary.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    # Splits own whole key tiles so every non-empty split starts on a tile boundary; with
+    # a window the tiles are counted from its first key (of the last `window`), and no
+    # key before it is read.
+    if WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
+        start = first + split * tiles_per_split * BLOCK_N
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+        start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -106,7 +135,10 @@ def _paged_decode_kernel(
         row = blk * stride_cb + (pos % block_size) * stride_cp + kvh * stride_ch  # [BLOCK_N]
         kt = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None],
                      mask=d_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(tl.dot(q, kt, input_precision=DOT_PRECISION), scale, softcap)
+        else:
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -150,7 +182,7 @@ def _merge_splits_kernel(
     part = (b.to(tl.int64) * num_heads + h) * num_splits + offs_s  # [BLOCK_S]
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l_part = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)  # finite: the first split always holds key 0
+    m_max = tl.max(m, axis=0)  # finite: the first split always holds a key
     w = tl.exp2(m - m_max)
     acc = tl.load(part_acc_ptr + part[:, None] * head_dim + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
@@ -166,8 +198,9 @@ def _paged_prefill_kernel(
     scale_log2, group, head_dim, block_size, num_q_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_bt,
+    scale, softcap, window,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -197,28 +230,50 @@ def _paged_prefill_kernel(
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
     # Bottom-right causal mask: query i sees keys 0 .. context + i. Keys past the tile's
-    # last query are invisible to all of it, so the loop stops there.
+    # last query are invisible to all of it, so the loop stops there. With a window, query
+    # i sees keys from context + i - window + 1 on: the loop starts at its first query's.
     end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
-    for p0 in range(0, end, BLOCK_N):
+    if WINDOW:
+        begin = tl.maximum(context + q0 - window + 1, 0)
+    else:
+        begin = 0
+    for p0 in range(begin, end, BLOCK_N):
         pos = p0 + tl.arange(0, BLOCK_N)
         p_mask = pos < end
         blk = tl.load(table + pos // block_size, mask=p_mask, other=0).to(tl.int64)
         row = blk * stride_cb + (pos % block_size) * stride_cp + kvh * stride_ch  # [BLOCK_N]
         kt = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None],
                      mask=d_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_Q, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(tl.dot(q, kt, input_precision=DOT_PRECISION), scale, softcap)
+        else:
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_Q, BLOCK_N]
         visible = p_mask[None, :] & (pos[None, :] <= context + offs_q[:, None])
+        if WINDOW:
+            visible = visible & (pos[None, :] > context + offs_q[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every row, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if WINDOW:
+            # A row whose window starts past this tile has seen nothing yet: m stays
+            # -inf, and exp2(-inf - -inf) would be NaN (l and acc are zero, any factor
+            # keeps them).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+        else:
+            # Key 0 is visible to every row, so m_new is finite from the first tile on.
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :],
                      mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if WINDOW:
+        # Every query sees its own key, but the tile's rows past the chunk's may see none
+        # (never stored): no 0 / 0.
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
@@ -294,12 +349,20 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each sequence's new queries over its cached keys.
 
     ``num_splits`` forces the decode KV split count (tests); by default it is chosen from
     the batch size and context length so that long-context, small-batch decode fills the GPU.
+    ``window`` > 0: query position p sees keys p - window < k <= p only, and nothing before
+    a program's first such key is read; ``softcap`` > 0: scores s become
+    softcap * tanh(s / softcap). 0 turns either off.
     """
+    assert window >= 0 and softcap >= 0.0, (
+        f"window {window} and softcap {softcap} must be >= 0 (0: off)")
     _check_cache(k_cache, v_cache)
     assert query.dim() == 3, (
         f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
@@ -333,11 +396,15 @@ def paged_attention_triton(
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                meta.block_tables.stride(0))
+    extra = (float(scale), float(softcap), int(window))
+    switches = {"WINDOW": window > 0, "SOFTCAP": softcap > 0.0}
 
     num_decode = sum(1 for q in meta.query_lens_list if q == 1)
     if num_decode:
         decode_max_len = max(s for s, q in zip(meta.seq_lens_list, meta.query_lens_list,
                                                strict=True) if q == 1)
+        if window:
+            decode_max_len = min(decode_max_len, window)  # the keys a row reads
         splits = num_splits if num_splits is not None else choose_num_splits(
             num_decode, num_kv_heads, decode_max_len, query.device)
         assert splits >= 1, f"num_splits must be >= 1, got {splits}"
@@ -353,9 +420,9 @@ def paged_attention_triton(
             query, k_cache, v_cache, out, part_acc, part_ml,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale_log2, group, head_dim, block_size, num_heads,
-            *strides,
+            *strides, *extra,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d,
-            SPLIT=splits > 1, DOT_PRECISION=precision,
+            SPLIT=splits > 1, DOT_PRECISION=precision, **switches,
             num_warps=4,
         )
         if splits > 1:
@@ -373,8 +440,8 @@ def paged_attention_triton(
             query, k_cache, v_cache, out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale_log2, group, head_dim, block_size, num_q_tiles,
-            *strides,
+            *strides, *extra,
             BLOCK_Q=block_q, BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d,
-            DOT_PRECISION=precision,
+            DOT_PRECISION=precision, **switches,
             num_warps=4,
         )

@@ -39,6 +39,7 @@ def _kernels() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
         "rope_store_kv": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr,
                            _ptr, _i64, _int], _int),
         "silu_and_mul": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _int], None),
+        "gelu_and_mul": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _int], None),
         "argmax_rows": ([_ptr, _i64, _ptr, _i64, _i64, _int], None),
     }
     kernels = {}
@@ -145,6 +146,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n, inter = gate_up.size(0), gate_up.size(1) // 2
     out = torch.empty(n, inter, dtype=gate_up.dtype)  # [num_tokens, inter]
     _kernel("silu_and_mul", gate_up.dtype)(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, n, inter,
+        torch.get_num_threads())
+    return out
+
+
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of ``gate_up`` [num_tokens, 2 * inter], a
+    new [num_tokens, inter] tensor (GELU as ``g / (1 + exp(-2u))``, ``0.5 g (1 + tanh(u))``
+    rewritten: within a few float32 ulps of PyTorch's); takes what ``can_silu_and_mul``
+    accepts."""
+    n, inter = gate_up.size(0), gate_up.size(1) // 2
+    out = torch.empty(n, inter, dtype=gate_up.dtype)  # [num_tokens, inter]
+    _kernel("gelu_and_mul", gate_up.dtype)(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, n, inter,
         torch.get_num_threads())
     return out

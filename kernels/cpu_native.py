@@ -245,20 +245,23 @@ def load(path: Path) -> ctypes.CDLL:
     """The library built at ``path``, its functions declared (also how a benchmark loads a
     build of another revision's source beside this one)."""
     lib = ctypes.CDLL(str(path))
+    # The attention kernels' last two arguments, the sliding window and the logit soft-cap,
+    # come last so that a build of an older revision (benchmarks) ignores them.
     fn = lib.paged_decode_attention_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                   _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int]
+                   _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
+                   _i64, ctypes.c_float]
     fn = lib.paged_decode_attention_bf16
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
-                   ctypes.c_int]
+                   ctypes.c_int, _i64, ctypes.c_float]
     fn = lib.paged_prefill_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int, _i64, ctypes.c_float]
     for name, extra in (("lora_segments_f32", []), ("lora_segments_bf16", [ctypes.c_int])):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -409,6 +412,13 @@ def _attention_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return lib, num_heads, num_kv_heads, head_dim
 
 
+def _check_window_softcap(window: int, softcap: float) -> None:
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), not {window}")
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap must be >= 0 (0: none), not {softcap}")
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -417,9 +427,16 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     impl: str | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Attention of every decode row (one query token) over its sequence's cached keys.
-    ``impl``: the bfloat16 implementation (default ``bf16_impl()``); float32 has one."""
+    ``impl``: the bfloat16 implementation (default ``bf16_impl()``); float32 has one.
+    ``window``: only the last ``window`` keys (the row's own included; 0: all), the
+    blocks before them never read; ``softcap``: each score ``s`` becomes
+    ``softcap * tanh(s / softcap)`` (0: as it is)."""
+    _check_window_softcap(window, softcap)
     lib, num_heads, num_kv_heads, head_dim = _attention_shapes(query, k_cache, v_cache, out)
     seq_ids, rows = meta.decode_seq_ids, meta.decode_rows
     if seq_ids.numel() == 0:
@@ -434,9 +451,10 @@ def paged_decode_attention(
             seq_ids.numel(), num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
             out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
     if query.dtype == torch.bfloat16:
-        status = lib.paged_decode_attention_bf16(*args, _impl_code(lib, impl))
+        status = lib.paged_decode_attention_bf16(*args, _impl_code(lib, impl), window,
+                                                 softcap)
     else:
-        status = lib.paged_decode_attention_f32(*args)
+        status = lib.paged_decode_attention_f32(*args, window, softcap)
     if status != 0:
         raise MemoryError("native decode attention could not allocate its scratch memory")
 
@@ -449,14 +467,19 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     impl: str | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of every prefill chunk (several query tokens) over its sequence's
     cached keys, bottom-right aligned; decode rows are left alone. ``impl``: as for
     ``paged_decode_attention`` (bfloat16 ``avx512_bf16`` scores by bf16 dot products, an
-    even head size; ``portable`` widens to float32 as float32 runs)."""
+    even head size; ``portable`` widens to float32 as float32 runs); ``window`` and
+    ``softcap`` as there, each row's window ending at its own position."""
     seq_ids = meta.prefill_seq_ids
     if seq_ids.numel() == 0:  # a decode-only step: every layer of it calls this
         return
+    _check_window_softcap(window, softcap)
     lib, num_heads, num_kv_heads, head_dim = _attention_shapes(query, k_cache, v_cache, out)
     tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32
@@ -467,7 +490,7 @@ def paged_prefill_attention(
         starts.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(), num_heads, num_kv_heads,
         head_dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), out.stride(1),
         int(query.dtype == torch.bfloat16), torch.get_num_threads(),
-        _impl_code(lib, impl) if query.dtype == torch.bfloat16 else 0)
+        _impl_code(lib, impl) if query.dtype == torch.bfloat16 else 0, window, softcap)
     if status != 0:
         raise MemoryError("native prefill attention could not allocate its scratch memory")
 

@@ -1,6 +1,7 @@
 """PyTorch reference of the decoder's small per-layer ops: RMSNorm (alone and fused with
-the residual add), RoPE on q and k with the KV store, SiLU-and-mul. The CPU fallback, the
-CUDA path, and the oracle of the native kernels (``cpu_layer_ops.py``)."""
+the residual add), RoPE on q and k with the KV store, SiLU-and-mul and GELU(tanh)-and-mul.
+The CPU fallback, the CUDA path, and the oracle of the native kernels
+(``cpu_layer_ops.py``)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,10 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [num_tokens, 2 * inter] -> [num_tokens, inter]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of ``gate_up`` [num_tokens, 2 * inter] ->
+    [num_tokens, inter] (Gemma's GeGLU, ``gelu_pytorch_tanh``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

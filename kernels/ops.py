@@ -3,8 +3,10 @@ for the rest.
 
 Ops: LoRA (``add_lora``, ``sgmv_shrink``/``sgmv_expand``), base projections (``linear``,
 ``linear_lora``, with ``pack_linear_weight``), the paged KV store and attention, RMSNorm,
-RoPE + KV store, SiLU-and-mul and the greedy ``argmax_rows``. The ops that dispatch take
-``backend=None`` (pick by device), ``"torch"``, ``"cpu"`` or ``"triton"``:
+RoPE + KV store, SiLU-and-mul, GELU(tanh)-and-mul and the greedy ``argmax_rows``; paged attention with a
+sliding window and attention-logit soft-capping (``window``, ``softcap``) in every
+backend. The ops that dispatch take ``backend=None`` (pick by device), ``"torch"``,
+``"cpu"`` or ``"triton"``:
 
 - ``"triton"``: the Triton kernels for LoRA and attention (CUDA; tests run them under
   ``TRITON_INTERPRET=1``); the per-layer ops run the PyTorch reference there.
@@ -32,6 +34,7 @@ from loraplex_kernels.attention_ref import (
 from loraplex_kernels.layer_ops_ref import (
     Rope,
     fused_add_rms_norm_ref,
+    gelu_and_mul_ref,
     rms_norm_ref,
     rotate_qkv_ref,
     silu_and_mul_ref,
@@ -331,17 +334,34 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMeta, scale: float, out: torch.Tensor,
-                    backend: Backend | None = None) -> None:
+                    backend: Backend | None = None, *, window: int = 0,
+                    softcap: float = 0.0) -> None:
+    """Causal attention of each sequence's new queries ``query`` [num_tokens, heads, dim]
+    over its cached keys (``meta``), into ``out``; scores ``(q . k) * scale``.
+
+    ``window`` > 0: a sliding window, the query at position ``p`` sees the keys at
+    ``p - window < k <= p`` only (HuggingFace's ``sliding_window``); the blocks wholly
+    before a sequence's earliest window start are never read, so the engine may release
+    them (their table entries may hold any block). ``softcap`` > 0: each score ``s``
+    becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax (Gemma 2).
+    0 turns either off."""
+    if window < 0 or not softcap >= 0.0:
+        raise ValueError(f"window and softcap must be >= 0 (0: off), not {window} and "
+                         f"{softcap}")
     chosen = resolve_backend(query.device, backend)
     if chosen == "triton":
         from loraplex_kernels.attention_triton import paged_attention_triton
-        paged_attention_triton(query, k_cache, v_cache, meta, scale, out)
+        paged_attention_triton(query, k_cache, v_cache, meta, scale, out, window=window,
+                               softcap=softcap)
     elif chosen == "cpu" and cpu_native.available() and cpu_native.can_decode(
             query, k_cache, out):
-        cpu_native.paged_decode_attention(query, k_cache, v_cache, meta, scale, out)
-        cpu_native.paged_prefill_attention(query, k_cache, v_cache, meta, scale, out)
+        cpu_native.paged_decode_attention(query, k_cache, v_cache, meta, scale, out,
+                                          window=window, softcap=softcap)
+        cpu_native.paged_prefill_attention(query, k_cache, v_cache, meta, scale, out,
+                                           window=window, softcap=softcap)
     else:
-        paged_attention_ref(query, k_cache, v_cache, meta, scale, out)
+        paged_attention_ref(query, k_cache, v_cache, meta, scale, out, window=window,
+                            softcap=softcap)
 
 
 def _native_layer_ops(x: torch.Tensor, backend: Backend | None) -> bool:
@@ -395,6 +415,14 @@ def silu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch
     return silu_and_mul_ref(gate_up)
 
 
+def gelu_and_mul(gate_up: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of ``gate_up`` [num_tokens, 2 * inter] ->
+    [num_tokens, inter]."""
+    if _native_layer_ops(gate_up, backend) and cpu_layer_ops.can_silu_and_mul(gate_up):
+        return cpu_layer_ops.gelu_and_mul(gate_up)
+    return gelu_and_mul_ref(gate_up)
+
+
 def argmax_rows(logits: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
     """Each row's index of its first maximum (a NaN counts as the maximum), int64
     [num_rows], of ``logits`` [num_rows, vocab] in any float dtype: greedy sampling."""
@@ -405,6 +433,7 @@ def argmax_rows(logits: torch.Tensor, backend: Backend | None = None) -> torch.T
 
 
 __all__ = ["AttentionMeta", "Backend", "LoRASlots", "PackedWeight", "Rope", "SGMVMeta",
-           "add_lora", "argmax_rows", "cpu_gemm_choice", "fused_add_rms_norm", "linear", "linear_lora",
+           "add_lora", "argmax_rows", "cpu_gemm_choice", "fused_add_rms_norm", "gelu_and_mul",
+           "linear", "linear_lora",
            "pack_linear_weight", "paged_attention", "resolve_backend", "rms_norm",
            "rope_store_kv", "sgmv_expand", "sgmv_shrink", "silu_and_mul", "store_kv"]

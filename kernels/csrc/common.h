@@ -123,6 +123,45 @@ static inline vf exp_nonpositive_v(vf x)
     return p * (vf)bits;
 }
 
+/* Attention-logit soft-capping (Gemma 2): cap * tanh(s / cap) of VL scores, as the
+ * reference computes it (divide, tanh, multiply). tanh as Cephes' tanhf: an odd
+ * polynomial below |y| = 0.625, where (1 - e) / (1 + e) with e = exp(-2|y|) would lose
+ * bits to the subtraction, that quotient above (e <= 1, so it never overflows); written
+ * out, as exp_nonpositive_v, so it vectorises without -ffast-math (libm's tanhf is
+ * scalar), within a few ulp of it. */
+static inline vf softcap_v(vf s, float cap)
+{
+    const vf y = s / cap;
+    const vu sign = (vu)y & 0x80000000u;
+    const vf a = (vf)((vu)y & 0x7fffffffu);
+    const vf z = a * a;
+    const vf small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z
+                        - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
+                      - 3.33332819422e-1f) * z * a + a;
+    const vf e = exp_nonpositive_v((vf){0} - 2.0f * a);
+    const vf large = (1.0f - e) / (1.0f + e);
+    const vi below = a < 0.625f;
+    const vf t = (vf)((below & (vi)small) | (~below & (vi)large));
+    return (vf)((vu)t | sign) * cap;
+}
+
+/* softcap_v of n scores in place, VL at a time (the last ones through a padded vector) */
+static inline void softcap_row(float *restrict w, int64_t n, float cap)
+{
+    int64_t p = 0;
+    for (; p + VL <= n; p += VL) {
+        const vf s = softcap_v(loadv(w + p), cap);
+        memcpy(w + p, &s, sizeof s);
+    }
+    if (p < n) {
+        float tail[VL] = {0};
+        memcpy(tail, w + p, sizeof(float) * (size_t)(n - p));
+        const vf s = softcap_v(loadv(tail), cap);
+        memcpy(tail, &s, sizeof s);
+        memcpy(w + p, tail, sizeof(float) * (size_t)(n - p));
+    }
+}
+
 /* NAME(p, even, odd): a vector of pairs of bf16 values (p: two per lane of FLOATS) widened
  * to float32: *even gets the first of each pair, *odd the second (a bf16 is a float32's
  * upper half). load_pairs: VL pairs; load_pairs_half: 8, into half vectors. */

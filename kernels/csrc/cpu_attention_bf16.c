@@ -239,17 +239,19 @@ static inline __attribute__((always_inline)) void values_avx512(
 }
 #endif
 
-/* Positions [begin, end) of one sequence (begin on a block boundary), every head, into
- * the running state m, l [heads], acc [heads * head_dim] (started here; lanes permuted
- * as values_avx512 says when `vector`). Scratch: w [SCORE_HEADS * block_size], qf [heads *
+/* Positions [begin, end) of one sequence (begin anywhere in its block, as for float32),
+ * every head, into the running state m, l [heads], acc [heads * head_dim] (started here;
+ * lanes permuted as values_avx512 says when `vector`); scores soft-capped at `softcap`
+ * (0: not). Scratch: w [SCORE_HEADS * block_size], qf [heads *
  * head_dim] (the portable scores' queries), kvf [2 * block_size * head_dim] (a block's K
  * and V rows of one KV head, widened, for the portable path on AVX2). */
 static inline __attribute__((always_inline)) void decode_range(
     const bf16 *restrict q, int64_t q_head_stride,
     const bf16 *restrict k_cache, const bf16 *restrict v_cache, const int32_t *restrict table,
     int64_t begin, int64_t end, int64_t kv_heads, int64_t group, const int64_t head_dim,
-    int64_t block_size, float scale, int vector, float *restrict m, float *restrict l,
-    float *restrict acc, float *restrict w, float *restrict qf, float *restrict kvf)
+    int64_t block_size, float scale, float softcap, int vector, float *restrict m,
+    float *restrict l, float *restrict acc, float *restrict w, float *restrict qf,
+    float *restrict kvf)
 {
     const int64_t heads = kv_heads * group;
     const int64_t pos_stride = kv_heads * head_dim;
@@ -265,11 +267,12 @@ static inline __attribute__((always_inline)) void decode_range(
                 qf[h * head_dim + d] = bf16_to_f32(q[h * q_head_stride + d]);
     float corr[SCORE_HEADS];
     prefetch_first_blocks(k_cache, v_cache, table, begin, end, block_size, block_stride * 2);
-    for (int64_t pos0 = begin; pos0 < end; pos0 += block_size) {
-        const int64_t blk = pos0 / block_size;
-        const int64_t off = (int64_t)table[blk] * block_stride;
-        const int64_t n = end - pos0 < block_size ? end - pos0 : block_size;
-        const int64_t ahead = pos0 + DECODE_PREFETCH_BLOCKS * block_size;
+    /* a block's rows from o (0 but where a window starts inside it) */
+    for (int64_t pos0 = begin, n; pos0 < end; pos0 += n) {
+        const int64_t blk = pos0 / block_size, o = pos0 - blk * block_size;
+        const int64_t off = (int64_t)table[blk] * block_stride + o * pos_stride;
+        n = end - pos0 < block_size - o ? end - pos0 : block_size - o;
+        const int64_t ahead = (blk + DECODE_PREFETCH_BLOCKS) * block_size;
         const int64_t next_n = end - ahead < block_size ? end - ahead : block_size;
         const int64_t next = next_n > 0
             ? (int64_t)table[blk + DECODE_PREFETCH_BLOCKS] * block_stride : 0;
@@ -297,6 +300,7 @@ static inline __attribute__((always_inline)) void decode_range(
                     else
                         scores_avx512(qh, q_head_stride, nh, kb, pos_stride, n, head_dim,
                                       scale, w, block_size, pk, pf_n);
+                    softcap_block(w, block_size, nh, n, softcap);
                     online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
                     if (nh == 3)
                         values_avx512(a, vb, pos_stride, w, block_size, 3, n, head_dim, corr,
@@ -325,6 +329,7 @@ static inline __attribute__((always_inline)) void decode_range(
                     else
                         scores_avx2(qf + h0 * head_dim, head_dim, nh, kf, head_dim, n,
                                     head_dim, scale, w, block_size);
+                    softcap_block(w, block_size, nh, n, softcap);
                     online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
                     for (int64_t h = 0; h < nh; ++h)
                         for (int64_t p = 0; p < n; ++p)
@@ -336,6 +341,7 @@ static inline __attribute__((always_inline)) void decode_range(
 #endif
                 scores_portable(qf + h0 * head_dim, nh, kb, pos_stride, n, head_dim, scale, w,
                                 block_size);
+                softcap_block(w, block_size, nh, n, softcap);
                 online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
                 scale_rows(a, nh, head_dim, corr);
                 values_portable(a, vb, pos_stride, w, block_size, nh, n, head_dim);
@@ -376,7 +382,7 @@ static int attention_share_bf16(
     const int32_t *block_tables, int64_t table_stride,
     const int64_t *seq_ids, const int64_t *rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale,
+    int64_t block_size, float scale, float softcap,
     bf16 *out, int64_t o_row_stride, int64_t o_head_stride, int vector, int64_t group,
     const decode_item *items, int64_t num_items, int split, float *parts)
 {
@@ -409,12 +415,12 @@ static int attention_share_bf16(
         float *kvf = qf + num_heads * head_dim;
         if (head_dim == 64)
             decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
-                         num_kv_heads, group, 64, block_size, scale, vector, m, l, acc, w,
-                         qf, kvf);
+                         num_kv_heads, group, 64, block_size, scale, softcap, vector, m, l,
+                         acc, w, qf, kvf);
         else
             decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
-                         num_kv_heads, group, head_dim, block_size, scale, vector, m, l,
-                         acc, w, qf, kvf);
+                         num_kv_heads, group, head_dim, block_size, scale, softcap, vector,
+                         m, l, acc, w, qf, kvf);
         if (whole)
             write_out(acc, l, num_heads, head_dim, vector, out + row * o_row_stride,
                       o_head_stride);
@@ -438,7 +444,8 @@ static int attention_share_bf16(
 }
 
 /* Like paged_decode_attention_f32, with bf16 query, caches and output; `impl` one of
- * loraplex_bf16_impls (BF16_AVX512 needs head_dim % 32 == 0, else the portable one runs).
+ * loraplex_bf16_impls (BF16_AVX512 needs head_dim % 32 == 0, else the portable one runs);
+ * window and softcap as there (the capped scores float32, as the uncapped).
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an impl not compiled. */
 int paged_decode_attention_bf16(
     const bf16 *query, int64_t q_row_stride, int64_t q_head_stride,
@@ -447,7 +454,8 @@ int paged_decode_attention_bf16(
     const int32_t *seq_lens_all, const int64_t *seq_ids, const int64_t *rows,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale,
-    bf16 *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads, int impl)
+    bf16 *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads, int impl,
+    int64_t window, float softcap)
 {
     if (!(loraplex_bf16_impls() & (1 << impl))) return -2;
     const int vector = impl == BF16_AVX512 && head_dim % 32 == 0;
@@ -456,7 +464,8 @@ int paged_decode_attention_bf16(
     int split = 0;
     /* called by every thread of a region (num_threads 0): a sequence per item, none split */
     decode_item *items = decode_items(seq_lens_all, seq_ids, num_seqs, block_size,
-                                      num_threads ? num_threads : 1, &num_items, &split);
+                                      num_threads ? num_threads : 1, window, &num_items,
+                                      &split);
     if (!items) return -1;
     /* a split sequence's parts keep their states here until merged (as for float32) */
     const int64_t state = num_heads * (2 + head_dim);
@@ -465,8 +474,8 @@ int paged_decode_attention_bf16(
 #define SHARE                                                                           \
     attention_share_bf16(query, q_row_stride, q_head_stride, k_cache, v_cache,          \
         block_tables, table_stride, seq_ids, rows, num_heads, num_kv_heads, head_dim,   \
-        block_size, scale, out, o_row_stride, o_head_stride, vector, group, items,      \
-        num_items, split, parts)
+        block_size, scale, softcap, out, o_row_stride, o_head_stride, vector, group,    \
+        items, num_items, split, parts)
     if (num_threads == 0) { /* every thread of the caller's region calls it */
         failed |= SHARE;
     } else {

@@ -99,15 +99,16 @@ static inline __attribute__((always_inline)) void scores_avx512(
 }
 #endif
 
-/* Positions [begin, end) of one sequence (begin on a block boundary), every head, into
- * the running state m, l [heads], acc [heads * head_dim] (started here).
- * Scratch: w [SCORE_HEADS * block_size]. `vector`: the AVX-512 (or AVX2) scores. */
+/* Positions [begin, end) of one sequence (begin anywhere in its block: a sliding window's
+ * start, or a split part's block boundary), every head, into the running state m, l
+ * [heads], acc [heads * head_dim] (started here); scores soft-capped at `softcap` (0:
+ * not). Scratch: w [SCORE_HEADS * block_size]. `vector`: the AVX-512 (or AVX2) scores. */
 static inline __attribute__((always_inline)) void decode_range(
     const float *restrict q, int64_t q_head_stride,
     const float *restrict k_cache, const float *restrict v_cache, const int32_t *restrict table,
     int64_t begin, int64_t end, int64_t kv_heads, int64_t group, const int64_t head_dim,
-    int64_t block_size, float scale, int vector, float *restrict m, float *restrict l,
-    float *restrict acc, float *restrict w)
+    int64_t block_size, float scale, float softcap, int vector, float *restrict m,
+    float *restrict l, float *restrict acc, float *restrict w)
 {
     const int64_t heads = kv_heads * group;
     const int64_t pos_stride = kv_heads * head_dim;
@@ -119,11 +120,12 @@ static inline __attribute__((always_inline)) void decode_range(
     for (int64_t j = 0; j < heads * head_dim; ++j) acc[j] = 0.0f;
     float corr[SCORE_HEADS];
     prefetch_first_blocks(k_cache, v_cache, table, begin, end, block_size, block_stride * 4);
-    for (int64_t pos0 = begin; pos0 < end; pos0 += block_size) {
-        const int64_t blk = pos0 / block_size;
-        const int64_t off = (int64_t)table[blk] * block_stride;
-        const int64_t n = end - pos0 < block_size ? end - pos0 : block_size;
-        const int64_t ahead = pos0 + DECODE_PREFETCH_BLOCKS * block_size;
+    /* a block's rows from o (0 but where a window starts inside it) */
+    for (int64_t pos0 = begin, n; pos0 < end; pos0 += n) {
+        const int64_t blk = pos0 / block_size, o = pos0 - blk * block_size;
+        const int64_t off = (int64_t)table[blk] * block_stride + o * pos_stride;
+        n = end - pos0 < block_size - o ? end - pos0 : block_size - o;
+        const int64_t ahead = (blk + DECODE_PREFETCH_BLOCKS) * block_size;
         const int64_t next_n = end - ahead < block_size ? end - ahead : block_size;
         const int64_t next = next_n > 0
             ? (int64_t)table[blk + DECODE_PREFETCH_BLOCKS] * block_stride : 0;
@@ -167,6 +169,7 @@ static inline __attribute__((always_inline)) void decode_range(
 #endif
                     scores_portable(qh, q_head_stride, nh, kb, pos_stride, n, head_dim,
                                     scale, w, block_size);
+                softcap_block(w, block_size, nh, n, softcap);
                 online_softmax_block(w, block_size, nh, n, m + h0, l + h0, corr);
                 /* the demo model's group of 3 as a constant: its sums in registers */
                 if (nh == 3)
@@ -201,7 +204,7 @@ static int attention_share_f32(
     const int32_t *block_tables, int64_t table_stride,
     const int64_t *seq_ids, const int64_t *rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale,
+    int64_t block_size, float scale, float softcap,
     float *out, int64_t o_row_stride, int64_t o_head_stride, int vector, int64_t group,
     const decode_item *items, int64_t num_items, int split, float *parts)
 {
@@ -230,11 +233,12 @@ static int attention_share_f32(
         float *w = own + state;
         if (head_dim == 64)
             decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
-                         num_kv_heads, group, 64, block_size, scale, vector, m, l, acc, w);
+                         num_kv_heads, group, 64, block_size, scale, softcap, vector, m, l,
+                         acc, w);
         else
             decode_range(q, q_head_stride, k_cache, v_cache, table, it.begin, it.end,
-                         num_kv_heads, group, head_dim, block_size, scale, vector, m, l,
-                         acc, w);
+                         num_kv_heads, group, head_dim, block_size, scale, softcap, vector,
+                         m, l, acc, w);
         if (whole)
             write_out(acc, l, num_heads, head_dim, out + row * o_row_stride, o_head_stride);
     }
@@ -263,6 +267,9 @@ static int attention_share_f32(
  * seq_ids/rows/seq_lens_all: for each of num_seqs decode sequences, its index into the
  *         block tables and seq_lens, and its query (= output) row
  * out:    like query (o_row_stride, o_head_stride)
+ * window: a sliding window of that many keys, the row's own included (0: every key);
+ *         the blocks wholly before it are never read (their table entries may be stale)
+ * softcap: scores s become softcap * tanh(s / softcap) (0: unchanged)
  * Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_decode_attention_f32(
     const float *query, int64_t q_row_stride, int64_t q_head_stride,
@@ -271,7 +278,8 @@ int paged_decode_attention_f32(
     const int32_t *seq_lens_all, const int64_t *seq_ids, const int64_t *rows,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale,
-    float *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads)
+    float *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads,
+    int64_t window, float softcap)
 {
     const int64_t group = num_heads / num_kv_heads;
 #ifdef __AVX512F__
@@ -285,7 +293,8 @@ int paged_decode_attention_f32(
     int split = 0;
     /* called by every thread of a region (num_threads 0): a sequence per item, none split */
     decode_item *items = decode_items(seq_lens_all, seq_ids, num_seqs, block_size,
-                                      num_threads ? num_threads : 1, &num_items, &split);
+                                      num_threads ? num_threads : 1, window, &num_items,
+                                      &split);
     if (!items) return -1;
     /* a split sequence's parts keep their states here until merged: m, l
      * [num_items, heads] and acc [num_items, heads, head_dim] */
@@ -295,8 +304,8 @@ int paged_decode_attention_f32(
 #define SHARE                                                                           \
     attention_share_f32(query, q_row_stride, q_head_stride, k_cache, v_cache,           \
         block_tables, table_stride, seq_ids, rows, num_heads, num_kv_heads, head_dim,   \
-        block_size, scale, out, o_row_stride, o_head_stride, vector, group, items,      \
-        num_items, split, parts)
+        block_size, scale, softcap, out, o_row_stride, o_head_stride, vector, group,    \
+        items, num_items, split, parts)
     if (num_threads == 0) { /* every thread of the caller's region calls it */
         failed |= SHARE;
     } else {

@@ -1,7 +1,7 @@
 /* Native CPU kernels for the small per-layer ops of the decoder, float32 and bfloat16:
  * RMSNorm (alone and fused with the residual add), neox RoPE on q and k fused with the
- * paged KV store, and SiLU-and-mul. Each does one pass per row where the PyTorch
- * reference (layer_ops_ref.py) makes several ops and temporaries.
+ * paged KV store, and SiLU-and-mul and GELU(tanh)-and-mul. Each does one pass per row where
+ * the PyTorch reference (layer_ops_ref.py) makes several ops and temporaries.
  *
  * Numerics follow the reference: float32 math, and in bfloat16 a round to nearest even
  * wherever the reference rounds (its ops on bf16 tensors compute in float32 and round
@@ -216,7 +216,7 @@ int rope_store_kv_bf16(bf16 *qkv, int64_t qkv_stride, const float *cos, const fl
 
 #pragma GCC pop_options
 
-/* ---- SiLU and mul ------------------------------------------------------------------- */
+/* ---- SiLU and mul, GELU and mul ---------------------------------------------------- */
 
 /* Without trapping math: GCC vectorises neither floorf nor the clamps' compares otherwise
  * (no FP exception is ever read here, and the results are the same). */
@@ -268,30 +268,88 @@ static void silu_inplace(float *restrict x, int64_t n)
     for (int64_t i = 0; i < n; ++i) x[i] = silu(x[i]);
 }
 
+/* tanh as Cephes' tanhf (common.h's softcap_v, scalar here for the auto-vectoriser): an
+ * odd polynomial below |y| = 0.625, (1 - e) / (1 + e) with e = exp(-2|y|) above */
+static inline float tanh_f(float y)
+{
+    const float a = fabsf(y), z = a * a;
+    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z
+                           - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
+                         - 3.33332819422e-1f) * z * a + a;
+    const float e = exp_clamped(-2.0f * a);
+    const float t = a < 0.625f ? small : (1.0f - e) / (1.0f + e);
+    return copysignf(t, y);
+}
+
+/* GELU, tanh approximation (PyTorch's approximate="tanh", Gemma's gelu_pytorch_tanh), as
+ * PyTorch writes it: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), so that where
+ * 1 + tanh cancels (g below about -3) it rounds as PyTorch's does, to its tanh's ulps. */
+static inline float gelu_tanh(float g)
+{
+    const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    return 0.5f * g * (1.0f + tanh_f(inner));
+}
+
+/* gate_up: [rows, 2 * inter] (gate, then up) rows gu_stride apart
+ * out:     [rows, inter] = gelu_tanh(gate) * up */
+void gelu_and_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int64_t out_stride,
+                      int64_t rows, int64_t inter, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= GRAIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict g = gate_up + r * gu_stride, *restrict u = g + inter;
+        float *restrict o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) o[i] = gelu_tanh(g[i]) * u[i];
+    }
+}
+
+static void gelu_inplace(float *restrict x, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] = gelu_tanh(x[i]);
+}
+
 #pragma GCC pop_options
 
-/* silu's output rounded to bf16 before the multiply, as the reference's
- * `F.silu(gate) * up` on bf16 tensors */
-void silu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride,
-                       int64_t rows, int64_t inter, int num_threads)
+/* The activation's output rounded to bf16 before the multiply, as the reference's
+ * `F.silu(gate) * up` (`F.gelu(gate, approximate="tanh") * up`) on bf16 tensors */
+static inline __attribute__((always_inline)) void act_and_mul_bf16(
+    const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride, int64_t rows,
+    int64_t inter, int num_threads, const int gelu)
 {
 #pragma omp parallel for num_threads(num_threads) if (rows * inter >= GRAIN)
     for (int64_t r = 0; r < rows; ++r) {
         const bf16 *restrict g = gate_up + r * gu_stride, *restrict u = g + inter;
         bf16 *restrict o = out + r * out_stride;
-        /* silu on a float32 chunk: with the bf16 conversions in the same loop (or under
-         * the options above) GCC vectorises none of it */
+        /* the activation on a float32 chunk: with the bf16 conversions in the same loop (or
+         * under the options above) GCC vectorises none of it */
         float sg[256];
         for (int64_t i0 = 0; i0 < inter; i0 += 256) {
             const int64_t n = inter - i0 < 256 ? inter - i0 : 256;
 #pragma omp simd
             for (int64_t i = 0; i < n; ++i) sg[i] = bf16_to_f32(g[i0 + i]);
-            silu_inplace(sg, n);
+            if (gelu)
+                gelu_inplace(sg, n);
+            else
+                silu_inplace(sg, n);
 #pragma omp simd
             for (int64_t i = 0; i < n; ++i)
                 o[i0 + i] = f32_to_bf16(round_bf16(sg[i]) * bf16_to_f32(u[i0 + i]));
         }
     }
+}
+
+void silu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride,
+                       int64_t rows, int64_t inter, int num_threads)
+{
+    act_and_mul_bf16(gate_up, gu_stride, out, out_stride, rows, inter, num_threads, 0);
+}
+
+void gelu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride,
+                       int64_t rows, int64_t inter, int num_threads)
+{
+    act_and_mul_bf16(gate_up, gu_stride, out, out_stride, rows, inter, num_threads, 1);
 }
 
 /* ---- Greedy argmax -------------------------------------------------------------------- */

@@ -16,7 +16,10 @@
  * m, sum l, exp-weighted values acc; see decode_attention.h) run across rows in vector
  * lanes; the values are added per row, two rows per pass. The mask is causal, aligned
  * bottom-right: query i of a sequence with q new tokens and seq_len positions sees keys
- * 0 .. seq_len - q + i.
+ * 0 .. seq_len - q + i; with a sliding window of w keys only the last w of those (from
+ * seq_len - q + i - w + 1), and an item's keys start at its first row's first, so that
+ * nothing before the window is read (the engine may have released those blocks). With
+ * soft-capping a score s is cap * tanh(s / cap) before the mask and the softmax.
  */
 #include "bf16.h"
 #include "common.h"
@@ -68,6 +71,8 @@ typedef struct {
     const int32_t *seq_lens, *query_start_loc;
     int64_t num_kv_heads, group, head_dim, dim_padded, rows_padded, block_size;
     float scale;
+    int64_t window; /* keys a row sees, its own included (0: all before it) */
+    float softcap;  /* 0: scores as they are */
     char *out;
     int64_t o_row_stride, o_head_stride;
     int is_bf16;
@@ -227,6 +232,58 @@ static inline __m512i pair_words_f32(__m512 lo, __m512 hi)
 }
 #endif
 
+/* The online softmax of VL query rows from r0 over a chunk's n scores (pw, a key's rows rp
+ * apart; keys c0 ..), soft-capped where softcap > 0: row r sees keys up to last[r] and,
+ * `windowed`, above last[r] - window (floats, as last: exact below 2^24 positions); its
+ * running max m and sum l updated, corr[r] the factor its acc must be scaled by, and the
+ * scores turned into exp(s - m) in place (0 where unseen). `windowed` is a constant where
+ * inlined. */
+static inline __attribute__((always_inline)) void softmax_rows(
+    float *restrict pw, int64_t rp, int64_t r0, int64_t n, int64_t c0,
+    const float *restrict last, float *restrict m, float *restrict l, float *restrict corr,
+    float softcap, const int windowed, float window)
+{
+    const vf lastv = loadv(last + r0);
+    const vf firstv = lastv - window;
+    if (softcap > 0.0f)
+        for (int64_t j = 0; j < n; ++j) {
+            const vf s = softcap_v(loadv(pw + j * rp + r0), softcap);
+            memcpy(pw + j * rp + r0, &s, sizeof s);
+        }
+    vf mx = loadv(m + r0);
+    for (int64_t j = 0; j < n; ++j) {
+        vf s = loadv(pw + j * rp + r0);
+        const vf key = (vf){0} + (float)(c0 + j);
+        vi seen = key <= lastv;
+        if (windowed) seen &= key > firstv;
+        s = (vf)((seen & (vi)s) | (~seen & (vi)((vf){0} - INFINITY)));
+        memcpy(pw + j * rp + r0, &s, sizeof s);
+        const vi gt = mx > s;
+        mx = (vf)((gt & (vi)mx) | (~gt & (vi)s));
+    }
+    const vf m_old = loadv(m + r0);
+    /* m_old = -inf (nothing seen yet): l and acc are zero, any factor keeps them; but a row
+     * whose window has not begun has mx = -inf too, and exp(-inf - -inf) is NaN: 1 there
+     * (exp(0) = 1 wherever m_old = mx all the same) */
+    vf cv = exp_nonpositive_v(m_old - mx);
+    if (windowed) {
+        const vi same = m_old == mx;
+        cv = (vf)((same & (vi)((vf){0} + 1.0f)) | (~same & (vi)cv));
+    }
+    vf sum = {0};
+    for (int64_t j = 0; j < n; ++j) {
+        const vf s = loadv(pw + j * rp + r0);
+        const vi seen = s > (vf){0} - INFINITY;
+        const vf e = (vf)(seen & (vi)exp_nonpositive_v(s - mx));
+        memcpy(pw + j * rp + r0, &e, sizeof e);
+        sum += e;
+    }
+    const vf lv = loadv(l + r0) * cv + sum;
+    memcpy(l + r0, &lv, sizeof lv);
+    memcpy(m + r0, &mx, sizeof mx);
+    memcpy(corr + r0, &cv, sizeof cv);
+}
+
 static void prefill_tile(const prefill_args *a, const prefill_item it, float *scratch)
 {
     const int64_t group = a->group, d_n = a->head_dim, dp = a->dim_padded;
@@ -250,6 +307,10 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
     const int64_t q_len = a->query_start_loc[it.seq + 1] - first_row;
     const int64_t ctx = seq_len - q_len; /* positions cached before the chunk */
     const int32_t *table = a->block_tables + it.seq * a->table_stride;
+    const int64_t window = a->window;
+    /* the first key the tile's first row sees: none before it is read */
+    const int64_t key_begin = window > 0 && ctx + it.q0 - window + 1 > 0
+        ? ctx + it.q0 - window + 1 : 0;
 
     /* q's padding rows zero (dot_bf16: its pairs, half of qt's room); v's dimensions past
      * head_dim zero (dot_bf16 writes its pairs of value rows whole, every chunk) */
@@ -282,7 +343,7 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
 
     const int64_t key_end = ctx + it.q1; /* the tile's last row sees keys below this */
     const int64_t row_bytes = d_n * (int64_t)a->esize;
-    for (int64_t c0 = 0; c0 < key_end; c0 += PF_KEYS) {
+    for (int64_t c0 = key_begin; c0 < key_end; c0 += PF_KEYS) {
         const int64_t n = key_end - c0 < PF_KEYS ? key_end - c0 : PF_KEYS;
         for (int64_t j = 0; j < PF_KEYS; ++j) {
             if (j >= n) { /* keys past the chunk's end: zero, never read from the cache */
@@ -314,10 +375,15 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
                                         pair_words(vrow[2 * i] + d0, vrow[2 * i + 1] + d0,
                                                    d_n - d0));
 #endif
-        /* rows before r_lo see no key of this chunk (causal), nor padding past n */
+        /* rows before r_lo see no key of this chunk (causal), nor padding past n; with a
+         * window, rows from r_end none either (their windows start past it), so the
+         * scores stop at r_hi (r_end in whole vectors) and the values at r_end */
         const int64_t qi_lo = c0 - ctx - it.q0 > 0 ? c0 - ctx - it.q0 : 0;
         const int64_t r_lo = qi_lo * group / VL * VL;
-        for (int64_t r0 = r_lo; r0 < rp; r0 += VL) {
+        const int64_t qi_hi = window > 0 ? c0 + n - 1 + window - ctx - it.q0 : it.q1 - it.q0;
+        const int64_t r_end = qi_hi < it.q1 - it.q0 ? qi_hi * group : rows;
+        const int64_t r_hi = window > 0 ? (r_end + VL - 1) / VL * VL : rp;
+        for (int64_t r0 = r_lo; r0 < r_hi; r0 += VL) {
             for (int64_t j0 = 0; j0 < n; j0 += PF_KB) {
 #ifdef __AVX512BF16__
                 if (a->dot_bf16) {
@@ -327,32 +393,13 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
 #endif
                 score_keys(qt, rp, r0, kk + j0 * d_n, d_n, pw + j0 * rp);
             }
-            /* online softmax, VL rows at once */
-            const vf lastv = loadv(last + r0);
-            vf mx = loadv(m + r0);
-            for (int64_t j = 0; j < n; ++j) {
-                vf s = loadv(pw + j * rp + r0);
-                const vi seen = (vf){0} + (float)(c0 + j) <= lastv;
-                s = (vf)((seen & (vi)s) | (~seen & (vi)((vf){0} - INFINITY)));
-                memcpy(pw + j * rp + r0, &s, sizeof s);
-                const vi gt = mx > s;
-                mx = (vf)((gt & (vi)mx) | (~gt & (vi)s));
-            }
-            const vf m_old = loadv(m + r0);
-            /* m_old = -inf (nothing seen yet): l and acc are zero, any factor keeps them */
-            const vf cv = exp_nonpositive_v(m_old - mx);
-            vf sum = {0};
-            for (int64_t j = 0; j < n; ++j) {
-                const vf s = loadv(pw + j * rp + r0);
-                const vi seen = s > (vf){0} - INFINITY;
-                const vf e = (vf)(seen & (vi)exp_nonpositive_v(s - mx));
-                memcpy(pw + j * rp + r0, &e, sizeof e);
-                sum += e;
-            }
-            const vf lv = loadv(l + r0) * cv + sum;
-            memcpy(l + r0, &lv, sizeof lv);
-            memcpy(m + r0, &mx, sizeof mx);
-            memcpy(corr + r0, &cv, sizeof cv);
+            /* online softmax, VL rows at once; the kernel without a window runs the
+             * loops it ran before windows */
+            if (window > 0)
+                softmax_rows(pw, rp, r0, n, c0, last, m, l, corr, a->softcap, 1,
+                             (float)window);
+            else
+                softmax_rows(pw, rp, r0, n, c0, last, m, l, corr, a->softcap, 0, 0.0f);
         }
         int64_t r = qi_lo * group;
 #ifdef __AVX512BF16__
@@ -360,23 +407,23 @@ static void prefill_tile(const prefill_args *a, const prefill_item it, float *sc
             const int64_t pairs = (n + 1) / 2; /* pw's row n: a zero key's score, weight of
                                                   a zero value row */
             for (int64_t i = 0; i < pairs; ++i)
-                for (int64_t r0 = r_lo; r0 < rp; r0 += 16)
+                for (int64_t r0 = r_lo; r0 < r_hi; r0 += 16)
                     _mm512_storeu_si512(pwb + i * rp + r0,
                                         pair_words_f32(_mm512_loadu_ps(pw + 2 * i * rp + r0),
                                                        _mm512_loadu_ps(pw + (2 * i + 1) * rp + r0)));
-            for (; r + 2 <= rows; r += 2)
+            for (; r + 2 <= r_end; r += 2)
                 values_rows_bf16(acc + r * dp, corr[r], pwb + r, acc + (r + 1) * dp,
                                  corr[r + 1], pwb + r + 1, rp, vvp, dp, pairs);
-            if (r < rows)
+            if (r < r_end)
                 values_rows_bf16(acc + r * dp, corr[r], pwb + r, NULL, 0.0f, NULL, rp, vvp, dp,
                                  pairs);
             continue;
         }
 #endif
-        for (; r + 2 <= rows; r += 2)
+        for (; r + 2 <= r_end; r += 2)
             values_rows(acc + r * dp, corr[r], pw + r, acc + (r + 1) * dp, corr[r + 1],
                         pw + r + 1, rp, vv, dp, n);
-        if (r < rows)
+        if (r < r_end)
             values_rows(acc + r * dp, corr[r], pw + r, NULL, 0.0f, NULL, rp, vv, dp, n);
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -421,15 +468,17 @@ static prefill_args make_args(
     const void *query, int64_t q_row_stride, int64_t q_head_stride, const void *k_cache,
     const void *v_cache, const int32_t *block_tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
-    int64_t o_row_stride, int64_t o_head_stride, int is_bf16, int impl)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float softcap, void *out, int64_t o_row_stride, int64_t o_head_stride, int is_bf16,
+    int impl)
 {
     const int64_t group = num_heads / num_kv_heads;
     return (prefill_args){
         query, k_cache, v_cache, q_row_stride, q_head_stride, block_tables, table_stride,
         seq_lens, query_start_loc, num_kv_heads, group, head_dim,
         (head_dim + VL - 1) / VL * VL, (PF_TILE * group + VL - 1) / VL * VL, block_size,
-        scale, out, o_row_stride, o_head_stride, is_bf16, is_bf16 ? sizeof(bf16) : sizeof(float),
+        scale, window, softcap, out, o_row_stride, o_head_stride, is_bf16,
+        is_bf16 ? sizeof(bf16) : sizeof(float),
         /* pairs of dimensions: an even head size (a row's last pair never passes its end) */
 #ifdef __AVX512BF16__
         is_bf16 && impl == BF16_AVX512 && head_dim % 2 == 0
@@ -443,7 +492,8 @@ static prefill_args make_args(
 size_t prefill_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
 {
     const prefill_args a = make_args(NULL, 0, 0, NULL, NULL, NULL, 0, NULL, NULL, num_heads,
-                                     num_kv_heads, head_dim, 1, 1.0f, NULL, 0, 0, 0, 0);
+                                     num_kv_heads, head_dim, 1, 1.0f, 0, 0.0f, NULL, 0, 0, 0,
+                                     0);
     return scratch_floats(&a);
 }
 
@@ -456,14 +506,15 @@ int prefill_attention_team(
     const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
-    int64_t o_row_stride, int64_t o_head_stride, int is_bf16, int impl,
-    const int64_t *items, int64_t num_items, float *scratch)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float softcap, void *out, int64_t o_row_stride, int64_t o_head_stride, int is_bf16,
+    int impl, const int64_t *items, int64_t num_items, float *scratch)
 {
     const prefill_args a = make_args(query, q_row_stride, q_head_stride, k_cache, v_cache,
                                      block_tables, table_stride, seq_lens, query_start_loc,
                                      num_heads, num_kv_heads, head_dim, block_size, scale,
-                                     out, o_row_stride, o_head_stride, is_bf16, impl);
+                                     window, softcap, out, o_row_stride, o_head_stride,
+                                     is_bf16, impl);
     const prefill_item *work = (const prefill_item *)items;
     int failed = 0;
 #pragma omp for schedule(dynamic, 1) nowait
@@ -481,7 +532,9 @@ int prefill_attention_team(
  * query_start_loc[s] new tokens, already stored in the cache) over their cached keys;
  * query and out [num_tokens, num_heads, head_dim] with unit last stride, the caches
  * [num_blocks, block_size, num_kv_heads, head_dim] contiguous; is_bf16: every tensor is
- * bfloat16, else float32. Returns 0, or -1 when scratch memory could not be allocated. */
+ * bfloat16, else float32; window and softcap as for paged_decode_attention_f32 (a row's
+ * window ends at its own position). Returns 0, or -1 when scratch memory could not be
+ * allocated. */
 int paged_prefill_attention(
     const void *query, int64_t q_row_stride, int64_t q_head_stride,
     const void *k_cache, const void *v_cache,
@@ -489,7 +542,7 @@ int paged_prefill_attention(
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seq_ids,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale, void *out, int64_t o_row_stride, int64_t o_head_stride,
-    int is_bf16, int num_threads, int impl)
+    int is_bf16, int num_threads, int impl, int64_t window, float softcap)
 {
     int64_t num_items = 0;
     int64_t *items = prefill_attention_items(query_start_loc, seq_ids, num_seqs, num_kv_heads,
@@ -504,8 +557,9 @@ int paged_prefill_attention(
         failed |= prefill_attention_team(query, q_row_stride, q_head_stride, k_cache, v_cache,
                                          block_tables, table_stride, seq_lens,
                                          query_start_loc, num_heads, num_kv_heads, head_dim,
-                                         block_size, scale, out, o_row_stride, o_head_stride,
-                                         is_bf16, impl, items, num_items, scratch);
+                                         block_size, scale, window, softcap, out, o_row_stride,
+                                         o_head_stride, is_bf16, impl, items, num_items,
+                                         scratch);
         free(scratch);
     }
     free(items);

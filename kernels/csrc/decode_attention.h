@@ -101,12 +101,23 @@ typedef struct {
     int64_t seq, begin, end, part, parts;
 } decode_item;
 
+/* The first position a decode row of a sequence of `len` positions attends to: with a
+ * sliding window of `window` keys (0: none) the last `window` only. The blocks before it
+ * may have been released and reused (their table entries stale), so nothing before it is
+ * read. */
+static inline int64_t decode_first(int64_t len, int64_t window)
+{
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* One item per sequence, or, when there are fewer sequences than threads, each long
- * enough sequence cut into up to ceil(threads / num_seqs) ranges of whole blocks.
+ * enough sequence cut into up to ceil(threads / num_seqs) ranges of whole blocks (the
+ * first from the window's start, decode_first, which need not be a block's).
  * *split set when any sequence was cut. NULL when out of memory. */
 static inline decode_item *decode_items(const int32_t *seq_lens_all, const int64_t *seq_ids,
                                         int64_t num_seqs, int64_t block_size,
-                                        int num_threads, int64_t *num_items, int *split)
+                                        int num_threads, int64_t window, int64_t *num_items,
+                                        int *split)
 {
     const int64_t want = num_seqs < num_threads ? (num_threads + num_seqs - 1) / num_seqs : 1;
     decode_item *items = malloc(sizeof(decode_item) * (size_t)(num_seqs * want + 1));
@@ -115,20 +126,30 @@ static inline decode_item *decode_items(const int32_t *seq_lens_all, const int64
     *split = 0;
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t len = seq_lens_all[seq_ids[i]];
-        const int64_t blocks = (len + block_size - 1) / block_size;
+        const int64_t first = decode_first(len, window), blk0 = first / block_size;
+        const int64_t blocks = (len + block_size - 1) / block_size - blk0;
         int64_t parts = blocks / DECODE_MIN_SPLIT_BLOCKS;
         parts = parts < want ? parts : want;
         parts = parts < 1 ? 1 : parts;
         *split |= parts > 1;
         for (int64_t k = 0; k < parts; ++k) {
-            const int64_t b0 = blocks * k / parts, b1 = blocks * (k + 1) / parts;
+            const int64_t b0 = blk0 + blocks * k / parts, b1 = blk0 + blocks * (k + 1) / parts;
             const int64_t end = b1 * block_size < len ? b1 * block_size : len;
-            items[n + k] = (decode_item){i, b0 * block_size, end, k, parts};
+            items[n + k] = (decode_item){i, k == 0 ? first : b0 * block_size, end, k, parts};
         }
         n += parts;
     }
     *num_items = n;
     return items;
+}
+
+/* softcap_v (common.h) of one block's scaled scores, n of each of nh heads (rows of w,
+ * ws apart), in place, before the online softmax takes them; cap 0: none */
+static inline void softcap_block(float *restrict w, int64_t ws, int64_t nh, int64_t n,
+                                 float cap)
+{
+    if (cap > 0.0f)
+        for (int64_t h = 0; h < nh; ++h) softcap_row(w + h * ws, n, cap);
 }
 
 /* Folds the states of parts 1..parts-1 into part 0's: m, l [parts, heads], acc [parts,
@@ -173,18 +194,21 @@ static inline void prefetch_rows(const void *base, int64_t rows, int64_t row_str
 }
 
 /* the first DECODE_PREFETCH_BLOCKS blocks of positions [begin, end), whole (all KV heads),
- * before the loop that prefetches ahead of itself starts */
+ * before the loop that prefetches ahead of itself starts; the first from begin, which a
+ * sliding window puts anywhere in its block */
 static inline void prefetch_first_blocks(const void *k_cache, const void *v_cache,
                                          const int32_t *table, int64_t begin, int64_t end,
                                          int64_t block_size, int64_t block_bytes)
 {
-    for (int64_t j = 0; j < DECODE_PREFETCH_BLOCKS; ++j) {
-        const int64_t pos0 = begin + j * block_size;
-        if (pos0 >= end) break;
-        const int64_t n = end - pos0 < block_size ? end - pos0 : block_size;
-        const int64_t off = (int64_t)table[pos0 / block_size] * block_bytes;
-        prefetch_rows((const char *)k_cache + off, 1, 0, block_bytes / block_size * n);
-        prefetch_rows((const char *)v_cache + off, 1, 0, block_bytes / block_size * n);
+    const int64_t row_bytes = block_bytes / block_size;
+    int64_t pos0 = begin;
+    for (int64_t j = 0; j < DECODE_PREFETCH_BLOCKS && pos0 < end; ++j) {
+        const int64_t blk = pos0 / block_size, o = pos0 - blk * block_size;
+        const int64_t n = end - pos0 < block_size - o ? end - pos0 : block_size - o;
+        const int64_t off = (int64_t)table[blk] * block_bytes + o * row_bytes;
+        prefetch_rows((const char *)k_cache + off, 1, 0, row_bytes * n);
+        prefetch_rows((const char *)v_cache + off, 1, 0, row_bytes * n);
+        pos0 += n;
     }
 }
 

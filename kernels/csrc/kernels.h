@@ -32,6 +32,10 @@ void silu_and_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int64
                       int64_t rows, int64_t inter, int num_threads);
 void silu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride,
                        int64_t rows, int64_t inter, int num_threads);
+void gelu_and_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int64_t out_stride,
+                      int64_t rows, int64_t inter, int num_threads);
+void gelu_and_mul_bf16(const bf16 *gate_up, int64_t gu_stride, bf16 *out, int64_t out_stride,
+                       int64_t rows, int64_t inter, int num_threads);
 
 int paged_decode_attention_f32(
     const float *query, int64_t q_row_stride, int64_t q_head_stride,
@@ -40,7 +44,8 @@ int paged_decode_attention_f32(
     const int32_t *seq_lens_all, const int64_t *seq_ids, const int64_t *rows,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale,
-    float *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads);
+    float *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads,
+    int64_t window, float softcap);
 int paged_decode_attention_bf16(
     const bf16 *query, int64_t q_row_stride, int64_t q_head_stride,
     const bf16 *k_cache, const bf16 *v_cache,
@@ -48,7 +53,8 @@ int paged_decode_attention_bf16(
     const int32_t *seq_lens_all, const int64_t *seq_ids, const int64_t *rows,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale,
-    bf16 *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads, int impl);
+    bf16 *out, int64_t o_row_stride, int64_t o_head_stride, int num_threads, int impl,
+    int64_t window, float softcap);
 
 /* Prefill chunks' attention (cpu_prefill_attention.c): in a region of its own, or as one
  * thread's share of a region that runs other kernels too (cpu_decode_layers.c): the step's
@@ -61,7 +67,7 @@ int paged_prefill_attention(
     const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seq_ids,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale, void *out, int64_t o_row_stride, int64_t o_head_stride,
-    int is_bf16, int num_threads, int impl);
+    int is_bf16, int num_threads, int impl, int64_t window, float softcap);
 int64_t *prefill_attention_items(const int32_t *query_start_loc, const int64_t *seq_ids,
                                  int64_t num_seqs, int64_t num_kv_heads, int64_t *num_items);
 size_t prefill_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
@@ -70,9 +76,9 @@ int prefill_attention_team(
     const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
-    int64_t o_row_stride, int64_t o_head_stride, int is_bf16, int impl,
-    const int64_t *items, int64_t num_items, float *scratch);
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float softcap, void *out, int64_t o_row_stride, int64_t o_head_stride, int is_bf16,
+    int impl, const int64_t *items, int64_t num_items, float *scratch);
 
 int skinny_linear_f32(const float *x, int64_t ldx, const float *w, const float *bias,
                       float *out, int64_t ldo, int64_t rows, int64_t n, int64_t k,

@@ -312,9 +312,46 @@ class AttentionCase:
     block_size: int
     num_splits: int | None = None  # forced decode KV splits (Triton only)
     strided: bool = False  # query/out are column views of a wider buffer
+    window: int = 0  # sliding window in keys (0: none)
+    softcap: float = 0.0  # attention-logit soft-cap (0: none)
+    q_scale: float = 1.0  # queries times this: large scores, which the soft-cap bends most
 
     def __str__(self) -> str:
         return self.name
+
+    def first_key(self, b: int) -> int:
+        """The earliest key sequence ``b``'s queries see (its first query's window start):
+        the positions before it may have been overwritten, their blocks released."""
+        if not self.window:
+            return 0
+        return max(0, self.seq_lens[b] - self.query_lens[b] - self.window + 1)
+
+
+# Sliding windows and soft-capped scores (Gemma 2/3, Mistral): windows shorter than the
+# sequences, not multiples of the block size, starting inside a block and crossing block
+# boundaries, of one key, and longer than some sequences; decode rows beside prefill chunks
+# after cached prefixes, GQA; each alone and both together. The positions before each
+# sequence's earliest window start hold NaN and its table's blocks wholly before it name a
+# NaN block, as after the engine released and reused them.
+WINDOW_CASES: list[AttentionCase] = [
+    AttentionCase("window21-decode-gqa", (1, 16, 17, 32, 63, 100), (1,) * 6, 8, 2, 32, 16,
+                  window=21),
+    AttentionCase("window13-prefill-prefix-mixed", (40, 33, 1, 16, 48, 70),
+                  (7, 33, 1, 1, 16, 40), 4, 2, 32, 16, window=13),
+    AttentionCase("window7-block5-gqa3-dim24", (9, 31, 64, 26, 53), (9, 1, 20, 1, 17), 6, 2,
+                  24, 5, window=7),
+    AttentionCase("window1-mixed", (12, 30, 45), (1, 12, 20), 4, 1, 16, 4, window=1),
+    AttentionCase("window50-decode-split3", (1, 16, 30, 63, 200, 333), (1,) * 6, 8, 2, 32, 16,
+                  num_splits=3, window=50),
+    AttentionCase("softcap-mixed", (40, 33, 1, 16, 48, 70), (7, 33, 1, 1, 16, 40), 4, 2, 32,
+                  16, softcap=2.5, q_scale=3.0),
+    AttentionCase("softcap-decode-split2", (5, 90, 130), (1, 1, 1), 6, 3, 40, 8, num_splits=2,
+                  softcap=1.5, q_scale=4.0),
+    AttentionCase("window19-softcap-strided", (24, 9, 50, 77), (24, 1, 35, 1), 8, 2, 40, 8,
+                  num_splits=2, strided=True, window=19, softcap=4.0, q_scale=2.0),
+    AttentionCase("window40-softcap-mha-long", (130, 300, 97), (1, 70, 33), 3, 3, 64, 16,
+                  window=40, softcap=3.0, q_scale=2.0),
+]
 
 
 ATTENTION_CASES: list[AttentionCase] = [
@@ -328,6 +365,7 @@ ATTENTION_CASES: list[AttentionCase] = [
                   4, 2, 32, 16),
     AttentionCase("prefill-gqa4-dim40-strided", (24, 9, 50), (24, 1, 35), 8, 2, 40, 8,
                   num_splits=2, strided=True),
+    *WINDOW_CASES,
 ]
 
 
@@ -343,6 +381,12 @@ DECODE_SPLIT_CASES: list[tuple[int, AttentionCase]] = [
     (4, AttentionCase("mha-dim24-4parts", (257,), (1,), 2, 2, 24, 4)),
     (2, AttentionCase("gqa5-dim48", (130,), (1,), 10, 2, 48, 16)),
     (2, AttentionCase("gqa3-dim17-block3", (101,), (1,), 3, 1, 17, 3)),
+    # sliding windows: the parts cover the window only, the first from its start inside a
+    # block (399 = 24 x 16 + 15), so its part has a part block
+    (2, AttentionCase("demo-heads-window301", (700,), (1,), 9, 3, 64, 16, window=301)),
+    (3, AttentionCase("gqa4-dim128-window97-softcap", (229, 5), (1, 1), 8, 2, 128, 8,
+                      window=97, softcap=3.0, q_scale=2.0)),
+    (4, AttentionCase("mha-dim24-window130-4parts", (257,), (1,), 2, 2, 24, 4, window=130)),
 ]
 
 @dataclass
@@ -357,12 +401,16 @@ class AttentionInputs:
 
 def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str,
                           garbage: float, seed: int = 0) -> AttentionInputs:
-    """Scatters logical K/V into shuffled blocks; every unowned cache row holds ``garbage``."""
+    """Scatters logical K/V into shuffled blocks; every unowned cache row holds ``garbage``.
+    With a window, the positions before each sequence's ``first_key`` hold NaN whatever
+    ``garbage`` is (every implementation must leave them unread), and its blocks wholly
+    before it are named in its table by a block of NaN, as a released block may be."""
     g = torch.Generator().manual_seed(seed)
     bs, kvh, d = case.block_size, case.num_kv_heads, case.head_dim
     needed = [-(-s // bs) for s in case.seq_lens]
     num_blocks = sum(needed) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
+    stale = perm.pop()  # the block a released block's table entry names
     tables: list[list[int]] = []
     for n in needed:
         tables.append(perm[:n])
@@ -370,16 +418,21 @@ def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str,
     k_cache = torch.full((num_blocks, bs, kvh, d), garbage)
     v_cache = torch.full((num_blocks, bs, kvh, d), garbage)
     keys, values = [], []
-    for table, seq_len in zip(tables, case.seq_lens, strict=True):
+    for b, (table, seq_len) in enumerate(zip(tables, case.seq_lens, strict=True)):
         k = torch.randn(seq_len, kvh, d, generator=g)
         v = torch.randn(seq_len, kvh, d, generator=g)
+        first = case.first_key(b)
         for p in range(seq_len):
-            k_cache[table[p // bs], p % bs] = k[p]
-            v_cache[table[p // bs], p % bs] = v[p]
+            k_cache[table[p // bs], p % bs] = k[p] if p >= first else float("nan")
+            v_cache[table[p // bs], p % bs] = v[p] if p >= first else float("nan")
+        for j in range(first // bs):
+            table[j] = stale
         keys.append(k.to(dtype))
         values.append(v.to(dtype))
+    if case.window:
+        k_cache[stale] = v_cache[stale] = float("nan")
     num_tokens = sum(case.query_lens)
-    q = torch.randn(num_tokens, case.num_heads, d, generator=g).to(dtype)
+    q = (torch.randn(num_tokens, case.num_heads, d, generator=g) * case.q_scale).to(dtype)
     if case.strided:
         wide = torch.zeros(num_tokens, case.num_heads, d + 8, dtype=dtype)
         wide[:, :, :d] = q
@@ -397,7 +450,10 @@ def make_attention_inputs(case: AttentionCase, dtype: torch.dtype, device: str,
 
 
 def dense_attention(case: AttentionCase, inp: AttentionInputs, scale: float) -> torch.Tensor:
-    """float64 causal attention from the logical K/V, bottom-right aligned."""
+    """float64 causal attention from the logical K/V, bottom-right aligned, from the
+    definitions: query position p sees keys max(0, p - window + 1) .. p (a window of
+    ``window`` keys, HuggingFace's ``kv_idx > q_idx - sliding_window``), a score s is
+    softcap * tanh(s / softcap) with a soft-cap."""
     group = case.num_heads // case.num_kv_heads
     q_all = inp.query.double().cpu()
     out = torch.empty(q_all.shape, dtype=torch.float64)
@@ -406,9 +462,12 @@ def dense_attention(case: AttentionCase, inp: AttentionInputs, scale: float) -> 
         k = inp.keys[b].double().repeat_interleave(group, 1)  # [seq_len, heads, dim]
         v = inp.values[b].double().repeat_interleave(group, 1)
         for i in range(q_len):
-            visible = seq_len - q_len + i + 1
-            s = torch.einsum("hd,khd->hk", q_all[row], k[:visible]) * scale
-            out[row] = torch.einsum("hk,khd->hd", s.softmax(-1), v[:visible])
+            p = seq_len - q_len + i
+            lo = max(0, p - case.window + 1) if case.window else 0
+            s = torch.einsum("hd,khd->hk", q_all[row], k[lo:p + 1]) * scale
+            if case.softcap:
+                s = torch.tanh(s / case.softcap) * case.softcap
+            out[row] = torch.einsum("hk,khd->hd", s.softmax(-1), v[lo:p + 1])
             row += 1
     return out
 
@@ -435,16 +494,18 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str,
     if backend == "triton" and case.num_splits is not None:
         from loraplex_kernels.attention_triton import paged_attention_triton
         paged_attention_triton(inp.query, inp.k_cache, inp.v_cache, inp.meta, scale, out,
-                               num_splits=case.num_splits)
+                               num_splits=case.num_splits, window=case.window,
+                               softcap=case.softcap)
     else:
         ops.paged_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta, scale, out,
-                            backend=backend)
+                            backend=backend, window=case.window, softcap=case.softcap)
     _close(out, dense_attention(case, inp, scale), f"attention {case} vs float64")
     if backend != "torch":
         ref_inp = make_attention_inputs(case, dtype, device, garbage=30.0)
         ref = _new_out(case, ref_inp.query)
         ops.paged_attention(ref_inp.query, ref_inp.k_cache, ref_inp.v_cache, ref_inp.meta,
-                            scale, ref, backend="torch")
+                            scale, ref, backend="torch", window=case.window,
+                            softcap=case.softcap)
         _close(out, ref, f"attention {case} vs reference")
 
 

@@ -25,6 +25,7 @@ DT = "bf16"
 META = {"sorted_ids_ptr": "i64", "active_slots_ptr": "i32", "seg_starts_ptr": "i32",
         "seg_lens_ptr": "i32", "slot_ranks_ptr": "i32"}
 PAGED = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "query_start_ptr": "i32"}
+SCALES = ("scale_log2", "scale", "softcap")  # the attention kernels' float scalars
 
 # kernel, pointer element types, float scalars, constexprs (as the launchers pick them)
 KERNELS: list[tuple[str, object, dict[str, str], tuple[str, ...], dict[str, object]]] = [
@@ -47,16 +48,25 @@ KERNELS: list[tuple[str, object, dict[str, str], tuple[str, ...], dict[str, obje
       "slot_ptr": "i64"}, (), {"BLOCK_D": 128}),
     ("decode-split", attn._paged_decode_kernel,
      {"q_ptr": DT, "k_cache_ptr": DT, "v_cache_ptr": DT, "out_ptr": DT,
-      "part_acc_ptr": "fp32", "part_ml_ptr": "fp32", **PAGED}, ("scale_log2",),
+      "part_acc_ptr": "fp32", "part_ml_ptr": "fp32", **PAGED}, SCALES,
      {"BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True,
-      "DOT_PRECISION": "tf32"}),
+      "DOT_PRECISION": "tf32", "WINDOW": False, "SOFTCAP": False}),
+    ("decode-split-window-softcap", attn._paged_decode_kernel,
+     {"q_ptr": DT, "k_cache_ptr": DT, "v_cache_ptr": DT, "out_ptr": DT,
+      "part_acc_ptr": "fp32", "part_ml_ptr": "fp32", **PAGED}, SCALES,
+     {"BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True,
+      "DOT_PRECISION": "tf32", "WINDOW": True, "SOFTCAP": True}),
     ("merge", attn._merge_splits_kernel,
      {"out_ptr": DT, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
       "query_start_ptr": "i32"}, (), {"BLOCK_S": 8, "BLOCK_D": 128}),
     ("prefill", attn._paged_prefill_kernel,
-     {"q_ptr": DT, "k_cache_ptr": DT, "v_cache_ptr": DT, "out_ptr": DT, **PAGED},
-     ("scale_log2",),
-     {"BLOCK_Q": 64, "BLOCK_N": 32, "BLOCK_D": 128, "DOT_PRECISION": "tf32"}),
+     {"q_ptr": DT, "k_cache_ptr": DT, "v_cache_ptr": DT, "out_ptr": DT, **PAGED}, SCALES,
+     {"BLOCK_Q": 64, "BLOCK_N": 32, "BLOCK_D": 128, "DOT_PRECISION": "tf32",
+      "WINDOW": False, "SOFTCAP": False}),
+    ("prefill-window-softcap", attn._paged_prefill_kernel,
+     {"q_ptr": DT, "k_cache_ptr": DT, "v_cache_ptr": DT, "out_ptr": DT, **PAGED}, SCALES,
+     {"BLOCK_Q": 64, "BLOCK_N": 32, "BLOCK_D": 128, "DOT_PRECISION": "tf32",
+      "WINDOW": True, "SOFTCAP": True}),
 ]
 
 

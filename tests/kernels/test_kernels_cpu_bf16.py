@@ -126,6 +126,29 @@ def test_prefill_random_batches(chunks: list[tuple[int, int]], kv_heads: int, gr
                                      kv_heads, head_dim, block_size))
 
 
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    chunks=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 80)), min_size=1,
+                    max_size=4),
+    window=st.integers(1, 60),
+    softcap=st.sampled_from([0.0, 2.0]),
+    kv_heads=st.sampled_from([1, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([8, 17, 32, 64]),
+    block_size=st.sampled_from([1, 3, 16]),
+)
+def test_window_softcap_random_batches(chunks: list[tuple[int, int]], window: int,
+                                       softcap: float, kv_heads: int, group: int,
+                                       head_dim: int, block_size: int) -> None:
+    """Sliding windows starting anywhere in a block (a V pass pairs positions from the
+    window's start) and soft-capped scores, decode rows and prefill chunks, every
+    implementation, NaN before each sequence's earliest window start."""
+    _check_every_impl(AttentionCase("random-window", tuple(q + c for q, c in chunks),
+                                     tuple(q for q, _ in chunks), kv_heads * group,
+                                     kv_heads, head_dim, block_size, window=window,
+                                     softcap=softcap))
+
+
 @pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)
 def test_decode_split_over_threads(threads: int, case: AttentionCase, impl: str) -> None:
     """Fewer sequences than threads: a sequence's parts run on different threads and their

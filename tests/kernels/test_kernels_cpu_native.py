@@ -32,6 +32,7 @@ from kernel_cases import (
     check_attention,
     check_partial_targets,
     lora_slots,
+    make_attention_inputs,
     make_sgmv_inputs,
     torch_threads,
 )
@@ -93,6 +94,71 @@ def test_prefill_random_batches(chunks: list[tuple[int, int]], decode: list[int]
                          head_dim, block_size)
     with torch_threads(threads):
         check_attention(case, dtype, "cpu", "cpu")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    chunks=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 90)), min_size=1,
+                    max_size=5),
+    window=st.integers(1, 70),
+    softcap=st.sampled_from([0.0, 0.0, 1.0, 30.0]),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([8, 17, 64]),
+    block_size=st.sampled_from([1, 5, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_window_softcap_random_batches(chunks: list[tuple[int, int]], window: int,
+                                       softcap: float, kv_heads: int, group: int,
+                                       head_dim: int, block_size: int, dtype: torch.dtype,
+                                       threads: int) -> None:
+    """Sliding windows of any length (shorter and longer than the sequences, any offset in
+    a block) over decode rows (chunks of one) and prefill chunks after cached prefixes,
+    soft-capped or not: against float64 and the reference, never reading a position before
+    a sequence's earliest window start (NaN there, and in a block its table names for the
+    blocks wholly before it); decode rows split over threads where they are few."""
+    case = AttentionCase("random-window", tuple(q + cached for q, cached in chunks),
+                         tuple(q for q, _ in chunks), kv_heads * group, kv_heads, head_dim,
+                         block_size, window=window, softcap=softcap,
+                         q_scale=3.0 if softcap == 1.0 else 1.0)
+    with torch_threads(threads):
+        check_attention(case, dtype, "cpu", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_window_past_every_key_is_no_window(dtype: torch.dtype, threads: int) -> None:
+    """A window at least as long as every sequence sees what no window sees, bit for bit
+    (the same blocks from the same start, the same sums): decode rows, split over threads
+    or not, and prefill chunks."""
+    case = ATTENTION_CASES[3]  # prefill-prefix-mixed: chunks and decode rows
+    inp = make_attention_inputs(case, dtype, "cpu", garbage=float("nan"))
+    outs = []
+    for window in (0, max(case.seq_lens), max(case.seq_lens) + 7):
+        out = torch.full_like(inp.query, float("nan"))
+        with torch_threads(threads):
+            ops.paged_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta,
+                                case.head_dim ** -0.5, out, backend="cpu", window=window)
+        outs.append(out)
+    assert outs[0].isfinite().all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_window_and_softcap_must_not_be_negative() -> None:
+    case = ATTENTION_CASES[0]
+    inp = make_attention_inputs(case, torch.float32, "cpu", garbage=0.0)
+    out = torch.empty_like(inp.query)
+    for backend in ("cpu", "torch"):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            ops.paged_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta, 0.1, out,
+                                backend=backend, window=-1)
+        with pytest.raises(ValueError, match="must be >= 0"):
+            ops.paged_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta, 0.1, out,
+                                backend=backend, softcap=-2.0)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        cpu_native.paged_decode_attention(inp.query, inp.k_cache, inp.v_cache, inp.meta, 0.1,
+                                          out, window=-3)
 
 
 @pytest.mark.parametrize(("threads", "case"), DECODE_SPLIT_CASES, ids=str)

@@ -27,6 +27,11 @@ GPU_ATTENTION_CASES = [
     *ATTENTION_CASES,
     AttentionCase("decode-long-auto-split", (4096, 3001, 512), (1, 1, 1), 32, 8, 128, 16),
     AttentionCase("prefill-long-prefix", (1500, 700), (300, 1), 32, 8, 128, 16),
+    # Gemma-like: a 1,000-key window (the decode splits cover it alone) and a cap of 50
+    AttentionCase("decode-long-window-auto-split", (4096, 3001, 512), (1, 1, 1), 32, 8, 128,
+                  16, window=1000),
+    AttentionCase("prefill-long-window-softcap", (1500, 700), (300, 1), 32, 8, 128, 16,
+                  window=333, softcap=50.0, q_scale=8.0),
 ]
 
 

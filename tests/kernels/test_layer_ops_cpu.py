@@ -1,6 +1,6 @@
 """Native per-layer CPU ops (``csrc/cpu_layer_ops.c``: RMSNorm, fused add + RMSNorm,
-RoPE + KV store, SiLU-and-mul, greedy argmax), float32 and bfloat16, against the PyTorch reference
-(``layer_ops_ref.py``) and a float64 computation on the same inputs; greedy argmax
+RoPE + KV store, SiLU-and-mul, GELU(tanh)-and-mul, greedy argmax), float32 and bfloat16,
+against the PyTorch reference (``layer_ops_ref.py``) and a float64 computation on the same inputs; greedy argmax
 against torch's ``max(dim=-1).indices``.
 
 bfloat16 outputs are rounded where the reference rounds, so they match it to the bit
@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraplex_kernels import cpu_layer_ops, ops
-from loraplex_kernels.layer_ops_ref import rms_norm_ref, silu_and_mul_ref
+from loraplex_kernels.layer_ops_ref import gelu_and_mul_ref, rms_norm_ref, silu_and_mul_ref
 
 pytestmark = pytest.mark.skipif(not cpu_layer_ops.available(),
                                 reason="no C compiler: the native CPU kernels are not built")
@@ -229,6 +229,41 @@ def test_silu_and_mul(shape: tuple[int, int], dtype: torch.dtype) -> None:
     _near_reference(out, silu_and_mul_ref(gate_up), "silu_and_mul vs reference")
     g64, u64 = gate_up.double().chunk(2, dim=-1)
     _near_float64(out, g64 * torch.sigmoid(g64) * u64, "silu_and_mul vs float64")
+
+
+def _near_gelu(actual: torch.Tensor, expected: torch.Tensor, gate_up: torch.Tensor,
+               what: str) -> None:
+    """Within two float32 ulps of ``0.5 |g|`` times ``|u|`` (where ``1 + tanh`` cancels,
+    g below about -3, two tanh implementations' last-place differences grow to that), plus
+    a few ulps (float32) or one rounding step (bfloat16) of the output."""
+    g, u = gate_up.double().chunk(2, dim=-1)
+    rtol = 4e-6 if actual.dtype == F32 else 2 ** -7
+    bound = rtol * expected.double().abs() + 2 * 2 ** -24 * (g * u).abs() + 1e-30
+    excess = ((actual.double() - expected.double()).abs() - bound).max().item()
+    assert excess <= 0, f"{what}: beyond the bound by {excess}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1536), (5, 37), (40, 1000)], ids=str)
+def test_gelu_and_mul(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """GELU's tanh form as PyTorch writes it, ``0.5 g (1 + tanh(u))``, with Cephes' tanh:
+    PyTorch's result and float64's to the bound of ``_near_gelu``; bit for bit where no
+    cancellation (most bf16 elements)."""
+    rows, inter = shape
+    gate_up = _strided(rows, 2 * inter, dtype, seed=inter + 1, scale=4.0)
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -9.0, 9.0]).to(dtype)
+    out = ops.gelu_and_mul(gate_up, backend="cpu")
+    assert out.shape == (rows, inter)
+    ref = gelu_and_mul_ref(gate_up)
+    _near_gelu(out, ref, gate_up, "gelu_and_mul vs reference")
+    if dtype == BF16:
+        differ = (out != ref).double().mean().item()
+        assert differ < 0.05, f"{differ:.2%} of bf16 elements differ from the reference"
+    g64, u64 = gate_up.double().chunk(2, dim=-1)
+    gelu64 = 0.5 * g64 * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64 ** 3)))
+    _near_gelu(out, gelu64 * u64, gate_up, "gelu_and_mul vs float64")
+    assert out[0, :4].tolist() == ref[0, :4].tolist()  # the extremes and zeros exactly
+    assert torch.equal(ops.gelu_and_mul(gate_up, backend="torch"), ref)
 
 
 # --------------------------------------------------------------------------- argmax
