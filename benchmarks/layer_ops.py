@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from _lora_paths import time_interleaved  # noqa: E402
 from _output import add_out_argument, cpu_name, pyplot, save_figure, write_json  # noqa: E402
 
-import loraplex.model.llama as llama  # noqa: E402
+import loraplex.model.decoder as decoder  # noqa: E402
 from loraplex.model.demo import default_demo_dir, is_prepared  # noqa: E402
 from loraplex.model.loader import load_model  # noqa: E402
 from loraplex_kernels import cpu_layer_ops, ops  # noqa: E402
@@ -91,8 +91,8 @@ def measure(dtype_name: str, batch: str, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-# The model's layer ops as llama.py imports them, and the same ops on the reference.
-NATIVE_OPS = {name: getattr(llama, name) for name in PER_LAYER}
+# The model's layer ops as decoder.py imports them, and the same ops on the reference.
+NATIVE_OPS = {name: getattr(decoder, name) for name in PER_LAYER}
 REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "rms_norm": lambda x, w, eps, backend=None: ops.rms_norm(x, w, eps, "torch"),
     "fused_add_rms_norm": lambda x, r, w, eps, backend=None: ops.fused_add_rms_norm(
@@ -125,13 +125,13 @@ def measure_model(dtype_name: str, steps: int) -> list[dict[str, Any]]:
         for i in range(steps + 1):  # interleaved; the first round warms up
             for key, table in (("reference", REFERENCE_OPS), ("native", NATIVE_OPS)):
                 for name, fn in table.items():
-                    setattr(llama, name, fn)
+                    setattr(decoder, name, fn)
                 t0 = time.perf_counter()
                 model.compute_logits(model(ids, positions, caches, meta, None))
                 if i:
                     times[key].append(time.perf_counter() - t0)
         for name, fn in NATIVE_OPS.items():
-            setattr(llama, name, fn)
+            setattr(decoder, name, fn)
         row: dict[str, Any] = {"step": step, "dtype": dtype_name, "tokens": num_seqs * new,
                                "context": context}
         for key, ts in times.items():

@@ -56,6 +56,54 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 384) -> Any:
     return fast
 
 
+# Each family's special features switched on in its tiny model: windows shorter than the
+# tests' prompts, soft-capping strong enough to bend the scores, q/k norms, partial and
+# scaled rotations, NoPE layers, the multipliers.
+FAMILY_FEATURES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "mistral-window": {"sliding_window": 11},
+    "qwen2": {},
+    "qwen3": {"use_sliding_window": True, "sliding_window": 9, "layer_types": ["full_attention", "sliding_attention",
+                                                   "full_attention"]},
+    "gemma2": {"sliding_window": 7, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+               "final_logit_softcapping": 4.0,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "gemma3_text": {"sliding_window": 6, "query_pre_attn_scalar": 20,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                    "rope_parameters": {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                           "rope_theta": 1000000.0}}},
+    "phi3": {"original_max_position_embeddings": 256,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5,
+                                 "short_factor": [1.0, 1.3, 2.1, 3.4],
+                                 "long_factor": [1.5, 2.0, 4.0, 8.0]}},
+    "smollm3": {"no_rope_layers": [1, 0, 1]},
+    "olmo2": {},
+    "granite": {"embedding_multiplier": 3.0, "attention_multiplier": 0.2,
+                "residual_multiplier": 0.6, "logits_scaling": 2.5},
+}
+
+
+def _family_classes(model_type: str) -> tuple[Any, Any]:
+    import transformers as t
+
+    return {
+        "llama": (t.LlamaConfig, t.LlamaForCausalLM),
+        "mistral": (t.MistralConfig, t.MistralForCausalLM),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM),
+        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM),
+        "gemma3_text": (t.Gemma3TextConfig, t.Gemma3ForCausalLM),
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+        "smollm3": (t.SmolLM3Config, t.SmolLM3ForCausalLM),
+        "olmo2": (t.Olmo2Config, t.Olmo2ForCausalLM),
+        "granite": (t.GraniteConfig, t.GraniteForCausalLM),
+    }[model_type]
+
+
 def build_tiny_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -71,13 +119,21 @@ def build_tiny_model(
     seed: int = 0,
     shard_size: str | None = None,
     tokenizer_vocab_size: int = 384,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Saves a random Llama/Mistral/Qwen2 model plus a locally trained tokenizer."""
-    import transformers
+    """Saves a random model of a supported family plus a locally trained tokenizer.
 
+    ``arch``: a key of ``FAMILY_FEATURES`` (a model type, or "mistral-window"): the family's
+    special features are switched on (its ``layer_types`` imply the layer count);
+    ``config_overrides`` replaces any config field."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out, tokenizer_vocab_size)
+    if arch not in FAMILY_FEATURES:
+        raise ValueError(f"unknown arch {arch!r}")
+    features = {**FAMILY_FEATURES[arch], **(config_overrides or {})}
+    num_layers = len(features.get("layer_types") or features.get("no_rope_layers")
+                     or [None] * num_layers)
     common: dict[str, Any] = dict(
         vocab_size=len(tok),
         hidden_size=hidden_size,
@@ -85,6 +141,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tok.bos_token_id,
@@ -92,24 +149,21 @@ def build_tiny_model(
         pad_token_id=tok.pad_token_id,
         rms_norm_eps=1e-6,
     )
+    common.update(features)
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
-    cls_by_arch = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }
-    if arch not in cls_by_arch:
-        raise ValueError(f"unknown arch {arch!r}")
-    config_cls, model_cls = cls_by_arch[arch]
-    if arch == "mistral":
-        common["sliding_window"] = None
+    model_type = arch.split("-")[0]
+    config_cls, model_cls = _family_classes(model_type)
     config = config_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
+    # Gemma's norms multiply by (1 + weight): theirs start near 0, the others' near 1
+    norm_base = 0.0 if model_type.startswith("gemma") else 1.0
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # norms and biases: non-trivial but well scaled
+        for name, p in model.named_parameters():
+            if "norm" in name:  # non-trivial but well scaled
+                p.copy_(norm_base + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:  # biases
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.shape[0] == hidden_size
                         else 0.1 * torch.randn_like(p))
     kwargs: dict[str, Any] = {"safe_serialization": True}
@@ -125,15 +179,21 @@ def build_adapter(
     *,
     rank: int = 8,
     alpha: float = 16.0,
-    target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj",
-                                     "gate_proj", "up_proj", "down_proj"),
+    target_modules: Sequence[str] | None = None,
     use_rslora: bool = False,
     seed: int = 0,
     weight_scale: float = 0.5,
 ) -> Path:
-    """Saves a PEFT LoRA adapter with random non-zero A and B for the model in base_dir."""
+    """Saves a PEFT LoRA adapter with random non-zero A and B for the model in base_dir;
+    ``target_modules`` None: every linear module of the model's family."""
     import peft
     import transformers
+
+    from loraplex.model.families import lora_modules
+
+    if target_modules is None:
+        model_type = json.loads((Path(base_dir) / "config.json").read_text())["model_type"]
+        target_modules = list(lora_modules(model_type))
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir),

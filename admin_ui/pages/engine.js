@@ -155,7 +155,8 @@ export async function render(container) {
       replicas.replaceChildren(table(["Replica", "Waiting", "Running", "KV pool",
         "Slots in use", "Adapters in slots", "Host cache"], replicaRows(s.replicas),
         "No replicas."));
-      stamp.textContent = `Model ${s.served_model} · updated ${new Date().toLocaleTimeString("en-GB")}`;
+      const arch = s.architecture ? ` (${s.architecture})` : "";
+      stamp.textContent = `Model ${s.served_model}${arch} · updated ${new Date().toLocaleTimeString("en-GB")}`;
     } catch (err) {
       error.show(err);
     }

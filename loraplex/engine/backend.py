@@ -33,6 +33,7 @@ class ModelDescription:
     vocab_size: int
     max_lora_rank: int
     target_shapes: TargetShapes  # the LoRA-able modules an adapter must match
+    architecture: str = ""  # the model's family as users know it ("Gemma 2")
 
 
 class EngineBackend(Protocol):

@@ -48,10 +48,11 @@ def model_description(config: EngineConfig, args: ModelArgs) -> ModelDescription
     model = config.model.model
     return ModelDescription(model=model, tokenizer=model,
                             max_model_len=config.model.max_model_len
-                            or args.max_position_embeddings,
+                            or args.max_served_positions,
                             vocab_size=args.vocab_size,
                             max_lora_rank=config.lora.max_lora_rank,
-                            target_shapes=TargetShapes.from_model_dir(model))
+                            target_shapes=TargetShapes.from_model_dir(model),
+                            architecture=args.family)
 
 
 class LLMEngine:
@@ -67,7 +68,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching,
-                                 config.cache.swap_space_blocks)
+                                 config.cache.swap_space_blocks, self.runner.sliding_window)
         self.target_shapes = TargetShapes.from_model_dir(config.model.model)
         self.adapters = AdapterSlotCache(config.lora.max_loras, config.lora.max_cpu_loras,
                                        self._load_adapter, self.runner.set_lora_slot)

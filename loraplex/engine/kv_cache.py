@@ -118,6 +118,14 @@ class KVCacheStats:
 _BlockKey = tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]
 
 
+# A table entry whose block was released behind the request's sliding window.
+RELEASED = -1
+
+
+def _num_held(block_ids: Sequence[int]) -> int:
+    return sum(1 for b in block_ids if b != RELEASED)
+
+
 @dataclass
 class _RequestBlocks:
     block_ids: list[int]
@@ -149,6 +157,13 @@ class KVCacheManager:
     written before attention reads it). So a request given slots in a step must not be
     freed or swapped out before that step's forward; aborts and preemptions of requests
     not scheduled in the step are fine.
+
+    With a ``sliding_window`` (a model whose every layer attends to at most that many
+    positions), the blocks of a request that lie wholly before the window of its next
+    query are released as its computed tokens advance: a long request holds about
+    ``window / block_size + 1`` blocks plus its current chunk's. A released block stays
+    in the table as ``RELEASED`` (``block_table`` shows block 0 there; the attention
+    kernels never read before a window) and, when hashed, stays in the prefix cache.
     """
 
     def __init__(
@@ -157,6 +172,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        sliding_window: int = 0,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -164,6 +180,9 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -209,13 +228,21 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def num_blocks_held(self, request_id: str) -> int:
-        """Device blocks in the request's table (0 when it holds none)."""
+        """Device blocks the request holds (0 when it holds none): its table's, less
+        those released behind its sliding window."""
         request = self._requests.get(request_id)
-        return 0 if request is None else len(request.block_ids)
+        return 0 if request is None else _num_held(request.block_ids)
+
+    def blocks_held_after(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """The blocks a request holds once ``allocate_slots`` gave it these counts."""
+        end = num_computed_tokens + num_new_tokens
+        return self.blocks_for(end) - min(self.blocks_for(end),
+                                          self._num_behind_window(num_computed_tokens))
 
     def block_table(self, request_id: str) -> list[int]:
-        """The request's device block ids, in token order (a copy)."""
-        return list(self._live(request_id).block_ids)
+        """The request's device block ids, in token order (a copy); block 0 stands where
+        a block behind its sliding window was released."""
+        return [0 if b == RELEASED else b for b in self._live(request_id).block_ids]
 
     def num_tokens(self, request_id: str) -> int:
         """Token positions the request's blocks hold (from its last ``allocate_slots``)."""
@@ -360,7 +387,24 @@ class KVCacheManager:
 
         if self.enable_prefix_caching:
             self._hash_full_blocks(request, token_ids, min(end, len(token_ids)))
+        self._release_behind_window(request, num_computed_tokens)
         return new_ids
+
+    def _num_behind_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at or after position ``num_computed_tokens`` reads."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _release_behind_window(self, request: _RequestBlocks, num_computed_tokens: int) -> None:
+        behind = min(self._num_behind_window(num_computed_tokens), len(request.block_ids))
+        gone = [b for b in request.block_ids[:behind] if b != RELEASED]
+        if not gone:
+            return
+        request.block_ids[:behind] = [RELEASED] * behind
+        self._release(gone)
+        self._num_live_blocks -= len(gone)
+        self._num_live_tokens -= len(gone) * self.block_size  # released blocks are full
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Makes ``child_id`` share every block of ``parent_id`` (parallel sampling)."""
@@ -368,15 +412,16 @@ class KVCacheManager:
             raise ValueError(f"request {child_id!r} already holds blocks")
         parent = self._live(parent_id)
         for block_id in parent.block_ids:
-            self._incref(block_id)
+            if block_id != RELEASED:
+                self._incref(block_id)
         self._requests[child_id] = _RequestBlocks(
             block_ids=list(parent.block_ids),
             num_tokens=parent.num_tokens,
             extra_keys=parent.extra_keys,
             block_hashes=list(parent.block_hashes),
         )
-        self._num_live_blocks += len(parent.block_ids)
-        self._num_live_tokens += parent.num_tokens
+        self._num_live_blocks += _num_held(parent.block_ids)
+        self._num_live_tokens += self._tokens_held(parent)
 
     def free(self, request_id: str) -> None:
         """Releases the request's device or host blocks; unknown requests are a no-op.
@@ -408,7 +453,7 @@ class KVCacheManager:
         if keep < len(request.block_hashes):
             raise ValueError(f"trimming request {request_id!r} to {num_tokens} tokens would "
                              "drop blocks of known tokens (hashed for the prefix cache)")
-        tail = request.block_ids[keep:]
+        tail = [b for b in request.block_ids[keep:] if b != RELEASED]
         del request.block_ids[keep:]
         self._release(tail)
         self._num_live_blocks -= len(tail)
@@ -424,11 +469,11 @@ class KVCacheManager:
 
     def can_swap_out(self, request_id: str) -> bool:
         """Whether the host pool has room for all of the request's blocks."""
-        return len(self._live(request_id).block_ids) <= len(self._free_host_ids)
+        return self.num_blocks_held(request_id) <= len(self._free_host_ids)
 
     def can_swap_in(self, request_id: str) -> bool:
         """Whether enough device blocks are allocatable to bring the request back."""
-        return len(self._swapped[request_id].host_block_ids) <= self.num_free_blocks()
+        return _num_held(self._swapped[request_id].host_block_ids) <= self.num_free_blocks()
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Moves the request's blocks to the host pool; returns ``(device, host)`` pairs.
@@ -437,13 +482,16 @@ class KVCacheManager:
         None, changing nothing, when the host pool is too small: preempt by recompute then.
         """
         request = self._live(request_id)
-        if len(request.block_ids) > len(self._free_host_ids):
+        if _num_held(request.block_ids) > len(self._free_host_ids):
             return None
-        pairs = [(block_id, self._free_host_ids.popleft()) for block_id in request.block_ids]
+        host_ids = [RELEASED if b == RELEASED else self._free_host_ids.popleft()
+                    for b in request.block_ids]
+        pairs = [(b, h) for b, h in zip(request.block_ids, host_ids, strict=True)
+                 if b != RELEASED]
         del self._requests[request_id]
         self._release_device_blocks(request)
         self._swapped[request_id] = _SwappedRequest(
-            host_block_ids=[host_id for _, host_id in pairs],
+            host_block_ids=host_ids,
             num_tokens=request.num_tokens,
             extra_keys=request.extra_keys,
             block_hashes=request.block_hashes,
@@ -458,21 +506,24 @@ class KVCacheManager:
         swapped = self._swapped.get(request_id)
         if swapped is None:
             raise KeyError(f"request {request_id!r} is not swapped out")
-        if len(swapped.host_block_ids) > self.num_free_blocks():
+        if _num_held(swapped.host_block_ids) > self.num_free_blocks():
             return None
         del self._swapped[request_id]
-        pairs = [(host_id, self._take_free_block()) for host_id in swapped.host_block_ids]
-        self._free_host_ids.extend(swapped.host_block_ids)
+        device_ids = [RELEASED if h == RELEASED else self._take_free_block()
+                      for h in swapped.host_block_ids]
+        pairs = [(h, d) for h, d in zip(swapped.host_block_ids, device_ids, strict=True)
+                 if h != RELEASED]
+        self._free_host_ids.extend(h for h, _ in pairs)
         # the fresh blocks are not registered: their hashes most likely still point at the
         # device blocks swap_out released into the cached queue
         self._requests[request_id] = _RequestBlocks(
-            block_ids=[device_id for _, device_id in pairs],
+            block_ids=device_ids,
             num_tokens=swapped.num_tokens,
             extra_keys=swapped.extra_keys,
             block_hashes=swapped.block_hashes,
         )
         self._num_live_blocks += len(pairs)
-        self._num_live_tokens += swapped.num_tokens
+        self._num_live_tokens += self._tokens_held(self._requests[request_id])
         return pairs
 
     # ---- prefix-cache maintenance --------------------------------------------------------
@@ -531,11 +582,19 @@ class KVCacheManager:
         """Raises AssertionError (with detail) if the bookkeeping is inconsistent. O(n)."""
         expected_refs = [0] * self.num_blocks
         for request_id, request in self._requests.items():
-            assert len(set(request.block_ids)) == len(request.block_ids), (
+            held = [b for b in request.block_ids if b != RELEASED]
+            assert len(set(held)) == len(held), (
                 f"request {request_id!r} holds a block twice: {request.block_ids}"
             )
-            for block_id in request.block_ids:
+            for block_id in held:
                 expected_refs[block_id] += 1
+            behind = self._num_behind_window(request.num_tokens)
+            assert RELEASED not in request.block_ids[len(request.block_ids) - len(held):], (
+                f"request {request_id!r}: a released block after a held one"
+            )
+            assert len(request.block_ids) - len(held) <= behind, (
+                f"request {request_id!r}: a block released inside its window"
+            )
             assert request.num_tokens <= len(request.block_ids) * self.block_size, (
                 f"request {request_id!r}: {request.num_tokens} tokens in "
                 f"{len(request.block_ids)} blocks"
@@ -544,6 +603,8 @@ class KVCacheManager:
                 f"request {request_id!r}: more hashes than blocks"
             )
             for index, request_hash in enumerate(request.block_hashes):
+                if request.block_ids[index] == RELEASED:
+                    continue
                 registered = self._block_hashes[request.block_ids[index]]
                 assert registered is None or registered == request_hash, (
                     f"request {request_id!r} block {index}: registered hash differs"
@@ -588,8 +649,8 @@ class KVCacheManager:
             "blocks registered while prefix caching is off"
         )
 
-        num_live_blocks = sum(len(r.block_ids) for r in self._requests.values())
-        num_live_tokens = sum(r.num_tokens for r in self._requests.values())
+        num_live_blocks = sum(_num_held(r.block_ids) for r in self._requests.values())
+        num_live_tokens = sum(self._tokens_held(r) for r in self._requests.values())
         assert self._num_live_blocks == num_live_blocks, (
             f"live block sum {self._num_live_blocks} != {num_live_blocks}"
         )
@@ -599,7 +660,7 @@ class KVCacheManager:
 
         host_ids = list(self._free_host_ids)
         for swapped in self._swapped.values():
-            host_ids.extend(swapped.host_block_ids)
+            host_ids.extend(h for h in swapped.host_block_ids if h != RELEASED)
             assert swapped.num_tokens <= len(swapped.host_block_ids) * self.block_size
         assert sorted(host_ids) == list(range(self.num_host_blocks)), (
             "host blocks leaked or held twice"
@@ -630,9 +691,15 @@ class KVCacheManager:
         return block_id
 
     def _release_device_blocks(self, request: _RequestBlocks) -> None:
-        self._release(request.block_ids)
-        self._num_live_blocks -= len(request.block_ids)
-        self._num_live_tokens -= request.num_tokens
+        held = [b for b in request.block_ids if b != RELEASED]
+        self._release(held)
+        self._num_live_blocks -= len(held)
+        self._num_live_tokens -= self._tokens_held(request)
+
+    def _tokens_held(self, request: _RequestBlocks) -> int:
+        """The request's tokens in blocks it holds (not those released behind its window)."""
+        released = len(request.block_ids) - _num_held(request.block_ids)
+        return request.num_tokens - released * self.block_size
 
     def _release(self, block_ids: Sequence[int]) -> None:
         for block_id in reversed(block_ids):
@@ -693,7 +760,8 @@ class KVCacheManager:
             block_id = request.block_ids[index]
             # a duplicate (same prefix computed twice concurrently) stays unregistered and
             # goes back to the pure free queue when released
-            if block_hash not in self._hash_to_block and self._block_hashes[block_id] is None:
+            if block_id != RELEASED and block_hash not in self._hash_to_block \
+                    and self._block_hashes[block_id] is None:
                 self._hash_to_block[block_hash] = block_id
                 self._block_hashes[block_id] = block_hash
                 self._block_keys[block_id] = (parent, block_tokens, request.extra_keys)

@@ -407,7 +407,7 @@ class Scheduler:
             return True
         held = self._tenant_blocks(request.share.tenant) \
             - self.kv.num_blocks_held(request.request_id)
-        return held + self.kv.blocks_for(request.num_computed_tokens + num_new) <= cap
+        return held + self.kv.blocks_held_after(request.num_computed_tokens, num_new) <= cap
 
     def _tenant_blocks(self, tenant: str | None) -> int:
         return sum(self.kv.num_blocks_held(r.request_id) for r in self.running
@@ -471,7 +471,7 @@ class Scheduler:
                 num_new = budget
             cap = self.kv_cap(request)
             if cap is not None and self._tenant_blocks(request.share.tenant) \
-                    + self.kv.blocks_for(num_computed + num_new) > cap:
+                    + self.kv.blocks_held_after(num_computed, num_new) > cap:
                 capped.add(request.share.tenant)  # FIFO within the tenant
                 continue
             if self.kv.allocate_slots(request.request_id, request.all_token_ids, num_computed,

@@ -109,8 +109,9 @@ def _adapter_service(gw: Gateway, backend: EngineBackend,
                      limits: UploadLimits | None) -> AdapterService:
     model = backend.description
     target, max_rank = model.target_shapes, model.max_lora_rank
-    # Only the shapes are checked, not base_model_name_or_path (paths and hub ids of one
-    # model rarely agree): the shapes decide whether the adapter can be served at all.
+    # The shapes decide whether the adapter can be served at all; base_model_name_or_path
+    # is judged only where it clearly names another family (validate_adapter_dir): paths
+    # and hub ids of one model rarely agree.
     uploader = AdapterUploader(gw.store, lambda path: validate_adapter_dir(path, target,
                                                                            max_rank),
                                base_model=model.model,

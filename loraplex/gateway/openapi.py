@@ -115,7 +115,9 @@ def _schemas(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
             "data": {"type": "array", "items": _ref("Model")}}},
         "Model": {"type": "object", "required": ["id", "object", "owned_by"], "properties": {
             "id": {"type": "string"}, "object": {"const": "model"},
-            "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+            "created": {"type": "integer"}, "owned_by": {"type": "string"},
+            "architecture": {"type": "string",
+                             "description": "The served model's family, e.g. Gemma 2"}}},
         "UsageReport": {"type": "object", "required": ["object", "totals", "data"],
                         "properties": {"object": {"const": "usage"},
                                        "tenant": {"type": "string"},
@@ -204,8 +206,9 @@ _ENGINE_STATS = {"type": "object", "description": (
     "rates recomputed from them, slots concatenated in replica order, tenants summed "
     "over replicas), and each live replica's under replicas, ordered by ordinal (none "
     "while no replica is up)"),
-    "required": ["replica", "slots", "served_model", "replicas", "tenants"],
+    "required": ["replica", "slots", "served_model", "architecture", "replicas", "tenants"],
     "properties": {"replica": {"const": -1}, "tenants": _TENANTS,
+                   "architecture": {"type": "string"},
                    "replicas": {"type": "array", "items": _REPLICA_STATS}}}
 
 _SECONDS = {"type": ["number", "null"], "minimum": 0}

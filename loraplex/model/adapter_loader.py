@@ -1,4 +1,4 @@
-"""Loads and validates PEFT LoRA adapters for a Llama-family base model.
+"""Loads and validates PEFT LoRA adapters for a base model of a supported family.
 
 This is the one place adapter validation lives: the engine calls `load_adapter` before
 putting an adapter in a slot, and the upload pipeline calls `validate_adapter_dir` before
@@ -37,6 +37,15 @@ from loraplex.adapter_format import (
     parse_adapter_config,
 )
 from loraplex.errors import AdapterError, ModelLoadError
+from loraplex.model.families import (
+    FAMILIES,
+    FUSED_MODULES,
+    FUSED_PARTS,
+    SPLIT_MODULES,
+    family_named_by,
+    fused_checkpoint,
+    unsupported_model_type,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -44,18 +53,10 @@ if TYPE_CHECKING:
 CONFIG_NAME = CONFIG_FILE
 WEIGHTS_NAME = WEIGHTS_FILE
 
-# Module short name -> its parent inside a decoder layer, in the order the engine uses.
-LORA_MODULE_PARENTS: dict[str, str] = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-SUPPORTED_MODULES: tuple[str, ...] = tuple(LORA_MODULE_PARENTS)
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
+# Module short name -> its parent inside a decoder layer: every family's, split (most) and
+# fused (Phi-3) alike; a family's own set is its `TargetShapes.shapes`.
+LORA_MODULE_PARENTS: dict[str, str] = {**SPLIT_MODULES, **FUSED_MODULES}
+SUPPORTED_MODULES: tuple[str, ...] = tuple(SPLIT_MODULES)
 
 # Suffixes of files that may hold pickles; their mere presence refuses the folder.
 PICKLE_SUFFIXES: frozenset[str] = frozenset({".bin", ".pt", ".pth", ".pkl", ".ckpt"})
@@ -154,14 +155,18 @@ _SAFE_INITS: tuple[Any, ...] = (True, False, "gaussian", "eva", "orthogonal")
 class TargetShapes:
     """The base model's LoRA-able linear layers: layer count and per-module shapes.
 
-    `shapes` maps a module short name (q_proj … down_proj) to (in_features, out_features).
+    `shapes` maps a module short name (q_proj … down_proj, or Phi-3's fused qkv_proj and
+    gate_up_proj) to (in_features, out_features); `parts` a fused module to the widths of
+    the modules it packs (q, k, v; gate, up), which the engine serves it as.
     """
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
+    parts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    model_type: str = ""  # the served family ("": not checked against adapters' names)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.shapes) - set(SUPPORTED_MODULES))
+        unknown = sorted(set(self.shapes) - set(LORA_MODULE_PARENTS))
         if unknown:
             raise ValueError(f"unsupported LoRA modules in TargetShapes: {unknown}")
         if self.num_layers < 1:
@@ -169,13 +174,10 @@ class TargetShapes:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> TargetShapes:
-        """Builds the shapes from a transformers Llama/Mistral/Qwen2 `PretrainedConfig`."""
+        """Builds the shapes from a transformers `PretrainedConfig` of a supported family."""
         model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"unsupported model_type {model_type!r}; supported: "
-                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
-            )
+        if model_type not in FAMILIES:
+            raise ModelLoadError(unsupported_model_type(model_type))
         hidden = int(config.hidden_size)
         num_heads = int(config.num_attention_heads)
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
@@ -186,16 +188,27 @@ class TargetShapes:
         if min(hidden, num_heads, num_kv_heads, head_dim, intermediate) <= 0:
             raise ValueError("hidden_size, the head counts, head_dim and intermediate_size "
                              "must be positive")
+        common = {"o_proj": (q_out, hidden), "down_proj": (intermediate, hidden)}
+        if fused_checkpoint(model_type):
+            return cls(
+                model_type=model_type,
+                num_layers=int(config.num_hidden_layers),
+                shapes={"qkv_proj": (hidden, q_out + 2 * kv_out), **common,
+                        "gate_up_proj": (hidden, 2 * intermediate)},
+                parts={"qkv_proj": (q_out, kv_out, kv_out),
+                       "gate_up_proj": (intermediate, intermediate)},
+            )
         return cls(
+            model_type=model_type,
             num_layers=int(config.num_hidden_layers),
             shapes={
                 "q_proj": (hidden, q_out),
                 "k_proj": (hidden, kv_out),
                 "v_proj": (hidden, kv_out),
-                "o_proj": (q_out, hidden),
+                "o_proj": common["o_proj"],
                 "gate_proj": (hidden, intermediate),
                 "up_proj": (hidden, intermediate),
-                "down_proj": (intermediate, hidden),
+                "down_proj": common["down_proj"],
             },
         )
 
@@ -290,7 +303,7 @@ def load_adapter(
     checked, arrays = _check_adapter(Path(path), target, max_lora_rank, name)
     # The arrays own their memory (read from the file, not mapped), so the tensors may share it.
     weights = {slot: LoRAModuleWeights(lora_a=torch.from_numpy(a), lora_b=torch.from_numpy(b))
-               for slot, (a, b) in arrays.items()}
+               for slot, (a, b) in _split_fused(arrays, target).items()}
     fields = {f.name: getattr(checked, f.name) for f in dataclasses.fields(checked)}
     return LoRAAdapter(**fields, weights=weights)
 
@@ -323,6 +336,7 @@ def _check_adapter(
     if _file_identity(weights_path) != before:
         raise AdapterError(f"{WEIGHTS_NAME} changed while it was being loaded")
 
+    _check_family(base_name, target)
     # Same float operations as peft's LoraLayer.update_layer, so scaling matches exactly.
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     _check_scaling(alpha, scaling, weights)
@@ -337,6 +351,37 @@ def _check_adapter(
         target_modules=tuple(sorted({module for _, module in weights})),
         base_model_name_or_path=base_name if isinstance(base_name, str) else None,
     ), weights
+
+
+def _check_family(base_name: object, target: TargetShapes) -> None:
+    """Refuses an adapter whose ``base_model_name_or_path`` clearly names another family
+    than the served one (shapes alike or not: its deltas were learnt on other weights).
+    Names that name no family, or several, are not judged: paths and hub ids of one model
+    rarely agree, and the shapes decide the rest."""
+    if not isinstance(base_name, str) or not target.model_type:
+        return
+    named = family_named_by(base_name)
+    if named is not None and named != target.model_type:
+        raise AdapterError(
+            f"adapter_config base_model_name_or_path {_short(base_name)} names a "
+            f"{FAMILIES[named]} model; the served model is {FAMILIES[target.model_type]}")
+
+
+def _split_fused(arrays: _Arrays, target: TargetShapes) -> _Arrays:
+    """A fused module's pair as the pairs of the modules it packs: lora_B's rows split by
+    their widths, lora_A shared (x A^T B^T restricted to a part's rows is that part's
+    delta, exactly)."""
+    out: _Arrays = {}
+    for (layer, module), (a, b) in arrays.items():
+        widths = target.parts.get(module)
+        if widths is None:
+            out[(layer, module)] = (a, b)
+            continue
+        start = 0
+        for part, width in zip(FUSED_PARTS[module], widths, strict=True):
+            out[(layer, part)] = (a, b[start:start + width])
+            start += width
+    return out
 
 
 def _refuse_pickles(adapter_dir: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from loraplex.errors import ConfigError, LoraplexError
 from loraplex.model.args import ModelArgs
-from loraplex.model.llama import KVCache
+from loraplex.model.decoder import KVCache
 from loraplex.model.loader import load_hf_config, load_model, load_tokenizer
 
 # Files any of which makes a folder's tokenizer loadable by transformers.
@@ -51,11 +51,11 @@ class DraftModel:
                               f"the target's has {target.vocab_size} (the draft must share "
                               f"the target's tokenizer)")
         _check_tokenizer(folder, target_tokenizer)
-        if args.max_position_embeddings < max_model_len:
-            raise ConfigError(f"draft model {path}: context of {args.max_position_embeddings} "
+        if args.max_served_positions < max_model_len:
+            raise ConfigError(f"draft model {path}: context of {args.max_served_positions} "
                               f"tokens is shorter than the target's max_model_len "
                               f"({max_model_len}); pass a max_model_len of at most "
-                              f"{args.max_position_embeddings}")
+                              f"{args.max_served_positions}")
         try:
             # Base-only: one LoRA slot of rank 1, never filled (every token uses slot -1).
             self.model, self.args = load_model(folder, dtype, device, 1, 1, max_model_len,

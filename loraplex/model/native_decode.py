@@ -1,8 +1,10 @@
 """The decoder layers of a CPU step in one native call (``loraplex_kernels.cpu_decode``),
 where every projection runs the skinny GEMM: decode steps, and steps of decode rows and
-prefill chunks (a prompt admitted while others decode) up to ``skinny_max_rows`` rows.
+prefill chunks (a prompt admitted while others decode) up to ``skinny_max_rows`` rows, for
+every family the decoder serves (each layer's row says its q/k norms, norm layout,
+activation, residual multiplier, rotation, window and soft-cap).
 
-The layer-by-layer code (``llama.DecoderLayer``) calls the same kernels in the same order;
+The layer-by-layer code (``decoder.DecoderLayer``) calls the same kernels in the same order;
 what this saves is the Python between them, per layer and step. A step it does not take
 (more rows than ``skinny_max_rows``, LoRA segments the native kernel does not run, another
 backend) goes layer by layer.
@@ -25,14 +27,38 @@ from loraplex_kernels.ops import Backend, Rope, skinny_max_rows
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (key, value) per layer
 
 
+Norm = tuple[torch.Tensor, float]  # (weight, eps)
+
+
 @dataclass(frozen=True)
 class LayerParts:
     """What the native layer table takes of one decoder layer (the model hands them over,
-    so this module needs nothing of the model's classes)."""
+    so this module needs nothing of the model's classes). The defaults are a Llama layer's;
+    the fields mean what ``cpu_decode.layer_row``'s arguments of the same names do."""
 
-    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
-    post_attention_norm: tuple[torch.Tensor, float]
+    input_norm: Norm | None  # None in the "post" layout
+    post_attention_norm: Norm
     projections: tuple[LoRALinear, LoRALinear, LoRALinear, LoRALinear]  # qkv, o, gate_up, down
+    window: int = 0  # the attention's sliding window (0: none)
+    softcap: float = 0.0  # its logit soft-capping (0: none)
+    qk_norm: str = ""  # "", "head" or "proj"
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    norm_layout: str = "pre"  # "pre", "sandwich" or "post"
+    pre_feedforward_norm: Norm | None = None  # "sandwich"
+    post_feedforward_norm: Norm | None = None  # "sandwich" and "post"
+    activation: str = "silu"  # or "gelu_pytorch_tanh"
+    residual_scale: float = 1.0
+    rope: int = 0  # the index of its rotation in the step's list (``forward``'s ``ropes``)
+
+    def norms(self) -> list[Norm]:
+        return [n for n in (self.input_norm, self.post_attention_norm, self.q_norm,
+                            self.k_norm, self.pre_feedforward_norm,
+                            self.post_feedforward_norm) if n is not None]
+
+
+def _weight(norm: Norm | None) -> torch.Tensor | None:
+    return None if norm is None else norm[0]
 
 
 def _projection(module: LoRALinear,
@@ -49,12 +75,14 @@ class NativeDecode:
     """One model's layer table, built once its weights are packed (``for_layers``)."""
 
     def __init__(self, args: ModelArgs, eps: float, dtype: torch.dtype,
-                 layers: torch.Tensor) -> None:
+                 layers: torch.Tensor, num_ropes: int, needs_tmp: bool) -> None:
         self.args = args
         self.eps = eps
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.scale
         self.dtype = dtype
         self.layers = layers  # [num_layers, len(LAYER_FIELDS)] int64
+        self.num_ropes = num_ropes  # the rotations the rows index (forward's ``ropes``)
+        self.needs_tmp = needs_tmp  # a row's layout writes the sublayer outputs apart
         # KV-cache pointer tables by the caches' addresses (a layer-skip draft's steps
         # use its first layers' caches, the target's all of them: one table each)
         self._kv_tables: dict[tuple[int, ...], torch.Tensor] = {}
@@ -73,11 +101,22 @@ class NativeDecode:
             present = [p for p in projections if p is not None]
             if len(present) != len(projections):
                 return None
-            norms = (layer.input_norm, layer.post_attention_norm)
-            if any(norm_eps != eps or not weight.is_contiguous() for weight, norm_eps in norms):
+            if any(norm_eps != eps or not weight.is_contiguous()
+                   for weight, norm_eps in layer.norms()):
                 return None
-            rows.append(cpu_decode.layer_row(norms[0][0], norms[1][0], present))
-        return cls(args, eps, embed_tokens.dtype, torch.tensor(rows, dtype=torch.int64))
+            rows.append(cpu_decode.layer_row(
+                _weight(layer.input_norm), layer.post_attention_norm[0], present,
+                window=layer.window, softcap=layer.softcap, qk_norm=layer.qk_norm,
+                q_norm=_weight(layer.q_norm), k_norm=_weight(layer.k_norm),
+                norm_layout=layer.norm_layout,
+                pre_feedforward_norm=_weight(layer.pre_feedforward_norm),
+                post_feedforward_norm=_weight(layer.post_feedforward_norm),
+                activation=layer.activation, residual_scale=layer.residual_scale,
+                rope=layer.rope))
+        num_ropes = 1 + max((layer.rope for layer in layers), default=0)
+        needs_tmp = any(layer.norm_layout != "pre" for layer in layers)
+        return cls(args, eps, embed_tokens.dtype, torch.tensor(rows, dtype=torch.int64),
+                   num_ropes, needs_tmp)
 
     def takes(self, x: torch.Tensor, meta: AttentionMeta, lora: LoRAStep | None,
               backend: Backend | None) -> bool:
@@ -109,18 +148,25 @@ class NativeDecode:
             self._kv_tables[key] = table
         return table
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_caches: KVCaches,
+    def forward(self, x: torch.Tensor, ropes: Sequence[Rope], kv_caches: KVCaches,
                 meta: AttentionMeta, lora: LoRAStep | None, num_layers: int,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over embeddings ``x`` [rows, hidden] (consumed: it becomes the
-        residual stream); returns the last MLP output and the stream before it, as the
-        layer loop does. Call where ``takes`` is true."""
+        residual stream), ``ropes``: the step's (cos, sin) of each distinct rotation (a
+        layer's ``LayerParts.rope`` indexes it); returns the last MLP output and the stream
+        before it, as the layer loop does. Call where ``takes`` is true."""
         a = self.args
         n = x.shape[0]
         assert x.dtype == self.dtype and x.is_contiguous() and x.shape[1] == a.hidden_size
-        cos, sin = rope
-        assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride()
-        assert cos.shape == sin.shape == (n, 1, a.head_dim) and cos.stride(2) == 1
+        assert len(ropes) >= self.num_ropes
+        cos, sin = ropes[0]
+        for c, s in ropes:
+            assert c.dtype == s.dtype == torch.float32
+            assert c.stride() == s.stride() == cos.stride() and c.stride(2) == 1
+            assert c.shape == s.shape == (n, 1, a.head_dim)
+        # each rotation's cos and sin pointers, where the rows take more than the first
+        rope_table = (torch.tensor([[c.data_ptr(), s.data_ptr()] for c, s in ropes],
+                                   dtype=torch.int64) if self.num_ropes > 1 else None)
         slots = meta.slot_mapping
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)
         tables, lens = meta.block_tables, meta.seq_lens
@@ -140,7 +186,8 @@ class NativeDecode:
         num_segs = 0 if segments is None else segments.shape[1]
         out = torch.empty_like(x)
         buffers = {"qkv": a.q_size + 2 * a.kv_size, "attn": a.q_size,
-                   "gate_up": 2 * a.intermediate_size, "act": a.intermediate_size}
+                   "gate_up": 2 * a.intermediate_size, "act": a.intermediate_size,
+                   **({"tmp": a.hidden_size} if self.needs_tmp else {})}
         scratch = {k: torch.empty(n, w, dtype=x.dtype) for k, w in buffers.items()}
         bf16 = x.dtype == torch.bfloat16
         seg_ptr = 0 if segments is None else segments.data_ptr()
@@ -162,6 +209,9 @@ class NativeDecode:
             "first": 1, "bf16": int(bf16),
             "impl": cpu_native.BF16_IMPLS[cpu_native.bf16_impl()] if bf16 else 0,
             "num_threads": torch.get_num_threads(),
+            "ropes": 0 if rope_table is None else rope_table.data_ptr(),
+            "num_ropes": 0 if rope_table is None else len(ropes),
         }
+        step.setdefault("tmp", 0)
         cpu_decode.run(self.layers, num_layers, kv, step, self.eps, self.scale)
         return out, x

@@ -19,9 +19,9 @@ from loraplex.config import CacheConfig, LoRAConfig, ModelConfig
 from loraplex.errors import ConfigError, first_line
 from loraplex.malloc import keep_freed_memory
 from loraplex.model.args import ModelArgs
+from loraplex.model.decoder import DecoderLayer
 from loraplex.model.draft import DraftModel
-from loraplex.model.llama import DecoderLayer
-from loraplex.model.loader import DTYPES, load_model, load_tokenizer
+from loraplex.model.loader import DTYPES, load_model, load_tokenizer, qk_head_order
 from loraplex.model.lora import MODULE_SLICES, LoRALinear, LoRAStep
 from loraplex.model.sampler import SampledToken, SamplingRow, sample, verify
 from loraplex_kernels import cpu_native
@@ -126,6 +126,9 @@ class ModelRunner:
             model_config.model, model_config.dtype, self.device, lora_config.max_loras,
             lora_config.max_lora_rank, model_config.max_model_len, progress)
         self.model.pack_weights()
+        self.qk_head_order = qk_head_order(self.args)
+        if progress:
+            print(f"loraplex model: {self.model.describe()}", file=sys.stderr, flush=True)
         if self.device.type == "cpu":
             keep_freed_memory()  # every step allocates its activations anew
             cpu_native.skinny_amx(amx == "auto")  # bf16 decode GEMMs on AMX tiles
@@ -138,7 +141,7 @@ class ModelRunner:
                     "float32 on widened weights and it gains only from reading half the "
                     "bytes, about 1.2x float32 against 2x with the instructions "
                     "(docs/benchmarks.md, AVX2 EPYC)")
-        self.max_model_len = model_config.max_model_len or self.args.max_position_embeddings
+        self.max_model_len = model_config.max_model_len or self.args.max_served_positions
         self.tokenizer = load_tokenizer(model_config.model)
         # Loaded before the KV pools are sized: its weights take memory, and its blocks
         # count in every block's cost.
@@ -171,6 +174,16 @@ class ModelRunner:
                                        device=self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed)
+
+    @property
+    def sliding_window(self) -> int:
+        """The window every layer's attention stays within (the target's and a draft
+        model's, which read the same block tables), 0 where any layer sees the whole
+        context: blocks wholly behind it may be released."""
+        windows = [self.args.max_window]
+        if self.drafter is not None:
+            windows.append(self.drafter.args.max_window)
+        return 0 if 0 in windows else max(windows)
 
     @property
     def block_bytes(self) -> int:
@@ -238,8 +251,14 @@ class ModelRunner:
         for peft_name, (ours, slice_idx) in MODULE_SLICES.items():
             w = adapter.weights.get((layer, peft_name))
             if w is not None:
+                lora_b = w.lora_b
+                if self.qk_head_order is not None and peft_name in ("q_proj", "k_proj"):
+                    # the base q/k rows were reordered for a partial rotation (loader)
+                    rank = lora_b.shape[1]
+                    lora_b = lora_b.view(-1, self.args.head_dim, rank)[
+                        :, self.qk_head_order].reshape(-1, rank)
                 pairs[ours][slice_idx] = (w.lora_a.to(self.device, self.dtype),
-                                          w.lora_b.to(self.device, self.dtype))
+                                          lora_b.to(self.device, self.dtype))
         return {name: (m, pairs[name]) for name, m in modules.items()}
 
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | PreparedLoRA | None) -> None:

@@ -36,7 +36,7 @@ def save_first_layers(model_dir: str | Path, out_dir: str | Path, num_layers: in
         raise ConfigError(f"num_layers must be in [1, {total}], got {num_layers}")
     out.mkdir(parents=True, exist_ok=True)
     config["num_hidden_layers"] = num_layers
-    for key in ("layer_types", "max_window_layers"):  # per-layer lists follow the count
+    for key in ("layer_types", "no_rope_layers"):  # per-layer lists follow the count
         if isinstance(config.get(key), list):
             config[key] = config[key][:num_layers]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

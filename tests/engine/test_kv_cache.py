@@ -584,6 +584,28 @@ _tokens = st.lists(st.integers(0, 3), min_size=0, max_size=6)
 _Slot = tuple[tuple[ExtraKey, ...], tuple[int, ...]] | None
 
 
+def test_blocks_behind_a_sliding_window_are_released_and_stay_cached() -> None:
+    """Window 3, blocks of 2: as the computed tokens advance, the blocks no later query can
+    read go (hashed ones into the prefix cache); what the next query reads stays."""
+    kv = KVCacheManager(num_blocks=8, block_size=2, sliding_window=3)
+    tokens = list(range(9))
+    assert kv.allocate_slots("a", tokens, 0, 9) is not None  # queries from position 0
+    assert kv.num_blocks_held("a") == 5
+    assert kv.blocks_held_after(9, 1) == 2  # the next query at 9 reads 7, 8, 9
+    assert kv.allocate_slots("a", [*tokens, 9], 9, 1) is not None
+    assert kv.num_blocks_held("a") == 2
+    table = kv.block_table("a")
+    assert table[:3] == [0, 0, 0] and len(table) == 5
+    stats = kv.stats()
+    assert stats.num_blocks_used == 2 and stats.num_blocks_cached_free == 3
+    kv.check_invariants()
+    # a new request with the same prefix hits the released (cached) blocks
+    hit = kv.get_computed_blocks([*tokens, 9, 10])
+    assert hit.num_tokens == 10
+    kv.free("a")
+    assert kv.all_free_or_cached()
+
+
 class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -602,12 +624,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks=st.sampled_from([2, 6, 16, 48]),
         num_host_blocks=st.sampled_from([0, 4, 48]),
         enable_prefix_caching=st.sampled_from([True, True, True, False]),
+        sliding_window=st.sampled_from([0, 0, 1, 3, 6]),
     )
     def setup(
-        self, block_size: int, num_blocks: int, num_host_blocks: int, enable_prefix_caching: bool
+        self, block_size: int, num_blocks: int, num_host_blocks: int, enable_prefix_caching: bool,
+        sliding_window: int,
     ) -> None:
         self.manager = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching, num_host_blocks
+            num_blocks, block_size, enable_prefix_caching, num_host_blocks, sliding_window
         )
         self.device = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
@@ -630,7 +654,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         block_size = self.manager.block_size
         for position in range(start, len(tokens)):
             block = self.device[table[position // block_size]]
+            assert table[position // block_size] in self.held(request_id)
             block[position % block_size] = self.expected(request_id, tokens, position)
+
+    def held(self, request_id: str) -> list[int]:
+        """The blocks the request holds: its table past those released behind its window."""
+        table = self.manager.block_table(request_id)
+        return table[len(table) - self.manager.num_blocks_held(request_id):]
+
+    def first_read(self, tokens: Sequence[int]) -> int:
+        """The first position the request's next query reads (its window's start)."""
+        window = self.manager.sliding_window
+        return max(0, len(tokens) - window + 1) if window else 0
 
     def new_id(self) -> str:
         self.num_created += 1
@@ -745,7 +780,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         assert can_swap
-        assert [device for device, _ in pairs] == table
+        assert [device for device, _ in pairs] == table[len(table) - len(pairs):]
+        assert len(table) - len(pairs) <= self.first_read(self.live[request_id]) // (
+            self.manager.block_size)
         for device, host in pairs:
             self.host[host] = list(self.device[device])
         self.swapped[request_id] = self.live.pop(request_id)
@@ -795,10 +832,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             table = self.manager.block_table(request_id)
             assert len(table) == math.ceil(len(tokens) / block_size)
             assert self.manager.num_tokens(request_id) == len(tokens)
-            for position in range(len(tokens)):
+            num_released = len(table) - self.manager.num_blocks_held(request_id)
+            # everything the next query reads is kept, and only what it cannot read went
+            assert num_released * block_size <= self.first_read(tokens)
+            for position in range(num_released * block_size, len(tokens)):
                 assert self.slot(table, position) == self.expected(request_id, tokens, position)
-            num_tokens += len(tokens)
-            num_slots += len(table) * block_size
+            num_tokens += len(tokens) - num_released * block_size
+            num_slots += (len(table) - num_released) * block_size
         stats = self.manager.stats()
         assert stats.num_blocks_used + stats.num_blocks_free + stats.num_blocks_cached_free == (
             stats.num_blocks_total

@@ -215,7 +215,10 @@ def test_tenants_limits_status_and_keys(api: Admin) -> None:
     assert [k["id"] for k in listed] == [issued["id"]]
     assert all("key" not in k for k in listed)  # shown once, never again
     assert key not in json.dumps(api.ok("GET", "/admin/api/keys"))
-    assert api.openai(key).models.list().data[0].id == SERVED
+    base = api.openai(key).models.list().data[0]
+    assert base.id == SERVED
+    assert base.model_extra == {"root": SERVED, "parent": None, "architecture": "Llama"}
+    assert api.ok("GET", "/admin/api/engine")["architecture"] == "Llama"
 
     api.ok("PATCH", f"/admin/api/tenants/{name}", json={"status": "suspended"})
     with pytest.raises(openai.PermissionDeniedError):

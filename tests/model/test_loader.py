@@ -69,18 +69,38 @@ def test_pickle_only_checkpoints_are_refused(tiny_llama_dir: Path, tmp_path: Pat
                     progress=False)
 
 
-def test_unsupported_architectures_are_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+# config.json edits a family cannot serve exactly, and what the one-line refusal names
+REFUSED_CONFIGS = [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, "),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported; supported: silu, "
+                             "gelu_pytorch_tanh"),
+    ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0}},
+     "rope_type 'proportional' is not supported; supported: default, linear, llama3, yarn"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                          "partial_rotary_factor": 0.3125}},
+     "partial_rotary_factor 0.3125 gives a rotated width of 5 of head_dim 16"),
+    ({"layer_types": ["chunked_attention", "full_attention"]},
+     "layer_types entry 'chunked_attention' is not supported; supported: full_attention, "
+     "sliding_attention"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
+]
+
+
+@pytest.mark.parametrize("edit,message", REFUSED_CONFIGS)
+def test_what_cannot_be_served_exactly_is_refused_by_name(
+        tiny_llama_dir: Path, tmp_path: Path, edit: dict[str, object], message: str) -> None:
     import json
 
     model = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, model)
     cfg = json.loads((model / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                              "original_max_position_embeddings": 128}
+    cfg.update(edit)
     (model / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="yarn"):
+    with pytest.raises(ModelLoadError) as info:
         ModelRunner(ModelConfig(str(model)), CacheConfig(num_kv_blocks=4), LORA,
                     progress=False)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.usefixtures("amx_restored")

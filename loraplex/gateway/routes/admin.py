@@ -95,6 +95,7 @@ async def engine_stats(request: Request) -> Response:
                       "tenants": _named(out["tenants"], names)}
 
     return JSONResponse(view(total) | {"served_model": gw.served_model_name,
+                                       "architecture": gw.backend.description.architecture,
                                        "replicas": [view(r) for r in replicas]})
 
 

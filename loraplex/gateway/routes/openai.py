@@ -87,15 +87,19 @@ def _model_object(gw: Gateway, principal: Principal, row: Adapter | None, *,
                   versions: list[Adapter] | None = None) -> dict[str, Any]:
     # The one shape of a model, for the list and for one model: the base model, or an
     # adapter named as the caller names it (bare when it is the caller's own; with @N
-    # when the caller named a version), with the version it reaches.
+    # when the caller named a version), with the version it reaches; each with the
+    # served model's architecture (an adapter runs on it).
+    architecture = gw.backend.description.architecture
     if row is None:
         return {"id": gw.served_model_name, "object": "model", "created": 0,
-                "owned_by": "loraplex", "root": gw.served_model_name, "parent": None}
+                "owned_by": "loraplex", "root": gw.served_model_name, "parent": None,
+                "architecture": architecture}
     name = row.name if is_own(principal, row.tenant_id) else f"{row.tenant.name}/{row.name}"
     entry: dict[str, Any] = {
         "id": f"{name}@{row.version}" if versioned else name, "object": "model",
         "created": int(row.created_at.timestamp()), "owned_by": row.tenant.name,
-        "root": row.identity, "parent": gw.served_model_name, "version": row.version}
+        "root": row.identity, "parent": gw.served_model_name, "version": row.version,
+        "architecture": architecture}
     if split is not None:
         entry["split"] = split
     if versions is not None:
