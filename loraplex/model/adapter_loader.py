@@ -340,6 +340,7 @@ def _check_adapter(
     # Same float operations as peft's LoraLayer.update_layer, so scaling matches exactly.
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     _check_scaling(alpha, scaling, weights)
+    _check_effect(weights, scaling)
     return CheckedAdapter(
         name=name if name is not None else adapter_dir.name,
         path=str(adapter_dir),
@@ -351,6 +352,28 @@ def _check_adapter(
         target_modules=tuple(sorted({module for _, module in weights})),
         base_model_name_or_path=base_name if isinstance(base_name, str) else None,
     ), weights
+
+
+# An update this small (bounded above, per module) is below float32's resolution for every
+# base weight of magnitude 2^-10 or more: added to the weights, it changes none of them.
+_NO_EFFECT = 2.0 ** -34
+
+
+def _check_effect(weights: _Arrays, scaling: float) -> None:
+    """Refuses an adapter that changes nothing: every lora_B (or every lora_A) all zeros
+    (PEFT's initialisation, saved untrained), or every module's update ``scaling * B @ A``
+    below float32's resolution (bounded by scaling * max row sum |B| * max |A|, which costs
+    one pass over the weights, not the product)."""
+    if all(not np.any(b) for _, b in weights.values()):
+        raise AdapterError("every lora_B is zero: the adapter changes nothing (saved "
+                           "untrained, straight after PEFT's initialisation?)")
+    if all(not np.any(a) for a, _ in weights.values()):
+        raise AdapterError("every lora_A is zero: the adapter changes nothing")
+    largest = max(abs(scaling) * float(np.abs(b).sum(axis=1).max(initial=0.0))
+                  * float(np.abs(a).max(initial=0.0)) for a, b in weights.values())
+    if largest < _NO_EFFECT:
+        raise AdapterError(f"the adapter's largest update is below {largest:.1e}: too small "
+                           "to change any float32 weight, so it changes nothing")
 
 
 def _check_family(base_name: object, target: TargetShapes) -> None:
@@ -593,6 +616,15 @@ def _check_config_targets(
     exclude_list = excludes if isinstance(excludes, list) else []
     if not all(isinstance(e, str) for e in exclude_list):
         raise AdapterError(f"adapter_config exclude_modules is malformed: {_short(excludes)}")
+    # PEFT loads only the tensors of modules its config wraps: others in the file would be
+    # dropped without a word, and the adapter served as something it is not
+    untargeted = [_module_path(layer, module) for layer, module in sorted(pairs)
+                  if _matches(_module_path(layer, module), exclude_list)
+                  or not _matches(_module_path(layer, module), targets)]
+    if untargeted:
+        raise AdapterError(
+            f"{WEIGHTS_NAME} has weights for modules adapter_config target_modules does not "
+            f"name: {_names(untargeted)}")
     missing: list[str] = []
     for layer in range(target.num_layers):
         for module in target.shapes:

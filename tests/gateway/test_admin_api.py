@@ -563,3 +563,35 @@ def test_an_adapter_may_not_take_the_served_models_name(
     assert ids[0] == SERVED and SERVED.casefold() not in {i.casefold() for i in ids[1:]}
     assert api.http.get("/v1/adapters", headers={"Authorization": f"Bearer {key}"}).json()[
         "data"] == []  # nothing of it was kept
+
+
+@pytest.mark.parametrize("change,reason", [
+    ("untrained", "every lora_B is zero"),
+    ("untargeted", "target_modules does not name"),
+    ("tiny", "too small to change any float32 weight"),
+])
+def test_an_adapter_that_would_serve_something_else_is_422(
+        api: Admin, llama_adapters: dict[str, Path], tmp_path: Path, change: str,
+        reason: str) -> None:
+    """Admission fails closed (issue 56): a real PEFT adapter whose lora_B were zeroed
+    (saved untrained), whose config no longer targets a module it has weights for, or whose
+    update is below float32's resolution is refused with the reason; nothing is kept."""
+    from safetensors.torch import load_file, save_file
+
+    _, key = api.tenant(f"closed-{change}")
+    adapter = Path(shutil.copytree(llama_adapters["r4"], tmp_path / "a"))
+    weights = adapter / FILES[1]
+    tensors = load_file(str(weights))
+    if change == "untargeted":
+        config = json.loads((adapter / FILES[0]).read_text())
+        config["target_modules"] = [m for m in config["target_modules"] if m != "k_proj"]
+        (adapter / FILES[0]).write_text(json.dumps(config))
+    else:
+        tensors = {name: t * 0 if change == "untrained" and ".lora_B." in name
+                   else t * 1e-7 if change == "tiny" else t for name, t in tensors.items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    error = upload(api, "/v1/adapters", "closed", folder_files(adapter), 422, key=key)["error"]
+    assert error["code"] == "invalid_adapter" and reason in error["message"]
+    assert not list(api.store.joinpath(".tmp").iterdir())
+    listed = api.http.get("/v1/adapters", headers={"Authorization": f"Bearer {key}"})
+    assert listed.json()["data"] == []

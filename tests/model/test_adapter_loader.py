@@ -269,18 +269,49 @@ def test_half_precision_weights_are_converted_to_float32(
     assert torch.equal(w.lora_a, saved[key(1, "v_proj", "A")].float())
 
 
-def test_extra_supported_tensors_beyond_config_targets_are_served(
+def test_tensors_beyond_the_config_targets_are_refused(
     r8: Path, llama_target: TargetShapes
 ) -> None:
-    # The config names q/v; a k_proj pair is still a supported module, so it is served.
+    """The config names q/v; PEFT would load a k_proj pair into nothing (it wraps only the
+    targets) and serve the adapter without it: refused, naming the module (issue 56)."""
     def add_k(t: Tensors) -> None:
         t[key(0, "k_proj", "A")] = torch.randn(8, 64)
         t[key(0, "k_proj", "B")] = torch.randn(32, 8)
 
     edit_tensors(r8, add_k)
-    adapter = load_adapter(r8, llama_target, MAX_RANK)
-    assert adapter.target_modules == ("k_proj", "q_proj", "v_proj")
-    assert (1, "k_proj") not in adapter.weights
+    with pytest.raises(AdapterError, match="target_modules does not name: "
+                                           "model.layers.0.self_attn.k_proj"):
+        load_adapter(r8, llama_target, MAX_RANK)
+
+
+def test_an_untrained_peft_adapter_is_refused(tiny_llama_dir: Path, tmp_path: Path,
+                                               llama_target: TargetShapes) -> None:
+    """Saved straight after PEFT's initialisation (lora_B zeros), it would serve the base
+    model under an adapter's name: refused, saying why (issue 56)."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    untrained = peft.get_peft_model(model, peft.LoraConfig(  # type: ignore[arg-type]
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    untrained.save_pretrained(str(tmp_path / "untrained"), safe_serialization=True)
+    assert "every lora_B is zero" in refused(tmp_path / "untrained", llama_target)
+
+
+@pytest.mark.parametrize("change,reason", [
+    ("zero_a", "every lora_A is zero"),
+    ("tiny", "too small to change any float32 weight"),
+])
+def test_an_adapter_that_changes_nothing_is_refused(
+        r8: Path, llama_target: TargetShapes, change: str, reason: str) -> None:
+    def edit(t: Tensors) -> None:
+        for name in t:
+            if change == "zero_a" and ".lora_A." in name:
+                t[name] = torch.zeros_like(t[name])
+            elif change == "tiny":
+                t[name] = t[name] * 1e-7
+
+    edit_tensors(r8, edit)
+    assert reason in refused(r8, llama_target)
 
 
 def test_file_sha256_streams_large_files(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 import pytest
 import sqlalchemy as sa
+from safetensors.numpy import load_file, save_file
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.adapter_format import folder_digest
@@ -231,6 +232,16 @@ def test_adapters_add_refusals_leave_nothing(cli: Cli, tmp_path: Path,
 
     wide = make_adapter("wide", rank=16)
     assert "max_lora_rank" in cli(*add, "--max-lora-rank", "8", str(wide), expect=2)
+
+    # Admission fails closed (issue 56): weights for a module the config does not target,
+    # an adapter saved untrained (every lora_B zero).
+    untargeted = make_adapter("untargeted", extra_config={"target_modules": ["q_proj"]})
+    assert "target_modules does not name" in cli(*add, str(untargeted), expect=2)
+    untrained = make_adapter("untrained", seed=3)
+    weights = untrained / "adapter_model.safetensors"
+    save_file({k: v * 0 if ".lora_B." in k else v for k, v in load_file(str(weights)).items()},
+              str(weights))
+    assert "every lora_B is zero" in cli(*add, str(untrained), expect=2)
 
     assert "no tenant" in cli("adapters", "add", "--tenant", "ghost", "--name", "x",
                               str(make_adapter()), expect=2)
