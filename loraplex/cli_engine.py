@@ -76,6 +76,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "its KV later, or swap it to host memory")
     g.add_argument("--swap-space-blocks", type=int, default=CacheConfig.swap_space_blocks,
                    help="host-memory KV blocks for --preemption-mode swap")
+    g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="keep prefix-cache blocks evicted from the pool in this folder and "
+                        "load them back on a later hit (default: off)")
+    g.add_argument("--kv-disk-gib", type=float, default=CacheConfig.kv_disk_gib, metavar="N",
+                   help="disk budget of --kv-disk-dir in GiB, least recently used blocks "
+                        "deleted first (default: %(default)s)")
     g.add_argument("--scheduling-policy", default=SchedulerConfig.policy,
                    choices=["fair", "fifo"],
                    help="fair: tenants share a busy engine by weight, interactive before "
@@ -100,7 +106,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     return EngineConfig(
         model=ModelConfig(model, args.dtype, args.device, args.seed, args.max_model_len),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory,
-                          not args.no_prefix_caching, args.swap_space_blocks),
+                          not args.no_prefix_caching, args.swap_space_blocks,
+                          args.kv_disk_dir, args.kv_disk_gib),
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   not args.no_chunked_prefill, args.preemption_mode,

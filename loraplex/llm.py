@@ -74,14 +74,16 @@ class LLM:
                  max_model_len: int | None = None,
                  speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
                  progress: bool = True, scheduling_policy: SchedulingPolicy = "fair",
-                 max_kv_fraction: float | None = None) -> None:
+                 max_kv_fraction: float | None = None, kv_disk_dir: str | None = None,
+                 kv_disk_gib: float = 4.0) -> None:
         if speculative_config is not None and not isinstance(speculative_config,
                                                              SpeculativeConfig):
             speculative_config = SpeculativeConfig.from_json(speculative_config)
         self.config = EngineConfig(
             model=ModelConfig(model, dtype, device, seed, max_model_len),  # type: ignore[arg-type]
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory,
-                              enable_prefix_caching, swap_space_blocks),
+                              enable_prefix_caching, swap_space_blocks, kv_disk_dir,
+                              kv_disk_gib),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                       enable_chunked_prefill, preemption_mode,

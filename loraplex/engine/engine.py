@@ -18,7 +18,9 @@ from loraplex.config import EngineConfig
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
+from loraplex.engine.kv_blocks import BlockIdentity, KVLayout, model_fingerprint
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_disk import DiskTier
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
@@ -30,6 +32,7 @@ from loraplex.engine.stats import EngineStats
 from loraplex.engine.validation import check_params, check_prompt
 from loraplex.errors import (
     AdapterError,
+    ConfigError,
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
@@ -66,9 +69,11 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
+        self.disk = self._disk_tier()
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching,
-                                 config.cache.swap_space_blocks, self.runner.sliding_window)
+                                 config.cache.swap_space_blocks, self.runner.sliding_window,
+                                 lower_tier=self.disk)
         self.target_shapes = TargetShapes.from_model_dir(config.model.model)
         self.adapters = AdapterSlotCache(config.lora.max_loras, config.lora.max_cpu_loras,
                                        self._load_adapter, self.runner.set_lora_slot)
@@ -87,6 +92,44 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
+
+    def _disk_tier(self) -> DiskTier | None:
+        """The prefix cache's disk tier, when ``kv_disk_dir`` asks for one."""
+        cache = self.config.cache
+        if cache.kv_disk_dir is None:
+            return None
+        a = self.runner.args
+        layout = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, cache.block_size,
+                          self.config.model.dtype)
+        try:
+            return DiskTier(cache.kv_disk_dir, int(cache.kv_disk_gib * 2**30),
+                            model_fingerprint(self.config.model.model, layout), layout)
+        except OSError as exc:
+            raise ConfigError(f"--kv-disk-dir {cache.kv_disk_dir}: cannot use it as a "
+                              f"folder ({exc.strerror or exc})") from None
+
+    def _save_evicted(self) -> None:
+        """Hands the KV of the blocks this step's allocations evicted to the disk tier,
+        before any transfer or forward overwrites their slots."""
+        if self.disk is None:
+            return
+        evicted = [e for e in self.kv.take_evictions() if not self.disk.has(e.block_hash)]
+        if not evicted:
+            return
+        for e, data in zip(evicted, self.runner.read_blocks([e.block_id for e in evicted]),
+                           strict=True):
+            self.disk.put(BlockIdentity(e.block_hash, e.parent_hash, e.token_ids,
+                                        e.extra_keys), data)
+
+    def _load_from_disk(self) -> None:
+        """Writes the KV of the disk blocks this step's prefixes claimed into their fresh
+        slots (after swap-ins, before the forward), and ends the tier's step."""
+        if self.disk is None:
+            return
+        loads = self.kv.take_pending_loads()
+        self.runner.write_blocks([(block_id, self.disk.take(block_hash).data)
+                                  for block_id, block_hash in loads])
+        self.disk.end_step()
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.runner.args.eos_token_ids)
@@ -115,6 +158,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.adapters.close()
+        if self.disk is not None:
+            self.disk.close()
         self._mask_thread.shutdown(wait=True)
         with self._grammar_lock:
             if self._grammar is not None:
@@ -146,6 +191,9 @@ class LLMEngine:
         then reused like any idle one)."""
         tag = ("adapter", adapter_id, digest)
         self.kv.drop_cached(lambda keys: tag in keys)
+        if self.disk is not None:
+            self.disk.drop(lambda keys: tag in keys)
+            self.disk.flush()  # its files are gone once this returns
         self.adapters.forget((adapter_id, digest))
 
     # --- admission ---------------------------------------------------------------------
@@ -232,8 +280,10 @@ class LLMEngine:
     def step(self) -> list[SequenceDelta]:
         plan = self.spec.plan(self.scheduler.running) if self.spec is not None else None
         out = self.scheduler.schedule(plan.num_tokens if plan is not None else None)
+        self._save_evicted()
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
+            self._load_from_disk()
             self._end_siblings(out.failed)
             return deltas
         self.num_steps += 1
@@ -243,6 +293,7 @@ class LLMEngine:
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
+        self._load_from_disk()
         spec_ids = (self.spec.proposals(out, plan)
                     if self.spec is not None and plan is not None else {})
         masks = self._start_masks([s.request for s in out.scheduled if s.samples])
@@ -514,6 +565,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's figures now, as replica 0 (a deployment sets its own ordinal)."""
         kv = self.kv.stats()
+        disk = self.disk.stats() if self.disk is not None else None
         ad = self.adapters.stats()
         sched = self.scheduler
         return EngineStats(
@@ -548,6 +600,12 @@ class LLMEngine:
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
             tenants=sched.tenant_stats(),
+            kv_disk_hit_tokens=kv.lower_tier_hit_tokens,
+            kv_disk_blocks=disk.num_blocks if disk else 0,
+            kv_disk_bytes_used=disk.bytes_used if disk else 0,
+            kv_disk_writes=disk.num_writes if disk else 0,
+            kv_disk_evictions=disk.num_evictions if disk else 0,
+            kv_disk_refused=disk.num_refused if disk else 0,
             **(self.spec.stats() if self.spec is not None else {}),
         )
 

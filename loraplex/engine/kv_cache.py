@@ -16,6 +16,7 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 ExtraKey = tuple[str, ...]
 """A tagged field of a block's cache key, e.g. ``("adapter", id, digest)``, ``("salt", s)``."""
@@ -76,10 +77,35 @@ def _normalize_extra_keys(extra_keys: Sequence[Sequence[str]]) -> tuple[ExtraKey
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """Full cached blocks that already hold a prompt's first ``num_tokens`` tokens."""
+    """Full cached blocks that already hold a prompt's first ``num_tokens`` tokens: pool
+    blocks, then (with a lower tier) blocks found there, loaded into fresh pool blocks when
+    ``allocate_slots`` claims the prefix."""
 
     block_ids: tuple[int, ...]
-    num_tokens: int  # len(block_ids) * block_size
+    num_tokens: int  # (len(block_ids) + len(lower_hashes)) * block_size
+    lower_hashes: tuple[bytes, ...] = ()  # the chained hashes of the lower tier's blocks
+
+
+class LowerTier(Protocol):
+    """Where evicted prefix-cache blocks may still be found (the disk tier)."""
+
+    def lookup(self, block_hash: bytes,
+               key: tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]) -> bool:
+        """Whether the block is there under exactly this key (parent hash, token ids,
+        extra keys), verified and held ready to load until the step ends."""
+        ...
+
+
+@dataclass(frozen=True)
+class EvictedBlock:
+    """A hashed block whose slot was just reused: its KV is still in the pool until the
+    step's transfers and forward, and may be saved to the lower tier before them."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[ExtraKey, ...]
 
 
 @dataclass(frozen=True)
@@ -104,6 +130,7 @@ class KVCacheStats:
     kv_utilization: float
     num_host_blocks_total: int
     num_host_blocks_used: int
+    lower_tier_hit_tokens: int = 0  # prefix tokens loaded from the lower tier
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -164,6 +191,16 @@ class KVCacheManager:
     ``window / block_size + 1`` blocks plus its current chunk's. A released block stays
     in the table as ``RELEASED`` (``block_table`` shows block 0 there; the attention
     kernels never read before a window) and, when hashed, stays in the prefix cache.
+
+    With a ``lower_tier`` (the disk tier), a hashed ref-0 block evicted from the cached
+    queue is reported by ``take_evictions`` (its slot still holds its KV until the step's
+    transfers), and a prefix that misses the pool continues into the lower tier: those
+    blocks get fresh pool blocks, registered at once, whose KV ``take_pending_loads`` asks
+    the caller to write. The whole order of a step's block movement is then: read the
+    evictions' KV, swap-outs, copies, swap-ins, pending loads, forward (reads before any
+    write; a loaded block may reuse an evicted slot). A block with a pending load that is
+    taken again in the same step (only possible behind a sliding window) loses its load
+    and is neither reported evicted.
     """
 
     def __init__(
@@ -173,6 +210,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         sliding_window: int = 0,
+        lower_tier: LowerTier | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -200,6 +238,10 @@ class KVCacheManager:
         self._swapped: dict[str, _SwappedRequest] = {}
         self._free_host_ids: deque[int] = deque(range(num_host_blocks))
         self._pending_copies: list[tuple[int, int]] = []
+        self.lower_tier = lower_tier if enable_prefix_caching else None
+        self._evictions: list[EvictedBlock] = []
+        self._pending_loads: dict[int, bytes] = {}  # block id -> hash whose KV is due
+        self._num_lower_hit_tokens = 0
 
         # running sums over live requests, so stats() is O(1)
         self._num_live_tokens = 0
@@ -265,17 +307,27 @@ class KVCacheManager:
         keys = _normalize_extra_keys(extra_keys)
         max_num_blocks = max(0, (len(token_ids) - 1) // self.block_size)
         block_ids: list[int] = []
+        lower: list[bytes] = []
         parent: bytes | None = None
         for index in range(max_num_blocks):
             start = index * self.block_size
             block_tokens = tuple(token_ids[start : start + self.block_size])
             block_hash = hash_block(parent, block_tokens, keys)
-            block_id = self._hash_to_block.get(block_hash)
-            if block_id is None or self._block_keys[block_id] != (parent, block_tokens, keys):
+            if not lower:
+                block_id = self._hash_to_block.get(block_hash)
+                if block_id is not None \
+                        and self._block_keys[block_id] == (parent, block_tokens, keys):
+                    block_ids.append(block_id)
+                    parent = block_hash
+                    continue
+            # past the pool's run, only the lower tier (its blocks need fresh slots)
+            if self.lower_tier is None or block_hash in self._hash_to_block \
+                    or not self.lower_tier.lookup(block_hash, (parent, block_tokens, keys)):
                 break
-            block_ids.append(block_id)
+            lower.append(block_hash)
             parent = block_hash
-        return CachedPrefix(tuple(block_ids), len(block_ids) * self.block_size)
+        return CachedPrefix(tuple(block_ids), (len(block_ids) + len(lower)) * self.block_size,
+                            tuple(lower))
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -311,9 +363,11 @@ class KVCacheManager:
         is_first_call = request is None
         claimed_ids: tuple[int, ...] = ()
         claimed_hashes: list[bytes] = []
+        num_lower = 0
         if request is None:
-            if cached is not None and cached.block_ids:
+            if cached is not None and cached.num_tokens:
                 claimed_hashes = self._verify_cached(token_ids, keys, cached)
+                num_lower = len(cached.lower_hashes)
                 if num_computed_tokens < cached.num_tokens:
                     raise ValueError(
                         f"num_computed_tokens={num_computed_tokens} is below the cached "
@@ -322,7 +376,7 @@ class KVCacheManager:
                 claimed_ids = cached.block_ids
             current_ids: list[int] = list(claimed_ids)
         else:
-            if cached is not None and cached.block_ids:
+            if cached is not None and cached.num_tokens:
                 raise ValueError(
                     f"request {request_id!r} already has blocks; cached is "
                     "only accepted on the first call"
@@ -335,7 +389,7 @@ class KVCacheManager:
             current_ids = request.block_ids
 
         end = num_computed_tokens + num_new_tokens
-        if num_computed_tokens > len(current_ids) * self.block_size:
+        if num_computed_tokens > (len(current_ids) + num_lower) * self.block_size:
             raise ValueError(
                 f"num_computed_tokens={num_computed_tokens} exceeds the "
                 f"{len(current_ids)} blocks request {request_id!r} holds"
@@ -355,6 +409,18 @@ class KVCacheManager:
         if request is None:
             for block_id in claimed_ids:
                 self._incref(block_id)
+            # the lower tier's blocks: fresh slots, registered now, their KV loaded
+            # before the forward (take_pending_loads)
+            parent = claimed_hashes[len(claimed_ids) - 1] if claimed_ids else None
+            for index in range(len(claimed_ids), len(claimed_ids) + num_lower):
+                block_hash = claimed_hashes[index]
+                block_id = self._take_free_block()
+                current_ids.append(block_id)
+                start = index * self.block_size
+                self._register(block_id, block_hash,
+                               (parent, tuple(token_ids[start:start + self.block_size]), keys))
+                self._pending_loads[block_id] = block_hash
+                parent = block_hash
             request = _RequestBlocks(
                 block_ids=current_ids,
                 num_tokens=0,
@@ -365,6 +431,7 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 self._num_queried_tokens += len(token_ids)
                 self._num_hit_tokens += len(claimed_ids) * self.block_size
+                self._num_lower_hit_tokens += num_lower * self.block_size
 
         new_ids: list[int] = []
         for index in cow_indices:
@@ -375,11 +442,12 @@ class KVCacheManager:
             self._ref_counts[src] -= 1
             self._pending_copies.append((src, dst))
             new_ids.append(dst)
-        for _ in range(num_new_blocks):
+        for _ in range(num_new_blocks - num_lower):
             block_id = self._take_free_block()
             request.block_ids.append(block_id)
             new_ids.append(block_id)
 
+        # num_new_blocks counts the lower tier's blocks: they were new to the pool
         self._num_live_blocks += num_new_blocks + (len(claimed_ids) if is_first_call else 0)
         num_tokens = max(end, request.num_tokens)
         self._num_live_tokens += num_tokens - request.num_tokens
@@ -431,7 +499,8 @@ class KVCacheManager:
         """
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
-            self._free_host_ids.extend(swapped.host_block_ids)
+            # entries released behind a sliding window hold no host block
+            self._free_host_ids.extend(h for h in swapped.host_block_ids if h != RELEASED)
             return
         request = self._requests.pop(request_id, None)
         if request is None:
@@ -464,6 +533,19 @@ class KVCacheManager:
         """Copy-on-write copies ``(src, dst)`` to apply, in order, before the next forward."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    def take_evictions(self) -> list[EvictedBlock]:
+        """Hashed blocks evicted from the cached queue since the last call (only with a
+        lower tier), whose KV the caller may save before any transfer or forward."""
+        evictions, self._evictions = self._evictions, []
+        return evictions
+
+    def take_pending_loads(self) -> list[tuple[int, bytes]]:
+        """``(block id, block hash)`` of lower-tier blocks claimed since the last call,
+        whose KV the caller must write, after swap-ins and before the next forward."""
+        loads = list(self._pending_loads.items())
+        self._pending_loads.clear()
+        return loads
 
     # ---- swap (KV offloading) ------------------------------------------------------------
 
@@ -567,6 +649,7 @@ class KVCacheManager:
             kv_utilization=self._num_live_tokens / num_slots if num_slots else 0.0,
             num_host_blocks_total=self.num_host_blocks,
             num_host_blocks_used=self.num_host_blocks - len(self._free_host_ids),
+            lower_tier_hit_tokens=self._num_lower_hit_tokens,
         )
 
     def all_free_or_cached(self) -> bool:
@@ -684,11 +767,27 @@ class KVCacheManager:
     def _take_free_block(self) -> int:
         if self._free_ids:
             block_id = self._free_ids.popleft()
+            self._pending_loads.pop(block_id, None)
         else:
             block_id, _ = self._cached_free_ids.popitem(last=False)
+            key = self._block_keys[block_id]
+            block_hash = self._block_hashes[block_id]
+            # a block whose KV is still to be loaded holds nothing to save
+            if self._pending_loads.pop(block_id, None) is None \
+                    and self.lower_tier is not None:
+                assert key is not None and block_hash is not None
+                self._evictions.append(EvictedBlock(block_id, block_hash, *key))
             self._drop_hash(block_id)
         self._ref_counts[block_id] = 1
         return block_id
+
+    def _register(self, block_id: int, block_hash: bytes, key: _BlockKey) -> None:
+        # a duplicate (same prefix computed twice concurrently) stays unregistered and goes
+        # back to the pure free queue when released
+        if block_hash not in self._hash_to_block and self._block_hashes[block_id] is None:
+            self._hash_to_block[block_hash] = block_id
+            self._block_hashes[block_id] = block_hash
+            self._block_keys[block_id] = key
 
     def _release_device_blocks(self, request: _RequestBlocks) -> None:
         held = [b for b in request.block_ids if b != RELEASED]
@@ -728,10 +827,11 @@ class KVCacheManager:
     ) -> list[bytes]:
         # The prefix may have gone stale if blocks were evicted since get_computed_blocks;
         # claiming a reused block would serve someone else's KV, so refuse loudly.
-        if cached.num_tokens != len(cached.block_ids) * self.block_size:
-            raise ValueError(f"cached prefix is inconsistent: {cached!r}")
         if cached.num_tokens >= max(1, len(token_ids)):
             raise ValueError("a cached prefix must leave the last prompt token to compute")
+        if cached.num_tokens != (len(cached.block_ids) + len(cached.lower_hashes)) \
+                * self.block_size:
+            raise ValueError(f"cached prefix is inconsistent: {cached!r}")
         hashes: list[bytes] = []
         parent: bytes | None = None
         for index, block_id in enumerate(cached.block_ids):
@@ -743,6 +843,15 @@ class KVCacheManager:
                     f"cached block {block_id} no longer holds this prefix; call "
                     "get_computed_blocks right before allocate_slots"
                 )
+            hashes.append(block_hash)
+            parent = block_hash
+        for index, block_hash in enumerate(cached.lower_hashes, start=len(cached.block_ids)):
+            start = index * self.block_size
+            if self.lower_tier is None or block_hash in self._hash_to_block or hash_block(
+                    parent, tuple(token_ids[start:start + self.block_size]), keys) != block_hash:
+                raise ValueError(
+                    f"lower-tier block {index} no longer matches this prefix; call "
+                    "get_computed_blocks right before allocate_slots")
             hashes.append(block_hash)
             parent = block_hash
         return hashes
@@ -758,11 +867,7 @@ class KVCacheManager:
             block_hash = hash_block(parent, block_tokens, request.extra_keys)
             request.block_hashes.append(block_hash)
             block_id = request.block_ids[index]
-            # a duplicate (same prefix computed twice concurrently) stays unregistered and
-            # goes back to the pure free queue when released
-            if block_id != RELEASED and block_hash not in self._hash_to_block \
-                    and self._block_hashes[block_id] is None:
-                self._hash_to_block[block_hash] = block_id
-                self._block_hashes[block_id] = block_hash
-                self._block_keys[block_id] = (parent, block_tokens, request.extra_keys)
+            if block_id != RELEASED:
+                self._register(block_id, block_hash,
+                               (parent, block_tokens, request.extra_keys))
             parent = block_hash

@@ -329,7 +329,8 @@ class Scheduler:
         num_cached = cached.num_tokens if cached else 0
         first_chunk = min(request.num_tokens,
                           num_cached + self.config.max_num_batched_tokens)
-        need = self.kv.blocks_for(first_chunk) - self.kv.blocks_for(num_cached)
+        # blocks found on a lower tier (disk) need fresh pool blocks too
+        need = self.kv.blocks_for(first_chunk) - (len(cached.block_ids) if cached else 0)
         held = self._blocks_by_tenant()
         if cap is not None and held.get(request.share.tenant, 0) + need > cap:
             return  # its own cap keeps it waiting: preempting others would not help

@@ -73,6 +73,15 @@ class EngineStats:
     spec_draft_forwards: int = 0
     spec_draft_forward_tokens: int = 0
     spec_draft_max_forward_tokens: int = 0
+    # The prefix cache's disk tier (zeros when off): prompt tokens whose KV was loaded from
+    # it; blocks and bytes on disk; files written, deleted for the budget, and refused
+    # (corrupt, truncated, another model's, or not the block asked for).
+    kv_disk_hit_tokens: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_bytes_used: int = 0
+    kv_disk_writes: int = 0
+    kv_disk_evictions: int = 0
+    kv_disk_refused: int = 0
     # The scheduler's view of each tenant it has served (opaque ids, sorted): queues,
     # service received and KV blocks held.
     tenants: tuple[TenantStats, ...] = ()

@@ -301,6 +301,35 @@ class ModelRunner:
         """Copies (host block, device block) pairs back to the device."""
         self._transfer(pairs, to_host=False)
 
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The target model's K/V of each block, in the portable form's data layout
+        (``engine/kv_blocks.py``): ``[num_layers, 2, block_size, num_kv_heads, head_dim]``
+        in the pool's dtype, C order. Reads only (the disk tier saves evicted blocks)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(list(block_ids), device=self.device)
+        # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+        stacked = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                               for k, v in self.kv_caches]).cpu()
+        per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, layers, 2, ...]
+        raw = per_block.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+        return [raw[i].tobytes() for i in range(len(block_ids))]
+
+    def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Writes ``(block id, data)`` pairs of ``read_blocks``' layout into the pool."""
+        if not blocks:
+            return
+        a = self.args
+        data = torch.stack([torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                            for _, raw in blocks])
+        # [n, num_layers, 2, block_size, num_kv_heads, head_dim]
+        kv = data.view(self.dtype).reshape(len(blocks), a.num_layers, 2, self.block_size,
+                                           a.num_kv_heads, a.head_dim).to(self.device)
+        idx = torch.tensor([b for b, _ in blocks], device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[idx] = kv[:, layer, 0]
+            v[idx] = kv[:, layer, 1]
+
     def _transfer(self, pairs: Sequence[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
             return

@@ -145,3 +145,17 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: Path,
     """n = 3 greedy samples fork the prompt's blocks (copy-on-write) and must all equal
     the oracle's single greedy continuation."""
     _run(tiny_llama_dir, llama_adapters, workload, n=3, block_size=4, num_kv_blocks=400)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_disk_tier_under_preemption(tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+                                    workload: Workload, tmp_path: Path, mode: str) -> None:
+    # The preemption workload through a pool of 18 blocks with the disk tier on: shared
+    # prefixes of every (adapter, tenant) domain are evicted and loaded back from disk
+    # while other requests run, swap and get preempted; outputs stay the oracle's.
+    llm, _ = _run(tiny_llama_dir, llama_adapters, _longer(workload), block_size=4,
+                  num_kv_blocks=18, max_num_batched_tokens=16, preemption_mode=mode,
+                  swap_space_blocks=40 if mode == "swap" else 0, kv_disk_dir=str(tmp_path))
+    stats = llm.stats()
+    assert stats.kv_disk_hit_tokens > 0 and stats.kv_disk_refused == 0
+    llm.engine.close()

@@ -1,0 +1,248 @@
+"""The prefix cache's disk tier, end to end on the tiny Llama: a pool far too small for the
+workload evicts every shared prefix, later requests load it back from disk, and greedy
+outputs stay those of HF + PEFT; tenants and adapter versions never see each other's
+blocks; damaged, cut and foreign files are refused and recomputed; a restart finds the
+tier again."""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.cli_engine import add_engine_args, engine_config_from_args
+from loraplex.config import CacheConfig
+from loraplex.engine.kv_blocks import (
+    BlockRefused,
+    KVLayout,
+    decode_block,
+    encode_block,
+    model_fingerprint,
+    read_header,
+)
+from loraplex.errors import ConfigError
+from loraplex.testing import load_reference, reference_greedy
+
+BLOCK = 4
+SYSTEM = [(7 * i) % 290 + 5 for i in range(16)]  # 4 full blocks shared by every prompt
+# (adapter, salt) domains: each keeps its own copy of the shared prefix
+DOMAINS: list[tuple[str | None, str | None]] = [
+    (None, None), ("r4", "tenant-a"), ("r8qv", "tenant-b"), ("r4", None), (None, "tenant-a")]
+MAX_TOKENS = 4
+
+
+def _prompt(i: int) -> list[int]:
+    return SYSTEM + [11 + i, 23 + i, 37 + i]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path, llama_adapters: dict[str, Path]) -> dict[tuple[Any, int], list[int]]:
+    out: dict[tuple[Any, int], list[int]] = {}
+    refs: dict[str | None, Any] = {}
+    for name in {a for a, _ in DOMAINS}:
+        refs[name] = load_reference(tiny_llama_dir,
+                                    None if name is None else llama_adapters[name])
+        for i in range(len(DOMAINS) + 2):
+            out[(name, i)] = reference_greedy(refs[name], _prompt(i), MAX_TOKENS)[0]
+    return out
+
+
+def _llm(model: Path, disk: Path, **kwargs: Any) -> LLM:
+    # 10 blocks of 4 tokens: one request holds 6, so every domain's prefix is evicted
+    # by the next two requests
+    return LLM(str(model), progress=False, max_lora_rank=16, block_size=BLOCK,
+               num_kv_blocks=10, kv_disk_dir=str(disk), kv_disk_gib=0.01, **kwargs)
+
+
+def _run(llm: LLM, adapters: dict[str, Path], adapter: str | None, salt: str | None,
+         i: int, path: Path | None = None) -> list[int]:
+    lora = None if adapter is None else LoRARequest(adapter, str(path or adapters[adapter]))
+    out = llm.generate([_prompt(i)], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                    ignore_eos=True),
+                       lora, cache_salt=salt)
+    return list(out[0].outputs[0].token_ids)
+
+
+def _check_idle(llm: LLM, disk: Path) -> None:
+    kv = llm.engine.kv
+    kv.check_invariants()
+    assert kv.all_free_or_cached()
+    assert llm.engine.disk is not None
+    llm.engine.disk.flush()
+    assert not [p for p in disk.rglob("*") if p.name.endswith(".tmp")]
+
+
+def _files(disk: Path) -> list[Path]:
+    return sorted(disk.rglob("*.kvb"))
+
+
+def _run_all(llm: LLM, adapters: dict[str, Path], expected: dict[tuple[Any, int], list[int]],
+             i: int) -> None:
+    for adapter, salt in DOMAINS:
+        assert _run(llm, adapters, adapter, salt, i) == expected[(adapter, i)], (adapter, salt)
+
+
+def test_disk_hits_match_peft_and_survive_a_restart(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    llm = _llm(tiny_llama_dir, tmp_path)
+    _run_all(llm, llama_adapters, expected, 0)
+    first = llm.engine.stats()
+    assert first.kv_disk_writes + first.kv_disk_blocks > 0
+    _run_all(llm, llama_adapters, expected, 1)  # same prefixes, other suffixes
+    stats = llm.engine.stats()
+    # every domain after the first pass found its 16-token prefix on disk
+    assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS)
+    assert stats.kv_disk_refused == 0
+    _check_idle(llm, tmp_path)
+    llm.engine.close()
+
+    again = _llm(tiny_llama_dir, tmp_path)
+    assert again.engine.stats().kv_disk_blocks > 0  # the index rebuilt from the folder
+    _run_all(again, llama_adapters, expected, 2)
+    stats = again.engine.stats()
+    assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS)
+    assert stats.prefix_cache_hit_tokens == 0 or stats.kv_disk_hit_tokens > 0
+    _check_idle(again, tmp_path)
+    again.engine.close()
+
+
+def _evict_everything(llm: LLM, adapters: dict[str, Path]) -> None:
+    for j in range(3):  # 3 x 6 blocks through a pool of 10
+        _run(llm, adapters, None, f"filler-{j}", 5)
+
+
+def test_tenants_and_adapter_versions_never_share_disk_blocks(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    llm = _llm(tiny_llama_dir, tmp_path)
+    assert _run(llm, llama_adapters, None, "tenant-a", 0) == expected[(None, 0)]
+    _evict_everything(llm, llama_adapters)
+    hits = llm.engine.stats().kv_disk_hit_tokens
+    # same tokens, another tenant: nothing from a's blocks
+    assert _run(llm, llama_adapters, None, "tenant-b", 0) == expected[(None, 0)]
+    assert llm.engine.stats().kv_disk_hit_tokens == hits
+    # a's own request finds them
+    _evict_everything(llm, llama_adapters)
+    hits = llm.engine.stats().kv_disk_hit_tokens
+    assert _run(llm, llama_adapters, None, "tenant-a", 0) == expected[(None, 0)]
+    assert llm.engine.stats().kv_disk_hit_tokens == hits + 16
+
+    # one adapter name, new weights (a new digest): the old version's blocks stay unseen
+    assert _run(llm, llama_adapters, "r4", "t", 1) == expected[("r4", 1)]
+    _evict_everything(llm, llama_adapters)
+    hits = llm.engine.stats().kv_disk_hit_tokens
+    assert _run(llm, llama_adapters, "r4", "t", 1,
+                path=llama_adapters["r8qv"]) == expected[("r8qv", 1)]
+    assert llm.engine.stats().kv_disk_hit_tokens == hits
+
+    # forgetting a version deletes its files
+    ref = llm.add_lora(LoRARequest("r4", str(llama_adapters["r4"])))
+    tag = ["adapter", "r4", ref.digest]
+
+    def of_r4() -> list[Path]:
+        return [p for p in _files(tmp_path)
+                if tag in [list(k) for k in read_header(p.read_bytes()).identity.extra_keys]]
+
+    llm.engine.disk.flush()  # type: ignore[union-attr]
+    assert of_r4()
+    llm.engine.forget_adapter("r4", ref.digest)
+    assert not of_r4()
+    _check_idle(llm, tmp_path)
+    llm.engine.close()
+
+
+def test_damaged_cut_and_foreign_files_are_refused_and_recomputed(
+        tiny_llama_dir: Path, tiny_qwen2_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    llm = _llm(tiny_llama_dir, tmp_path)
+    _run_all(llm, llama_adapters, expected, 0)
+    disk = llm.engine.disk
+    assert disk is not None
+    disk.flush()
+    files = _files(tmp_path)
+    assert len(files) >= 3
+    layout = disk.layout
+    foreign = model_fingerprint(tiny_qwen2_dir, layout)
+    assert foreign != disk.fingerprint
+    for n, path in enumerate(files):
+        raw = path.read_bytes()
+        if n % 3 == 0:  # a flipped byte in the KV data
+            path.write_bytes(raw[:-100] + bytes([raw[-100] ^ 0x40]) + raw[-99:])
+        elif n % 3 == 1:  # cut short
+            path.write_bytes(raw[: len(raw) // 2])
+        else:  # a block of another model, same identity, valid checksum
+            block = decode_block(raw, disk.fingerprint, layout)
+            path.write_bytes(encode_block(dataclasses.replace(block, fingerprint=foreign)))
+    _run_all(llm, llama_adapters, expected, 1)
+    refused = llm.engine.stats().kv_disk_refused
+    assert refused >= 3
+    _check_idle(llm, tmp_path)
+    llm.engine.close()
+
+    # what is left damaged is refused at start (cut, foreign) or on first use (flipped);
+    # none of it is ever served
+    again = _llm(tiny_llama_dir, tmp_path)
+    _run_all(again, llama_adapters, expected, 0)
+    _run_all(again, llama_adapters, expected, 1)
+    _check_idle(again, tmp_path)
+    assert again.engine.stats().kv_disk_refused > 0
+    # cut and foreign files went at start; a flipped one no lookup reached may wait for
+    # its first use, where its checksum refuses it
+    for path in _files(tmp_path):
+        try:
+            decode_block(path.read_bytes(), disk.fingerprint, layout)
+        except BlockRefused as exc:
+            assert exc.reason == "checksum", path
+    again.engine.close()
+
+
+def test_a_crash_leftover_is_removed_at_start(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    llm = _llm(tiny_llama_dir, tmp_path)
+    assert llm.engine.disk is not None
+    folder = llm.engine.disk.dir
+    llm.engine.close()
+    (folder / ".deadbeef.kvb.123.tmp").write_bytes(b"half a block")
+    again = _llm(tiny_llama_dir, tmp_path)
+    assert not list(folder.glob("*.tmp"))
+    assert again.engine.stats().kv_disk_blocks == 0
+    again.engine.close()
+
+
+def test_bad_disk_settings_are_one_line_config_errors(tiny_llama_dir: Path,
+                                                      tmp_path: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for gib in ("0", "-1"):
+        args = parser.parse_args(["--kv-disk-dir", str(tmp_path), "--kv-disk-gib", gib])
+        with pytest.raises(ConfigError, match="kv_disk_gib must be positive"):
+            engine_config_from_args(args, str(tiny_llama_dir))
+    args = parser.parse_args([])
+    assert engine_config_from_args(args, str(tiny_llama_dir)).cache.kv_disk_dir is None
+    with pytest.raises(ConfigError, match="prefix caching"):
+        CacheConfig(enable_prefix_caching=False, kv_disk_dir=str(tmp_path))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError) as info:
+        _llm(tiny_llama_dir, blocker / "kv")
+    assert "\n" not in str(info.value) and "--kv-disk-dir" in str(info.value)
+
+
+def test_layout_is_the_pools(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    llm = _llm(tiny_llama_dir, tmp_path)
+    disk = llm.engine.disk
+    assert disk is not None
+    a = llm.engine.runner.args
+    assert disk.layout == KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, BLOCK, "float32")
+    # the runner's bytes round-trip through the pool
+    runner = llm.engine.runner
+    data = array("f", range(disk.layout.data_bytes // 4)).tobytes()
+    runner.write_blocks([(3, data)])
+    assert runner.read_blocks([3]) == [data]
+    llm.engine.close()
