@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
-from loraplex.config import RegistryConfig
+from loraplex.config import ENV_API_KEY, ENV_METRICS_TOKEN, RegistryConfig
 from loraplex.errors import ConfigError
+from loraplex.gateway.lora_modules import LoRAModule, parse_lora_module
 from loraplex.registry.upload import UploadLimits
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--max-upload-bytes", type=int, default=UploadLimits().max_upload_bytes,
                    help="largest adapter upload (files or archive), and largest unpacked archive")
     p.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit,
-                   help="largest max_tokens a request may ask for")
+                   help="largest max_tokens a request may ask for (default: the model's "
+                        "context length, as vLLM)")
     p.add_argument("--max-n", type=int, default=defaults.max_n,
                    help="largest n a request may ask for")
     p.add_argument("--slo-ttft-ms", type=int, default=defaults.slo_ttft_ms,
@@ -96,9 +98,37 @@ def add_serve_command(subparsers: Any) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
+    _add_vllm_args(p)
     add_engine_args(p)
     _add_backend_args(p)
     p.set_defaults(func=_serve)
+
+
+def _lora_module(text: str) -> LoRAModule:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "vLLM's flags", "what `vllm serve` users type, for the tenant named 'default' "
+        "(created on first use; see docs/vllm.md)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"one static API key of the 'default' tenant (env {ENV_API_KEY}); a "
+                        "static key of an earlier start is revoked")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                   metavar="NAME=PATH|JSON",
+                   help='adapters registered for the \'default\' tenant at the start: '
+                        'name=path or {"name": .., "path": ..}; the same files again '
+                        "register nothing, other files a new version")
+    g.add_argument("--allowed-lora-dir", action="append", default=[], metavar="DIR",
+                   help="a folder whose adapters tenants may register by path with "
+                        "/v1/load_lora_adapter (repeatable; default: none, the route is "
+                        "refused)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM's sake: LoRA is always on")
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +194,19 @@ def _ensure_admin_key(args: argparse.Namespace, admin_key: str | None) -> str | 
         engine.dispose()
 
 
+def _ensure_static_key(args: argparse.Namespace, key: str) -> None:
+    """Registers ``--api-key`` as the ``default`` tenant's static key."""
+    from loraplex.gateway.auth import ensure_static_key
+    from loraplex.registry import db
+
+    engine = db.make_engine(registry_config_from_args(args).database_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            ensure_static_key(session, key)
+    finally:
+        engine.dispose()
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -172,6 +215,13 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535: {value}")
     return value
+
+
+def _allowed_dirs(dirs: list[str]) -> list[str]:
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--allowed-lora-dir {d}: not a folder")
+    return [str(Path(d).resolve()) for d in dirs]
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -243,9 +293,8 @@ def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from loraplex.config import ServerConfig
+    from loraplex.config import ENV_ADMIN_KEY, ServerConfig
     from loraplex.gateway.app import create_app
-    from loraplex.gateway.auth import ENV_ADMIN_KEY
     from loraplex.gateway.connections import uvicorn_config
 
     # First, so a busy port fails in a second instead of after loading the model.
@@ -262,7 +311,20 @@ def _serve(args: argparse.Namespace) -> int:
             max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
             max_pending_connections=args.max_pending_connections,
-            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            metrics_token=os.environ.get(ENV_METRICS_TOKEN) or None,
+            allowed_lora_dirs=tuple(_allowed_dirs(args.allowed_lora_dir)))
+        # vLLM's flags are checked before anything is written or loaded.
+        api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+        if api_key is not None:
+            from loraplex.gateway.auth import check_static_key
+
+            warning = check_static_key(api_key)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+        from loraplex.gateway.lora_modules import check_lora_modules
+
+        check_lora_modules(args.lora_modules)
         if args.backend == "ray":  # before anything is migrated or loaded
             from loraplex.config import check_shared_state
             from loraplex.engine.ray_address import check_reachable, ray_address
@@ -280,10 +342,19 @@ def _serve(args: argparse.Namespace) -> int:
         _prepare_registry(args)
         if server_config.admin_key is not None:  # a bad LORAPLEX_ADMIN_KEY fails before loading
             _ensure_admin_key(args, server_config.admin_key)
+        if api_key is not None:  # so is one that is another tenant's
+            _ensure_static_key(args, api_key)
         engine_config = engine_config_from_args(args, model)
         client = _make_backend(args, engine_config, server_config)
         try:
             app = create_app(server_config, registry, client, upload_limits=limits)
+            if args.lora_modules:  # checked against the loaded model's shapes
+                from loraplex.gateway.lora_modules import register_lora_modules
+
+                for line in register_lora_modules(app.state.adapters.uploader,
+                                                  app.state.gateway.sessions,
+                                                  args.lora_modules):
+                    print(line, file=sys.stderr, flush=True)
             # Created only now: a key created before a failed load or app would never have
             # been shown.
             created = (_ensure_admin_key(args, None) if server_config.admin_key is None

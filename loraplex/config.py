@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from loraplex.errors import ConfigError
 
@@ -58,6 +58,10 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None: a default fraction of free memory
     enable_prefix_caching: bool = True
     swap_space_blocks: int = 0  # host blocks for swap preemption
+    # The prefix cache's disk tier (docs/engine.md): evicted blocks kept in this folder,
+    # within kv_disk_gib GiB. None: off.
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 4.0
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -67,6 +71,11 @@ class CacheConfig:
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                  "kv_cache_memory must be positive")
         _require(self.swap_space_blocks >= 0, "swap_space_blocks must be >= 0")
+        _require(self.kv_disk_gib > 0, f"kv_disk_gib must be positive, got {self.kv_disk_gib}")
+        _require(self.kv_disk_dir is None or self.kv_disk_dir != "",
+                 "kv_disk_dir must name a folder")
+        _require(self.kv_disk_dir is None or self.enable_prefix_caching,
+                 "kv_disk_dir needs prefix caching (it keeps the prefix cache's blocks)")
 
 
 @dataclass(frozen=True)
@@ -217,6 +226,9 @@ class EngineConfig:
                  < self.scheduler.max_num_batched_tokens,
                  "num_speculative_tokens must be below max_num_batched_tokens (a step "
                  "verifies the proposals together with the token they follow)")
+        _require(spec is None or spec.model is None or self.cache.kv_disk_dir is None,
+                 "kv_disk_dir does not work with a draft model yet (the disk tier keeps "
+                 "the target model's KV only): leave one of them out")
 
 
 # The embedded default's registry and store, inside the home.
@@ -260,6 +272,14 @@ class RegistryConfig:
                    adapter_dir=os.path.join(home, HOME_ADAPTERS))
 
 
+MIN_METRICS_TOKEN_LEN = 16
+# The environment variables of the gateway's secrets (the static API key also as --api-key,
+# as `vllm serve` takes it).
+ENV_ADMIN_KEY: Final = "LORAPLEX_ADMIN_KEY"
+ENV_API_KEY: Final = "LORAPLEX_API_KEY"
+ENV_METRICS_TOKEN: Final = "LORAPLEX_METRICS_TOKEN"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP gateway."""
@@ -270,7 +290,9 @@ class ServerConfig:
     admin_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 1 << 20
-    max_tokens_limit: int = 4096
+    # Largest max_tokens a request may ask for; None: the served model's context length, as
+    # vLLM bounds it.
+    max_tokens_limit: int | None = None
     max_n: int = 8
     # Key of the per-tenant prefix-cache salt (HMAC-SHA256 of the tenant id). None: a random
     # secret per process, enough because the prefix cache lives in this process's memory.
@@ -295,6 +317,12 @@ class ServerConfig:
     # tenant's own SLOs in the registry override these.
     slo_ttft_ms: int = 2000
     slo_tpot_ms: int = 200
+    # A bearer token that opens /metrics (only it) besides an admin key, for a Prometheus
+    # scrape config; None: admin keys only.
+    metrics_token: str | None = None
+    # Folders whose adapters a tenant may register by path (/v1/load_lora_adapter); empty:
+    # that route is refused.
+    allowed_lora_dirs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -304,7 +332,11 @@ class ServerConfig:
             _require(getattr(self, name) > 0, f"{name} must be positive")
         _require(self.max_pending_connections >= 1, "max_pending_connections must be >= 1")
         _require(self.max_body_bytes > 0, "max_body_bytes must be positive")
-        _require(self.max_tokens_limit >= 1, "max_tokens_limit must be >= 1")
+        _require(self.max_tokens_limit is None or self.max_tokens_limit >= 1,
+                 "max_tokens_limit must be >= 1")
+        _require(self.metrics_token is None or len(self.metrics_token) >= MIN_METRICS_TOKEN_LEN,
+                 f"the metrics token (LORAPLEX_METRICS_TOKEN) must be at least "
+                 f"{MIN_METRICS_TOKEN_LEN} characters")
         _require(self.max_n >= 1, "max_n must be >= 1")
         _require(self.rate_limit_window_s > 0, "rate_limit_window_s must be positive")
         _require(self.usage_flush_interval_s > 0, "usage_flush_interval_s must be positive")

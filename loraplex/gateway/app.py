@@ -25,7 +25,15 @@ from loraplex.gateway.errors import exception_handlers
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.gateway.openapi import openapi_document
 from loraplex.gateway.ratelimit import make_rate_limiter
-from loraplex.gateway.routes import adapters, admin, admin_adapters, admin_tenants, openai, ops
+from loraplex.gateway.routes import (
+    adapters,
+    admin,
+    admin_adapters,
+    admin_tenants,
+    openai,
+    ops,
+    vllm,
+)
 from loraplex.gateway.routes.admin_ui import admin_ui_mount
 from loraplex.gateway.state import Gateway, Tokenizers
 from loraplex.gateway.usage import UsageMeter
@@ -88,6 +96,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
     routes: list[BaseRoute] = [
         *ops.routes(openapi_document(server_config, model)),
         *openai.routes(),
+        *vllm.routes(),
         *adapters.routes(),
         *admin.routes(),
         *admin_tenants.routes(),

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import HTTPConnection
 
+from loraplex.config import ENV_ADMIN_KEY, ENV_API_KEY
 from loraplex.errors import ConfigError, InvalidRequestError
 from loraplex.gateway.errors import AuthenticationError, PermissionDeniedError
 from loraplex.gateway.ratelimit import TenantLimits
@@ -30,7 +31,11 @@ from loraplex.registry.api_keys import DISPLAY_PREFIX_LEN, KEY_PREFIX, Principal
 from loraplex.registry.db import transaction
 from loraplex.registry.models import ApiKey, Tenant
 
-ENV_ADMIN_KEY: Final = "LORAPLEX_ADMIN_KEY"
+# The name the static key is registered under, so the next start can tell it apart.
+STATIC_KEY_NAME: Final = "--api-key"
+# Shorter static keys are accepted, as vLLM does, with a warning.
+MIN_STATIC_KEY_CHARS: Final = 32
+MAX_STATIC_KEY_CHARS: Final = 256
 # A key given by the operator must be as strong as a generated one: 32 random bytes are
 # 43 URL-safe base64 characters.
 MIN_KEY_RANDOM_CHARS: Final = 43
@@ -74,6 +79,19 @@ def require_admin(principal: Principal) -> Principal:
     if not principal.is_admin:
         raise PermissionDeniedError("This route needs an admin key")
     return principal
+
+
+async def metrics_principal(conn: HTTPConnection) -> Gateway:
+    """The gateway, when the caller holds the configured metrics token or an admin key
+    (401/403 otherwise). The token opens /metrics only: it names no tenant."""
+    gw = gateway(conn)
+    token = gw.config.metrics_token
+    if token is not None:
+        key = bearer_key(conn)
+        if hmac.compare_digest(key.encode(), token.encode()):
+            return gw
+    require_admin(await authenticate(conn, gw.sessions))
+    return gw
 
 
 async def admin_principal(conn: HTTPConnection) -> tuple[Gateway, Principal]:
@@ -161,3 +179,45 @@ def ensure_admin_key(session: Session, admin_key: str | None) -> str | None:
         return None
     _, plaintext = service.create_key(session, tenant.id, role="admin", name="bootstrap")
     return plaintext
+
+
+def check_static_key(key: str) -> str | None:
+    """ConfigError for a static key that cannot work as a bearer key; a warning (to print)
+    for a short one, which vLLM would take too."""
+    if not key or len(key) > MAX_STATIC_KEY_CHARS or not key.isascii() or not key.isprintable() \
+            or any(c.isspace() for c in key):
+        raise ConfigError(f"--api-key ({ENV_API_KEY}) must be 1 to {MAX_STATIC_KEY_CHARS} "
+                          "printable ASCII characters without spaces")
+    if len(key) < MIN_STATIC_KEY_CHARS:
+        return (f"warning: the --api-key is {len(key)} characters: anyone who guesses it calls "
+                f"as tenant {service.DEFAULT_TENANT!r}; use at least {MIN_STATIC_KEY_CHARS} "
+                "random ones")
+    return None
+
+
+def ensure_static_key(session: Session, key: str) -> None:
+    """Makes ``key`` (``--api-key``) the one static key of the ``default`` tenant: registered
+    if new, and any static key of an earlier start revoked (as restarting vLLM with another
+    --api-key retires the old one). Keys created through the API are left alone.
+
+    ConfigError if the key is already another tenant's, an admin key, or revoked.
+    """
+    check_static_key(key)
+    tenant = service.default_tenant(session)
+    digest = service.hash_key(key)
+    row = session.scalar(sa.select(ApiKey).where(ApiKey.key_hash == digest))
+    if row is not None and (row.tenant_id != tenant.id or row.role != "tenant"
+                            or row.revoked_at is not None):
+        raise ConfigError(f"--api-key ({ENV_API_KEY}) names a key that is revoked, an admin "
+                          f"key, or another tenant's than {service.DEFAULT_TENANT!r}")
+    earlier = session.scalars(sa.select(ApiKey.id).where(
+        ApiKey.tenant_id == tenant.id, ApiKey.name == STATIC_KEY_NAME,
+        ApiKey.revoked_at.is_(None), ApiKey.key_hash != digest)).all()
+    for key_id in earlier:
+        service.revoke_key(session, key_id)
+    if row is None:
+        # A quarter at most is kept in clear: a short key must not be stored whole.
+        shown = key[:min(DISPLAY_PREFIX_LEN, len(key) // 4)]
+        session.add(ApiKey(tenant_id=tenant.id, role="tenant", name=STATIC_KEY_NAME,
+                           prefix=shown, key_hash=digest))
+        session.flush()

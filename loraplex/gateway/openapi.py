@@ -44,7 +44,8 @@ def _errors(*codes: int) -> dict[str, Any]:
     text = {400: "Invalid body or parameter (named in error.param); a prompt over the "
                  "model's context length has code context_length_exceeded",
             401: "Missing, unknown or revoked API key",
-            403: "The key lacks the admin role, or its tenant is suspended",
+            403: "The key lacks the admin role, or its tenant is suspended; a lora_path "
+                 "outside the allowed folders",
             404: "Unknown model, tenant, key or adapter (or one the caller may not see)",
             409: "Conflicts with existing state (a duplicate name)",
             413: "Body over the size limit",
@@ -418,6 +419,75 @@ def _admin_paths() -> dict[str, Any]:
     }
 
 
+def _vllm_paths(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
+    """vLLM's routes beside the OpenAI ones (docs/vllm.md)."""
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    name = {"type": "string", "minLength": 1,
+            "description": "The base model's name or an adapter the caller may use; "
+                           "left out: the base model. An adapter changes no token"}
+    strs = {"type": "boolean", "description": "Also return each token as text"}
+    chat = request_schemas(config, model)["ChatCompletionRequest"]["properties"]["messages"]
+    tokenize = {"oneOf": [
+        closed({"type": "object", "required": ["prompt"], "properties": {
+            "model": name, "prompt": {"type": "string"},
+            "add_special_tokens": {"type": "boolean"}, "return_token_strs": strs}}),
+        closed({"type": "object", "required": ["messages"], "properties": {
+            "model": name, "messages": chat,
+            "add_special_tokens": {"const": False,
+                                   "description": "The chat template adds its own"},
+            "return_token_strs": strs}})]}
+    tokens = {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                         "maximum": model.vocab_size - 1}}
+    lora_name = _ADAPTER_NAME | {"description": "The adapter's name in the caller's tenant"}
+    return {
+        "/tokenize": {"post": {
+            "summary": "A prompt or messages as the model's token ids (vLLM's /tokenize)",
+            "requestBody": _body(tokenize),
+            "responses": {"200": _json({"type": "object", "required": [
+                "count", "max_model_len", "tokens", "token_strs"], "properties": {
+                    "count": _COUNT, "max_model_len": {"type": "integer"},
+                    "tokens": tokens, "token_strs": {"type": ["array", "null"],
+                                                     "items": {"type": "string"}}}},
+                "The token ids"), **_errors(400, 401, 404, 413)}}},
+        "/detokenize": {"post": {
+            "summary": "Token ids as text (vLLM's /detokenize)",
+            "requestBody": _body(closed({"type": "object", "required": ["tokens"],
+                                         "properties": {"model": name, "tokens": tokens}})),
+            "responses": {"200": _json({"type": "object", "required": ["prompt"],
+                                        "properties": {"prompt": {"type": "string"}}},
+                                       "The text"), **_errors(400, 401, 404, 413)}}},
+        "/version": {"get": {
+            "summary": "The server's version (vLLM's /version; needs a key)",
+            "responses": {"200": _json({"type": "object", "required": ["version"],
+                                        "properties": {"version": {"type": "string"}}},
+                                       "The version"), **_errors(401)}}},
+        "/v1/load_lora_adapter": {"post": {
+            "summary": "Register the adapter folder lora_path, inside the server's allowed "
+                       "folders (--allowed-lora-dir), as the caller's adapter lora_name: a "
+                       "new version unless the current one has the same files",
+            "requestBody": _body(closed({"type": "object",
+                                         "required": ["lora_name", "lora_path"],
+                                         "properties": {
+                "lora_name": lora_name,
+                "lora_path": {"type": "string", "minLength": 1, "maxLength": 4096,
+                              "description": "A folder inside an allowed folder; a "
+                                             "relative path is read from the first one"},
+                "load_inplace": {"type": "boolean",
+                                 "description": "Accepted; a new version always becomes "
+                                                "the current one"}}})),
+            "responses": {"200": {"description": "Success", "content": text},
+                          **_errors(400, 401, 403, 404, 409, 413, 422)}}},
+        "/v1/unload_lora_adapter": {"post": {
+            "summary": "Delete the caller's adapter lora_name, every version",
+            "requestBody": _body(closed({"type": "object", "required": ["lora_name"],
+                                         "properties": {
+                "lora_name": lora_name,
+                "lora_int_id": {"type": "integer", "description": "Accepted and ignored"}}})),
+            "responses": {"200": {"description": "Success", "content": text},
+                          **_errors(400, 401, 404, 413)}}},
+    }
+
+
 def openapi_document(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
     """The document for a server with ``config``'s limits, serving ``model``."""
     text = {"text/plain": {"schema": {"type": "string"}}}
@@ -453,8 +523,11 @@ def openapi_document(config: ServerConfig, model: ModelDescription) -> dict[str,
                 "responses": {"200": _json(_ref("UsageReport"), "Usage"),
                               **_errors(400, 401)}}},
             **_adapter_paths(),
+            **_vllm_paths(config, model),
             **_admin_paths(),
-            "/metrics": {"get": {"summary": "Prometheus metrics (admin)", "responses": {
+            "/metrics": {"get": {"summary": "Prometheus metrics (an admin key, or the "
+                                            "scrape token LORAPLEX_METRICS_TOKEN)",
+                                 "responses": {
                 "200": {"description": "Exposition text", "content": text},
                 **_errors(401, 403)}}},
             "/health": {"get": {"summary": "The process is alive", "security": public,

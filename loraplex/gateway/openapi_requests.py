@@ -94,11 +94,17 @@ def _guided() -> dict[str, Any]:
     }
 
 
-def _table_field(field: RequestField, config: ServerConfig) -> dict[str, Any]:
+def max_tokens_limit(config: ServerConfig, model: ModelDescription) -> int:
+    """The largest max_tokens: the operator's cap, else the model's context length."""
+    return config.max_tokens_limit or model.max_model_len
+
+
+def _table_field(field: RequestField, config: ServerConfig,
+                 model: ModelDescription) -> dict[str, Any]:
     """A field of the table as the document states it: its JSON type or null, the range
     the server takes under its limits (or the narrower one it documents), its text."""
     schema: dict[str, Any] = {"type": [field.json_type, "null"]}
-    limits = {"max_n": config.max_n, "max_tokens_limit": config.max_tokens_limit}
+    limits = {"max_n": config.max_n, "max_tokens_limit": max_tokens_limit(config, model)}
     accepted = field.documented or field.accepted(limits)
     if accepted is not None:
         if accepted.lo is not None:
@@ -110,8 +116,8 @@ def _table_field(field: RequestField, config: ServerConfig) -> dict[str, Any]:
     return schema
 
 
-def _table(route: Route, config: ServerConfig) -> dict[str, Any]:
-    return {f.name: _table_field(f, config) for f in route_fields(route)}
+def _table(route: Route, config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
+    return {f.name: _table_field(f, config, model) for f in route_fields(route)}
 
 
 def _sampling(config: ServerConfig, model: ModelDescription) -> dict[str, Any]:
@@ -176,7 +182,7 @@ def request_schemas(config: ServerConfig, model: ModelDescription) -> dict[str, 
     # prompt's length in tokens is known only once tokenized: over the context it is 400
     # context_length_exceeded.
     token_ids = {"type": "array", "minItems": 1,
-                 "maxItems": max(1, model.max_model_len - config.max_tokens_limit),
+                 "maxItems": max(1, model.max_model_len - max_tokens_limit(config, model)),
                  "items": {"type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}}
     content = {"oneOf": [
         {"type": "string"},
@@ -226,7 +232,7 @@ def request_schemas(config: ServerConfig, model: ModelDescription) -> dict[str, 
         "CompletionRequest": closed({
             "type": "object", "required": ["model", "prompt"],
             "dependentSchemas": _one_constraint(),
-            "properties": sampling | _table("completions", config) | {
+            "properties": sampling | _table("completions", config, model) | {
                 "prompt": {"oneOf": [
                     {"type": "string", "minLength": 1},
                     token_ids,
@@ -254,7 +260,7 @@ def request_schemas(config: ServerConfig, model: ModelDescription) -> dict[str, 
                 {"if": {"required": ["tool_choice"], "properties": {
                     "tool_choice": {"const": "required"}}},
                  "then": _alone("")}],
-            "properties": sampling | _table("chat", config) | {
+            "properties": sampling | _table("chat", config, model) | {
                 "messages": {"type": "array", "minItems": 1, "items": message},
                 "tools": {"type": ["array", "null"], "items": tool,
                           "description": "Functions the model may call"},

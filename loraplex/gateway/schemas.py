@@ -328,6 +328,14 @@ def _replace_max_tokens(options: GenerationOptions, max_tokens: int) -> Generati
     return replace(options, max_tokens=max_tokens)
 
 
+def parse_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+    """The body's ``messages`` as chat completions reads them (``/tokenize`` too)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "expected a non-empty array of messages")
+    return tuple(_message(i, m) for i, m in enumerate(messages))
+
+
 def _message(i: int, raw: Any) -> ChatMessage:
     param = f"messages[{i}]"
     if not isinstance(raw, dict):
@@ -396,10 +404,7 @@ def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
     elif top_logprobs is not None:
         raise bad("top_logprobs", "requires logprobs to be true")
     options = _options(body, "chat", limits, derived={"logprobs": logprobs})
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "expected a non-empty array of messages")
-    parsed = tuple(_message(i, m) for i, m in enumerate(messages))
+    parsed = parse_messages(body)
     _store_and_metadata(body)
     echo = None
     if read_bool(body, "echo", False) and parsed[-1].role == "assistant":

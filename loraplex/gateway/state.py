@@ -43,9 +43,9 @@ class Tokenizers:
         with self._lock:
             return list(self._encoder.encode(text, add_special_tokens=add_special_tokens))
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, tokenized as the offline ``LLM`` does."""
-        return await run_in_threadpool(self._encode, text, True)
+        return await run_in_threadpool(self._encode, text, add_special_tokens)
 
     @property
     def renders_tools(self) -> bool:
@@ -90,6 +90,15 @@ class Tokenizers:
         """A prompt given as token ids, as text (for ``echo``)."""
         return await run_in_threadpool(self._decode, token_ids)
 
+    def _token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        with self._lock:
+            return [str(t) for t in self._encoder.convert_ids_to_tokens(list(token_ids))]
+
+    async def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token as the tokenizer spells it (``/tokenize``'s ``token_strs``, as vLLM
+        gives them), off the event loop: a long prompt has many."""
+        return await run_in_threadpool(self._token_strs, token_ids)
+
     def token_text(self, token_id: int) -> str:
         """One token as text (event loop only)."""
         return str(self._decoder.decode([token_id]))
@@ -113,6 +122,12 @@ class Gateway:
     # Checks schemas that reach no engine (tools' parameters), in its sandbox's process.
     grammars: GrammarCompiler
     limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """The largest max_tokens a request may ask for: the operator's cap, else the
+        model's context length."""
+        return self.config.max_tokens_limit or self.backend.description.max_model_len
 
     @property
     def rate_limiter(self) -> RateLimiter:

@@ -19,6 +19,9 @@ from loraplex.registry.tenants import create_tenant, get_tenant
 
 # The tenant that holds the server's admin keys (created by the first ``loraplex serve``).
 ADMIN_TENANT: Final = "admin"
+# The tenant of ``loraplex serve --api-key`` and ``--lora-modules`` (vLLM's flags, which know
+# no tenants), created on first use.
+DEFAULT_TENANT: Final = "default"
 KEY_PREFIX: Final = "lpx-"
 KEY_RANDOM_BYTES: Final = 32
 # How many leading characters of a key are kept in clear, to tell keys apart in lists.
@@ -95,6 +98,13 @@ def admin_tenant(session: Session) -> Tenant:
     return tenant if tenant is not None else create_tenant(session, ADMIN_TENANT)
 
 
+def default_tenant(session: Session) -> Tenant:
+    """The tenant of the static ``--api-key`` and the ``--lora-modules`` adapters, created
+    if it does not exist yet."""
+    tenant = session.scalar(sa.select(Tenant).where(Tenant.name == DEFAULT_TENANT))
+    return tenant if tenant is not None else create_tenant(session, DEFAULT_TENANT)
+
+
 def create_admin_key(session: Session, *, name: str | None = None) -> tuple[ApiKey, str]:
     """A new admin key of the admin tenant (created if missing): how a lost admin key is
     replaced without any other key. Returns the row and the plaintext (show it once).
@@ -115,7 +125,9 @@ def authenticate(session: Session, key: str, *, now: datetime | None = None) -> 
     The lookup is by hash; the stored hash is then compared in constant time. ``last_used_at``
     moves at most once per LAST_USED_RESOLUTION, and is written when the caller commits.
     """
-    if not key.startswith(KEY_PREFIX) or len(key) > _MAX_KEY_LEN:
+    # Generated keys start with KEY_PREFIX; an operator's static key (``--api-key``, as vLLM
+    # takes it) may be any text, so only the length is judged before the lookup by hash.
+    if not key or len(key) > _MAX_KEY_LEN:
         return None
     digest = hash_key(key)
     found = session.execute(

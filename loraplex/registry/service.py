@@ -21,12 +21,14 @@ from loraplex.registry.adapters import (
 )
 from loraplex.registry.api_keys import (
     ADMIN_TENANT,
+    DEFAULT_TENANT,
     KEY_PREFIX,
     Principal,
     admin_tenant,
     authenticate,
     create_admin_key,
     create_key,
+    default_tenant,
     generate_key,
     hash_key,
     list_keys,
@@ -66,11 +68,11 @@ from loraplex.registry.versions import (
 )
 
 __all__ = [
-    "ADMIN_TENANT", "KEY_PREFIX", "QUOTA_CHECKS", "SCHEDULING_CHECKS", "UNSET", "NameVersions",
+    "ADMIN_TENANT", "DEFAULT_TENANT", "KEY_PREFIX", "QUOTA_CHECKS", "SCHEDULING_CHECKS", "UNSET", "NameVersions",
     "Principal", "Resolution", "Traffic", "UsageRecord", "UsageTotals",
     "cancel_split", "check_percent", "check_version", "name_versions", "promote",
     "resolve_versions", "start_split", "traffic",
-    "admin_tenant", "authenticate", "create_admin_key", "create_key", "create_tenant", "delete_adapter", "generate_key",
+    "admin_tenant", "authenticate", "create_admin_key", "create_key", "create_tenant", "default_tenant", "delete_adapter", "generate_key",
     "get_adapter", "get_tenant", "get_tenant_by_name", "hash_key", "hour_start",
     "is_digest_referenced", "list_adapters", "list_keys", "list_tenants", "list_usage",
     "list_visible_adapters", "record_usage", "register_adapter", "resolve_adapter",

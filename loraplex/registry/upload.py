@@ -48,6 +48,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.adapter_format import read_adapter_config
 from loraplex.errors import (
     AdapterError,
+    AdapterNotFoundError,
     ConflictError,
     InvalidRequestError,
     UploadTooLargeError,
@@ -126,6 +127,9 @@ class UploadResult:
     adapter: Adapter
     created: bool
     size_bytes: int
+    # False: ``unless_current`` found the same files as the name's current version, and
+    # nothing was registered (``adapter`` is that version).
+    new_version: bool = True
 
 
 @dataclass(frozen=True)
@@ -367,9 +371,11 @@ class AdapterUploader:
     def upload_path(self, factory: sessionmaker[Session], *, tenant_id: int, name: str,
                     path: str | os.PathLike[str], visibility: str = "private",
                     progress: ProgressFn | None = None,
-                    on_registered: OnRegistered | None = None) -> UploadResult:
+                    on_registered: OnRegistered | None = None,
+                    unless_current: bool = False) -> UploadResult:
         """Uploads a local adapter folder or archive (the CLI). In a folder, pickle files
-        anywhere refuse the upload; other files (tokenizer, trainer state) are ignored."""
+        anywhere refuse the upload; other files (tokenizer, trainer state) are ignored.
+        ``unless_current``: see ``commit``."""
         self.check_request(name, visibility)
         src = Path(path)
         quota = self.check_quota(factory, tenant_id)
@@ -391,12 +397,18 @@ class AdapterUploader:
             else:
                 raise AdapterError(f"{src}: no such file or folder")
             return self.commit(factory, staging, tenant_id=tenant_id, name=name,
-                               visibility=visibility, on_registered=on_registered)
+                               visibility=visibility, on_registered=on_registered,
+                               unless_current=unless_current)
 
     def commit(self, factory: sessionmaker[Session], staging: UploadStaging, *,
                tenant_id: int, name: str, visibility: str = "private",
-               on_registered: OnRegistered | None = None) -> UploadResult:
+               on_registered: OnRegistered | None = None,
+               unless_current: bool = False) -> UploadResult:
         """Unpacks, validates, stores and registers what ``staging`` received; commits.
+
+        ``unless_current``: when the name's current version has the same digest, nothing is
+        stored or registered and that version is returned (``new_version`` false): the
+        idempotent registration of ``--lora-modules`` and ``/v1/load_lora_adapter``.
 
         Blocking (disk, torch, database): call it from a worker thread in async code.
         Raises AdapterError (UploadTooLargeError), InvalidRequestError, NotFoundError,
@@ -406,6 +418,11 @@ class AdapterUploader:
         self.check_request(name, visibility)
         adapter_dir = staging.adapter_dir()
         adapter = self._validate(adapter_dir)
+        if unless_current:
+            current = self._current_version(factory, tenant_id, name)
+            if current is not None and current.digest == adapter.digest:
+                return UploadResult(adapter=current, created=False,
+                                    size_bytes=current.size_bytes, new_version=False)
         # What put_dir will store, checked before a byte of it is kept.
         self.check_quota(factory, tenant_id, _stored_size(adapter_dir))
         stored = self.store.put_dir(adapter_dir)
@@ -441,6 +458,15 @@ class AdapterUploader:
         # commit (it saw no row yet): our row needs them, and the staged copy is still here.
         self.store.ensure(stored.digest, adapter_dir)
         return UploadResult(adapter=row, created=stored.created, size_bytes=stored.size)
+
+    @staticmethod
+    def _current_version(factory: sessionmaker[Session], tenant_id: int,
+                         name: str) -> Adapter | None:
+        with transaction(factory) as session:
+            try:
+                return service.resolve_adapter(session, tenant_id, name)
+            except AdapterNotFoundError:
+                return None
 
     def _validate(self, adapter_dir: Path) -> ValidatedAdapter:
         mismatch = self._base_model_mismatch(adapter_dir)

@@ -10,6 +10,7 @@ uvicorn on a background thread, on a socket bound to a free port of 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
 import threading
 import time
@@ -226,11 +227,14 @@ def live(tiny_llama_dir: Path, llama_adapters: dict[str, Path], postgres_schema_
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
 def fuzz_live(request: pytest.FixtureRequest, tiny_llama_dir: Path,
+              llama_adapters: dict[str, Path],
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A small server for fuzzing, once on SQLite and once on PostgreSQL (what the one
     accepts, the other must too): in-process limiter, max_tokens <= 4, n <= 2. Tenant
-    ``fuzzer`` and an admin key (``ops``)."""
+    ``fuzzer`` and an admin key (``ops``); ``/v1/load_lora_adapter`` may read the folder
+    ``allowed``, which holds the adapter ``r4``."""
     root = tmp_path_factory.mktemp(f"fuzz_{request.param}")
+    shutil.copytree(llama_adapters["r4"], root / "allowed" / "r4")
     with contextlib.ExitStack() as stack:
         db_url = (f"sqlite:///{root / 'registry.db'}" if request.param == "sqlite"
                   else stack.enter_context(postgres_schema("fuzz")))
@@ -245,7 +249,8 @@ def fuzz_live(request: pytest.FixtureRequest, tiny_llama_dir: Path,
         finally:
             engine.dispose()
         config = ServerConfig(served_model_name=SERVED_NAME, max_tokens_limit=4, max_n=2,
-                              max_body_bytes=16 * 1024)
+                              max_body_bytes=16 * 1024,
+                              allowed_lora_dirs=(str(root / "allowed"),))
         client = EngineClient.from_config(engine_config(tiny_llama_dir))
         server = _start(create_app(config, RegistryConfig(db_url, str(root / "store")),
                                    client))

@@ -412,3 +412,75 @@ def test_any_json_schema_is_answered_or_refused_naming_it(
     assert response.status_code in (200, 400), response.text
     if response.status_code == 400:
         assert response.json()["error"]["param"] == "guided_json", response.text
+
+
+# --- vLLM's routes: tokenize, detokenize, load and unload by path ------------------------
+
+PATH_TEXT = st.sampled_from(["r4", "./r4", "r4/", "../r4", "/", "/etc/passwd", "..", "\x00",
+                             "r4\x00", "%2e%2e", "a" * 5000, "0" * 300, "r4/" + "x" * 300, "", "~", "~/r4",
+                             "//r4"]) \
+    | JSON_TEXT
+
+
+@FUZZ
+@given(model=st.none() | MODEL_TEXT, prompt=JSON_TEXT, strs=st.booleans())
+def test_any_tokenize_model_or_prompt_is_answered_or_4xx(fuzz_live: LiveServer, send: Caller,
+                                                         model: str | None, prompt: str,
+                                                         strs: bool) -> None:
+    body = {"prompt": prompt, "return_token_strs": strs} | ({} if model is None
+                                                            else {"model": model})
+    response = send("POST", "/tokenize", body=body)
+    if model is not None and (not model or _has_surrogate(model)):
+        expected = 400
+    elif model not in (None, fuzz_live.served_name):
+        expected = 404
+    else:
+        expected = 400 if _has_surrogate(prompt) else 200
+    assert response.status_code == expected, (body, response.text)
+    if expected == 200:
+        ids = response.json()["tokens"]
+        back = send("POST", "/detokenize", body={"tokens": ids})
+        assert back.status_code == 200, back.text
+
+
+@FUZZ
+@given(tokens=st.lists(st.integers(-2**70, 2**70) | st.sampled_from([0, 1, 2, 255]),
+                       max_size=20))
+def test_any_detokenize_ids_are_answered_or_400_naming_one(send: Caller,
+                                                           tokens: list[int]) -> None:
+    response = send("POST", "/detokenize", body={"tokens": tokens})
+    vocab = send.live.client.description.vocab_size
+    bad = [i for i, t in enumerate(tokens) if not 0 <= t < vocab]
+    if bad:
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == f"tokens[{bad[0]}]"
+    else:
+        assert response.status_code == 200, response.text
+
+
+@FUZZ
+@given(name=JSON_TEXT)
+def test_any_lora_name_is_loaded_and_unloaded_or_400(send: Caller, name: str) -> None:
+    loaded = send("POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": "r4"})
+    assert loaded.status_code in (200, 400), (name, loaded.text)
+    if loaded.status_code == 400:
+        assert loaded.json()["error"]["param"] in ("name", "lora_name"), loaded.text
+    unloaded = send("POST", "/v1/unload_lora_adapter", body={"lora_name": name})
+    expected = (200,) if loaded.status_code == 200 else (400, 404)
+    assert unloaded.status_code in expected, (name, unloaded.text)
+
+
+@FUZZ
+@given(path=PATH_TEXT)
+def test_any_lora_path_is_loaded_only_inside_the_allowed_folder(send: Caller,
+                                                                path: str) -> None:
+    response = send("POST", "/v1/load_lora_adapter", body={"lora_name": "fzpath",
+                                                          "lora_path": path})
+    if _has_surrogate(path) or not path:
+        assert response.status_code == 400, (path, response.text)
+    elif response.status_code == 200:  # only the one adapter of the allowed folder
+        assert send("POST", "/v1/unload_lora_adapter",
+                    body={"lora_name": "fzpath"}).status_code == 200
+        assert path.strip("/").replace("./", "").rstrip("/").endswith("r4"), path
+    else:
+        assert response.status_code in (403, 404), (path, response.text)

@@ -170,7 +170,7 @@ def _sampling_params(gw: Gateway, options: GenerationOptions, num_prompt: int,
     if max_tokens is None:
         # As many as fit; the engine refuses a prompt that leaves room for none.
         room = gw.backend.description.max_model_len - num_prompt
-        max_tokens = max(1, min(default_max_tokens, gw.config.max_tokens_limit, room))
+        max_tokens = max(1, min(default_max_tokens, gw.max_tokens_limit, room))
     # The request's keywords come from the field table (request_fields.FIELDS) and the
     # shapes the parser reads beside it; max_tokens and prompt_logprobs are the route's.
     return SamplingParams(
@@ -184,7 +184,7 @@ async def _prepare(request: Request, gw: Gateway, obs: Observation,
     principal = await authenticate(request, gw.sessions)
     obs.tenant = principal.tenant_name
     body = parse_json_body(await read_body(request, gw.config.max_body_bytes))
-    req = parse(body, max_tokens_limit=gw.config.max_tokens_limit, max_n=gw.config.max_n)
+    req = parse(body, max_tokens_limit=gw.max_tokens_limit, max_n=gw.config.max_n)
     resolved = await resolve_model(gw, principal, req.options.model, req.options.user)
     obs.adapter = resolved.label
     return principal, req, resolved
@@ -218,7 +218,7 @@ async def chat_completions(request: Request, gw: Gateway, obs: Observation) -> R
     messages, tools = template_input(req.messages, req.tools, gw.tokenizers.renders_tools)
     token_ids = await gw.tokenizers.encode_chat(messages, tools)
     params = _sampling_params(gw, req.options, len(token_ids),
-                              default_max_tokens=gw.config.max_tokens_limit)
+                              default_max_tokens=gw.max_tokens_limit)
     return await _generate(request, gw, obs, principal, resolved, token_ids, params,
                            req.options, chat=True, tools=req.tools,
                            chat_echo=req.echo or "")

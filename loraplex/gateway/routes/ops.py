@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loraplex.gateway.auth import admin_principal
+from loraplex.gateway.auth import metrics_principal
 from loraplex.gateway.state import Gateway, gateway
 
 
@@ -45,8 +45,9 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    """Prometheus exposition. Admin only: labels name tenants and their adapters."""
-    gw, _ = await admin_principal(request)
+    """Prometheus exposition: labels name tenants and their adapters, so it takes an admin
+    key, or the operator's scrape token (LORAPLEX_METRICS_TOKEN)."""
+    gw = await metrics_principal(request)
     gw.metrics.observe_engine(await gw.backend.replica_stats())
     body, content_type = gw.metrics.render()
     return Response(body, media_type=content_type)
