@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from sqlalchemy.orm import Session
 
 from loraplex.cli_registry import run_registry_cli
 from loraplex.config import (
@@ -335,3 +336,16 @@ def own_server() -> Callable[..., contextlib.AbstractContextManager[OwnServer]]:
 @pytest.fixture
 def bearer() -> Callable[[str], dict[str, str]]:
     return lambda key: {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    """A session on a fresh SQLite registry at head."""
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        with db.make_session_factory(engine)() as s:
+            yield s
+    finally:
+        engine.dispose()

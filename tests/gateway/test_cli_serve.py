@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -128,18 +127,6 @@ def test_first_serve_shows_the_kernel_build_and_another_home_reuses_it(
     (library,) = cache.glob("cpu_kernels-*.so")
     assert second == [f"using the cached build {library}"]
     assert not (tmp_path / "second-home" / "kernels").exists()
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    try:
-        with db.make_session_factory(engine)() as s:
-            yield s
-    finally:
-        engine.dispose()
 
 
 def test_admin_key_is_created_once(session: Session) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.errors import ConfigError
 from loraplex.gateway.auth import ensure_admin_key, ensure_static_key
-from loraplex.registry import db, service
+from loraplex.registry import service
 
 pytestmark = pytest.mark.server
 
@@ -122,18 +121,6 @@ def test_bad_vllm_flags_are_refused_before_anything_loads(
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "home" / "loraplex.db").exists()
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    try:
-        with db.make_session_factory(engine)() as s:
-            yield s
-    finally:
-        engine.dispose()
 
 
 def test_static_key_belongs_to_the_default_tenant(session: Session) -> None:
