@@ -218,8 +218,10 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt plus max_tokens ({total} tokens) can never fit the KV cache of "
                 f"{self.kv.num_blocks} blocks x {self.kv.block_size} tokens", param="prompt")
-        request = Request(request_id, prompt, params, adapter, cache_salt,
-                          arrival_time if arrival_time is not None else time.monotonic(),
+        request = Request(request_id=request_id, prompt_token_ids=prompt, params=params,
+                          adapter=adapter, cache_salt=cache_salt,
+                          arrival_time=(arrival_time if arrival_time is not None
+                                        else time.monotonic()),
                           group_id=request_id, sample_index=0,
                           eos_token_ids=self.eos_token_ids, share=share)
         cap = self.scheduler.kv_cap(request)
@@ -297,14 +299,7 @@ class LLMEngine:
         spec_ids = (self.spec.proposals(out, plan)
                     if self.spec is not None and plan is not None else {})
         masks = self._start_masks([s.request for s in out.scheduled if s.samples])
-        batch = BatchInputs([SeqInput(s.token_ids + spec_ids.get(s.request.request_id, []),
-                                      s.request.num_computed_tokens,
-                                      self.kv.block_table(s.request.request_id), s.lora_slot,
-                                      self._sampling_rows(s.request, masks.get(
-                                          s.request.request_id)) if s.samples else (),
-                                      *self._prompt_targets(s.request, s.num_new_tokens),
-                                      spec_ids.get(s.request.request_id, ()))
-                             for s in out.scheduled])
+        batch = BatchInputs([self._seq_input(s, spec_ids, masks) for s in out.scheduled])
         results = self.runner.execute(batch)
         deltas.extend(self._update(out, results))
         self._end_siblings(out.failed)
@@ -376,6 +371,20 @@ class LLMEngine:
                             output_token_ids=output_ids, allowed=allowed)
                 for i, seq_id in enumerate(seq_ids)]
 
+    def _seq_input(self, s: ScheduledSeq, spec_ids: dict[str, list[int]],
+                   masks: dict[str, Callable[[], torch.Tensor]]) -> SeqInput:
+        """One scheduled sequence's share of the step, for the runner."""
+        request_id = s.request.request_id
+        prompt_targets, num_prompt_top = self._prompt_targets(s.request, s.num_new_tokens)
+        return SeqInput(
+            token_ids=s.token_ids + spec_ids.get(request_id, []),
+            num_computed=s.request.num_computed_tokens,
+            block_table=self.kv.block_table(request_id), lora_slot=s.lora_slot,
+            samplings=(self._sampling_rows(s.request, masks.get(request_id))
+                       if s.samples else ()),
+            prompt_targets=prompt_targets, num_prompt_top=num_prompt_top,
+            spec_token_ids=spec_ids.get(request_id, ()))
+
     @staticmethod
     def _prompt_targets(request: Request, num_new: int) -> tuple[list[int], int]:
         """The prompt tokens this step's positions predict, while prompt logprobs are
@@ -431,9 +440,10 @@ class LLMEngine:
                        now: float) -> list[SequenceDelta]:
         deltas = []
         for i, token in enumerate(tokens, start=1):
-            child = Request(self._child_id(parent, i), parent.prompt_token_ids, parent.params,
-                            parent.adapter, parent.cache_salt, parent.arrival_time,
-                            group_id=parent.group_id, sample_index=i,
+            child = Request(request_id=self._child_id(parent, i),
+                            prompt_token_ids=parent.prompt_token_ids, params=parent.params,
+                            adapter=parent.adapter, cache_salt=parent.cache_salt,
+                            arrival_time=parent.arrival_time, group_id=parent.group_id, sample_index=i,
                             eos_token_ids=parent.eos_token_ids, share=parent.share)
             child.num_computed_tokens = parent.num_computed_tokens
             # The blocks it shares with its parent hold the parent's draft KV.
@@ -508,9 +518,12 @@ class LLMEngine:
         metrics = None
         if finished:
             e2e = (request.finish_time or time.monotonic()) - request.arrival_time
-            metrics = RequestMetrics(request.arrival_time, request.queue_time, request.ttft,
-                                     request.tpot, e2e, request.num_preemptions,
-                                     request.queue_steps, request.ttft_steps)
+            metrics = RequestMetrics(arrival_time=request.arrival_time,
+                                     queue_time=request.queue_time, ttft=request.ttft,
+                                     tpot=request.tpot, e2e=e2e,
+                                     num_preemptions=request.num_preemptions,
+                                     queue_steps=request.queue_steps,
+                                     ttft_steps=request.ttft_steps)
             self._generators.pop(request.request_id, None)
         # The first token's delta carries the prompt's logprobs (the first prompt token
         # has none: nothing precedes it).
@@ -535,19 +548,25 @@ class LLMEngine:
         param = request.constraint.param
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._grammar_failed.add(request.group_id or request.request_id)
-        return SequenceDelta(
-            request.group_id or request.request_id, request.sample_index, [], "", None,
-            "error", None, request.num_prompt_tokens, request.num_output_tokens,
-            error=f"the grammar cannot be followed: {request.constraint.error}",
-            error_param=param)
+        return self._ended_in_error(
+            request, f"the grammar cannot be followed: {request.constraint.error}", param)
 
     def _error_delta(self, request: Request, error: AdapterError) -> SequenceDelta:
         request.status = RequestStatus.FINISHED_ABORTED
         request.finish_time = time.monotonic()
         self._forget_finished(request.group_id or request.request_id)
-        return SequenceDelta(request.group_id or request.request_id, request.sample_index, [],
-                             "", None, "error", None, request.num_prompt_tokens, 0,
-                             error=str(error))
+        return self._ended_in_error(request, str(error), None, num_output_tokens=0)
+
+    @staticmethod
+    def _ended_in_error(request: Request, error: str, param: str | None,
+                        num_output_tokens: int | None = None) -> SequenceDelta:
+        """The last delta of a request that ended in an error (no new tokens)."""
+        return SequenceDelta(
+            request_id=request.group_id or request.request_id, index=request.sample_index,
+            new_token_ids=[], text_delta="", new_logprobs=None, finish_reason="error",
+            stop_reason=None, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=(request.num_output_tokens if num_output_tokens is None
+                               else num_output_tokens), error=error, error_param=param)
 
     def _forget_finished(self, group_id: str) -> None:
         group = self._groups.get(group_id)

@@ -73,8 +73,9 @@ class SpecStep:
                     for s in seqs}
         assert self.config.num_draft_layers is not None
         drafts = self.runner.draft(
-            [SeqInput(s.token_ids, s.request.num_computed_tokens,
-                      self.kv.block_table(s.request.request_id), s.lora_slot) for s in seqs],
+            [SeqInput(token_ids=s.token_ids, num_computed=s.request.num_computed_tokens,
+                      block_table=self.kv.block_table(s.request.request_id),
+                      lora_slot=s.lora_slot) for s in seqs],
             [s.num_spec_tokens for s in seqs], self.config.num_draft_layers)
         return {s.request.request_id: ids for s, ids in zip(seqs, drafts, strict=True)}
 
@@ -96,8 +97,9 @@ class SpecStep:
             request = s.request
             done = request.num_draft_computed_tokens
             end = min(done + catch_up[request.request_id], request.num_computed_tokens)
-            inputs.append(SeqInput(request.all_token_ids[done:end], done,
-                                   self.kv.block_table(request.request_id)))
+            inputs.append(SeqInput(token_ids=request.all_token_ids[done:end],
+                                   num_computed=done,
+                                   block_table=self.kv.block_table(request.request_id)))
             request.num_draft_computed_tokens = end
         for s in seqs:
             request = s.request
@@ -105,8 +107,9 @@ class SpecStep:
             # blocks may have been filled while the draft did not run.
             done = request.num_draft_computed_tokens
             end = request.num_computed_tokens + s.num_new_tokens - s.num_spec_tokens
-            inputs.append(SeqInput(request.all_token_ids[done:end], done,
-                                   self.kv.block_table(request.request_id)))
+            inputs.append(SeqInput(token_ids=request.all_token_ids[done:end],
+                                   num_computed=done,
+                                   block_table=self.kv.block_table(request.request_id)))
             # The draft feeds every proposal but the last.
             request.num_draft_computed_tokens = end + s.num_spec_tokens - 1
         drafts = self.runner.propose(inputs, [0] * len(behind)

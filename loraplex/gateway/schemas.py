@@ -313,10 +313,12 @@ def parse_completion(body: dict[str, Any], *, max_tokens_limit: int,
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt", "must not be empty")
-        return CompletionRequest(options, check_text("prompt", prompt), None, echo)
+        return CompletionRequest(options=options, prompt=check_text("prompt", prompt),
+                                 prompt_token_ids=None, echo=echo)
     token_ids = read_token_ids(prompt)
     if token_ids:
-        return CompletionRequest(options, None, token_ids, echo)
+        return CompletionRequest(options=options, prompt=None, prompt_token_ids=token_ids,
+                                 echo=echo)
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, (str, list)) for p in prompt):
         raise bad("prompt", "batches of prompts are not supported: send one prompt per "
@@ -413,7 +415,8 @@ def parse_chat_completion(body: dict[str, Any], *, max_tokens_limit: int,
     if tools is not None and tools.mode == "required" and options.grammar is not None:
         raise bad("tool_choice", f"forces a tool call, which cannot be combined with "
                                   f"{options.grammar.param}")
-    return with_call_format(ChatCompletionRequest(options, parsed, tools, echo), bare=False)
+    return with_call_format(ChatCompletionRequest(options=options, messages=parsed, tools=tools,
+                                                  echo=echo), bare=False)
 
 
 def with_call_format(req: ChatCompletionRequest, *, bare: bool) -> ChatCompletionRequest:

@@ -445,7 +445,8 @@ class ModelRunner:
             for i, token in zip(live, argmax_rows(logits).tolist(), strict=True):
                 proposals[i].append(token)
                 s = current[i]
-                current[i] = SeqInput([token], s.num_computed + 1, s.block_table, s.lora_slot)
+                current[i] = SeqInput(token_ids=[token], num_computed=s.num_computed + 1,
+                                      block_table=s.block_table, lora_slot=s.lora_slot)
             live = [i for i in live if len(proposals[i]) < num_tokens[i]]
         return proposals
 
@@ -462,7 +463,8 @@ class ModelRunner:
         """
         assert self.drafter is not None
         proposals: list[list[int]] = [[] for _ in seqs]
-        current = [SeqInput(s.token_ids, s.num_computed, s.block_table) for s in seqs]
+        current = [SeqInput(token_ids=s.token_ids, num_computed=s.num_computed,
+                            block_table=s.block_table) for s in seqs]
         live = list(range(len(seqs)))  # the first forward: every sequence catches up
         while live:
             batch = BatchInputs([current[i] for i in live])
@@ -480,8 +482,9 @@ class ModelRunner:
                 # The last proposal is not fed: the target computes it (or rejects it).
                 if len(proposals[i]) < num_tokens[i]:
                     s = current[i]
-                    current[i] = SeqInput([token], s.num_computed + len(s.token_ids),
-                                          s.block_table)
+                    current[i] = SeqInput(token_ids=[token],
+                                          num_computed=s.num_computed + len(s.token_ids),
+                                          block_table=s.block_table)
                     next_live.append(i)
             live = next_live
         return proposals
