@@ -150,7 +150,12 @@ RELEASED = -1
 
 
 def _num_held(block_ids: Sequence[int]) -> int:
-    return sum(1 for b in block_ids if b != RELEASED)
+    # released entries lead the table (check_invariants): count only those, so a table
+    # with none (every model without a sliding window) costs O(1), as len() did
+    for index, block_id in enumerate(block_ids):
+        if block_id != RELEASED:
+            return len(block_ids) - index
+    return 0
 
 
 @dataclass
@@ -284,7 +289,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         """The request's device block ids, in token order (a copy); block 0 stands where
         a block behind its sliding window was released."""
-        return [0 if b == RELEASED else b for b in self._live(request_id).block_ids]
+        block_ids = self._live(request_id).block_ids
+        if not block_ids or block_ids[0] != RELEASED:
+            return list(block_ids)
+        return [0 if b == RELEASED else b for b in block_ids]
 
     def num_tokens(self, request_id: str) -> int:
         """Token positions the request's blocks hold (from its last ``allocate_slots``)."""
