@@ -31,6 +31,14 @@ export function errorLine() {
   return el;
 }
 
+/** Calls of a list's load race when its filter changes while a load is under way: each
+ * call of the returned function starts one and returns `stale()`, true once a later load
+ * started, so an older answer that arrives last never overwrites the newer one. */
+export function latestLoad() {
+  let latest = 0;
+  return () => { const mine = ++latest; return () => mine !== latest; };
+}
+
 export function fmtInt(n) {
   return n === null || n === undefined ? "∞" : Number(n).toLocaleString("en-US");
 }

@@ -2,7 +2,7 @@
 // and a canary split's shares, promote (confirmed), split, cancel, visibility, delete.
 import { api, upload } from "../api.js";
 import {
-  badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtTime, h, table,
+  badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtTime, h, latestLoad, table,
 } from "../dom.js";
 import { tenantOptions } from "./keys.js";
 
@@ -68,7 +68,10 @@ export async function render(container) {
   filter.addEventListener("change", () => load());
   showDeleted.addEventListener("change", () => load());
 
+  const begin = latestLoad();
+
   async function load() {
+    const stale = begin();
     let data;
     try {
       const params = new URLSearchParams();
@@ -76,8 +79,10 @@ export async function render(container) {
       if (showDeleted.checked) params.set("include_deleted", "true");
       data = (await api("GET", `/admin/api/adapters?${params}`)).data;
     } catch (err) {
+      if (stale()) return;
       const e = errorLine(); e.show(err); listArea.replaceChildren(e); return;
     }
+    if (stale()) return;
     listArea.replaceChildren(table(
       ["Adapter", "Version", "Rank", "Size", "Visibility", "Status", "Uploaded", "Identity",
        ""],

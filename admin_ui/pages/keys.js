@@ -1,6 +1,6 @@
 // API keys: issue (shown once, with a copy button) and revoke.
 import { api } from "../api.js";
-import { badge, confirmButton, errorLine, field, fmtTime, h, table } from "../dom.js";
+import { badge, confirmButton, errorLine, field, fmtTime, h, latestLoad, table } from "../dom.js";
 
 export const title = "API keys";
 
@@ -64,14 +64,19 @@ export async function render(container) {
   });
   filter.addEventListener("change", () => load());
 
+  const begin = latestLoad();
+
   async function load() {
+    const stale = begin();
     let data;
     try {
       const query = filter.value ? `?tenant=${encodeURIComponent(filter.value)}` : "";
       data = (await api("GET", `/admin/api/keys${query}`)).data;
     } catch (err) {
+      if (stale()) return;
       const e = errorLine(); e.show(err); listArea.replaceChildren(e); return;
     }
+    if (stale()) return;
     data.sort((a, b) => (a.status === b.status ? b.id - a.id : a.status === "active" ? -1 : 1));
     listArea.replaceChildren(table(
       ["Key", "Tenant", "Name", "Role", "Status", "Created", "Last used", ""],

@@ -1,6 +1,6 @@
 // Usage: tokens per hour, stacked by tenant or by adapter, drawn as SVG by hand.
 import { api } from "../api.js";
-import { errorLine, field, fmtInt, h, table } from "../dom.js";
+import { errorLine, field, fmtInt, h, latestLoad, table } from "../dom.js";
 import { tenantOptions } from "./keys.js";
 
 export const title = "Usage";
@@ -101,7 +101,10 @@ export async function render(container) {
   const totalsArea = h("div");
   for (const el of [windowSel, tenant, groupBy]) el.addEventListener("change", () => load());
 
+  const begin = latestLoad();
+
   async function load() {
+    const stale = begin();
     const end = Math.floor(Date.now() / HOUR) * HOUR;
     const start = end - (Number(windowSel.value) - 1) * HOUR;
     const params = new URLSearchParams({ since: new Date(start).toISOString(),
@@ -110,8 +113,9 @@ export async function render(container) {
     let report;
     try {
       report = await api("GET", `/admin/api/usage?${params}`);
+      if (stale()) return;
       error.clear();
-    } catch (err) { error.show(err); return; }
+    } catch (err) { if (!stale()) error.show(err); return; }
     const seriesOf = groupBy.value === "tenant" ? (r) => r.tenant
       : (r) => (r.version ? `${r.model} v${r.version}` : `${r.model} (base)`);
     chartArea.replaceChildren(report.data.length ? chart(report.data, seriesOf, start, end)

@@ -100,3 +100,50 @@ def test_versions_promote_split_and_cancel(browser: Any, ui_server: UIServer,
     page.screenshot(path=str(screenshots / "adapter-versions.png"), full_page=True)
     assert not errors, errors
     page.close()
+
+
+def test_an_older_lists_late_answer_does_not_replace_the_chosen_tenants(
+        browser: Any, ui_server: UIServer, llama_adapters: dict[str, Path]) -> None:
+    """The page first lists every tenant's adapters; choosing a tenant while that answer is
+    still on its way must leave the chosen tenant's list showing once the older answer
+    lands (it once replaced it, so a row matched versions of other tenants)."""
+    from playwright.sync_api import expect
+
+    tenant, _ = new_tenant(ui_server)
+    other, _ = new_tenant(ui_server)
+    with admin(ui_server) as http:
+        for owner in (tenant, other):
+            files = {name: (name, (llama_adapters["r4"] / name).read_bytes()) for name in FILES}
+            response = http.post(f"/admin/api/tenants/{owner}/adapters",
+                                 data={"name": "bot"}, files=files)
+            assert response.status_code == 201, response.text
+    page = browser.new_page()
+    held: list[Any] = []
+
+    def hold_unfiltered(route: Any) -> None:
+        if "tenant=" in route.request.url:
+            route.continue_()
+        else:
+            held.append(route)
+
+    page.route("**/admin/api/adapters?*", hold_unfiltered)
+    page.goto(f"{ui_server.url}/admin")
+    page.fill("#admin-key", ui_server.admin_key)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#page[data-page=tenants]")
+    page.click("#nav a[data-page=adapters]")
+    page.wait_for_selector("#page .page-head select option[value='" + tenant + "']",
+                           state="attached")
+    assert len(held) == 1  # the unfiltered list is on its way
+    page.select_option("#page .page-head select", tenant)
+    rows = page.locator("#adapter-list tbody tr")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text(f"{tenant}/bot")
+    with page.expect_response(lambda r: "/admin/api/adapters?" in r.url
+                              and "tenant=" not in r.url) as late:
+        held[0].continue_()
+    late.value.finished()
+    page.wait_for_timeout(300)  # the page has handled the late answer by now
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text(f"{tenant}/bot")
+    page.close()
