@@ -15,6 +15,9 @@ Unlike vLLM, a replica keeps one series: the previous label set is removed when 
 Speculative decoding: ``spec_decode_num_drafts``, ``_num_draft_tokens`` and
 ``_num_accepted_tokens`` (counters, as vLLM's) by replica and adapter (``id@digest12``, or
 ``base``; capped like the replica label), and each replica's acceptance rate.
+
+The prefix cache's disk tier: ``kv_disk_blocks`` and ``kv_disk_bytes`` (gauges) and
+``kv_disk_hit_tokens``, ``_writes``, ``_evictions``, ``_refused`` (counters), by replica.
 """
 
 from __future__ import annotations
@@ -50,13 +53,24 @@ class _Totals:
                    stats.adapter_load_seconds)
 
     def since(self, before: _Totals) -> _Totals:
-        """The increments from ``before``; all of self if any total went down (a new
-        replica under the same ordinal started from zero)."""
-        if (self.loads < before.loads or self.evictions < before.evictions
-                or self.load_seconds < before.load_seconds):
-            return self
-        return _Totals(self.loads - before.loads, self.evictions - before.evictions,
-                       self.load_seconds - before.load_seconds)
+        """The increments from ``before`` (see ``increments``)."""
+        loads, evictions, seconds = increments(
+            (self.loads, self.evictions, self.load_seconds),
+            (before.loads, before.evictions, before.load_seconds))
+        return _Totals(int(loads), int(evictions), seconds)
+
+
+def increments(now: tuple[float, ...], before: tuple[float, ...]) -> tuple[float, ...]:
+    """What a replica's running totals gained since ``before``; all of ``now`` if any
+    total went down (a new replica under the same ordinal started from zero)."""
+    if any(n < b for n, b in zip(now, before, strict=True)):
+        return now
+    return tuple(n - b for n, b in zip(now, before, strict=True))
+
+
+def _disk_totals(stats: EngineStats) -> tuple[int, ...]:
+    return (stats.kv_disk_hit_tokens, stats.kv_disk_writes, stats.kv_disk_evictions,
+            stats.kv_disk_refused)
 
 
 def info_adapters(names: Sequence[str]) -> str:
@@ -143,9 +157,25 @@ class EngineMetrics:
             "tenant_service_tokens", "Tokens scheduled for the tenant (its service), by "
             "kind: prefill (prompt or recomputed) or decode.", ["replica", "tenant_id", "kind"],
             namespace=namespace, registry=registry)
+        # The prefix cache's disk tier (--kv-disk-dir; zeros when off).
+        self.kv_disk_blocks = gauge("kv_disk_blocks", "KV blocks kept in the disk tier.")
+        self.kv_disk_bytes = gauge("kv_disk_bytes", "Bytes the disk tier's blocks take.")
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["replica"], namespace=namespace, registry=registry)
+
+        # In the order of _disk_totals.
+        self.kv_disk_counters = (
+            counter("kv_disk_hit_tokens", "Prompt tokens whose KV was loaded from disk."),
+            counter("kv_disk_writes", "KV blocks written to the disk tier."),
+            counter("kv_disk_evictions", "Disk-tier blocks deleted to stay within budget."),
+            counter("kv_disk_refused", "Disk-tier files refused as damaged or foreign "
+                    "(their tokens recomputed)."))
+        self._disk_totals: dict[str, tuple[int, ...]] = {}
         self._per_replica = (self.queue_depth, self.running, self.kv_blocks_used,
                              self.kv_blocks_free, self.kv_pool_usage,
-                             self.prefix_cache_hit_rate, self.spec_acceptance_rate)
+                             self.prefix_cache_hit_rate, self.spec_acceptance_rate,
+                             self.kv_disk_blocks, self.kv_disk_bytes)
 
     def observe(self, replicas: Sequence[EngineStats]) -> None:
         """Sets every series from one snapshot of each replica; the gauges of a replica
@@ -158,6 +188,7 @@ class EngineMetrics:
                 self._set_gauges(replica, stats)
                 self._count(replica, _Totals.of(stats))
                 self._count_spec(replica, stats)
+                self._count_disk(replica, stats)
                 self._observe_tenants(replica, stats)
             for replica in set(self._info_labels) - seen:
                 self._forget(replica)
@@ -165,7 +196,7 @@ class EngineMetrics:
     def _set_gauges(self, replica: str, stats: EngineStats) -> None:
         values = (stats.num_waiting, stats.num_running, stats.kv_blocks_used,
                   stats.kv_blocks_free, stats.kv_pool_usage, stats.prefix_cache_hit_rate,
-                  stats.spec_acceptance_rate)
+                  stats.spec_acceptance_rate, stats.kv_disk_blocks, stats.kv_disk_bytes_used)
         for metric, value in zip(self._per_replica, values, strict=True):
             metric.labels(replica).set(value)
         resident = (sum(slot is not None for slot in stats.adapter_slots),
@@ -192,14 +223,18 @@ class EngineMetrics:
             # Only the interval's total time is known: each of its loads gets the mean.
             load_time.observe(step.load_seconds / step.loads)
 
+    def _count_disk(self, replica: str, stats: EngineStats) -> None:
+        now = _disk_totals(stats)
+        step = increments(now, self._disk_totals.get(replica, (0,) * len(now)))
+        self._disk_totals[replica] = now
+        for counter, increment in zip(self.kv_disk_counters, step, strict=True):
+            counter.labels(replica).inc(increment)
+
     def _count_spec(self, replica: str, stats: EngineStats) -> None:
         for name, *counts in stats.spec_by_adapter:
             now = (counts[0], counts[1], counts[2])
-            before = self._spec_totals.get((replica, name), (0, 0, 0))
+            step = increments(now, self._spec_totals.get((replica, name), (0, 0, 0)))
             self._spec_totals[(replica, name)] = now
-            # A total that went down: a new replica under this ordinal, counted from zero.
-            step = now if any(n < b for n, b in zip(now, before, strict=True)) \
-                else tuple(n - b for n, b in zip(now, before, strict=True))
             adapter = self._adapter_label(name or "base")
             for counter, increment in zip(self.spec_counters, step, strict=True):
                 counter.labels(replica, adapter).inc(increment)
@@ -213,11 +248,8 @@ class EngineMetrics:
             self.tenant_running.labels(replica, tenant).set(t.num_running)
             self.tenant_kv_blocks.labels(replica, tenant).set(t.kv_blocks)
             now = (t.prefill_tokens, t.decode_tokens)
-            before = self._service_totals.get((replica, t.tenant), (0, 0))
+            step = increments(now, self._service_totals.get((replica, t.tenant), (0, 0)))
             self._service_totals[(replica, t.tenant)] = now
-            # A total that went down: a new replica under this ordinal, counted from zero.
-            step = now if now[0] < before[0] or now[1] < before[1] \
-                else (now[0] - before[0], now[1] - before[1])
             for kind, increment in zip(("prefill", "decode"), step, strict=True):
                 self.tenant_service.labels(replica, tenant, kind).inc(increment)
         for tenant in self._tenant_series.get(replica, set()) - shown:

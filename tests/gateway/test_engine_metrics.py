@@ -258,3 +258,60 @@ def test_the_schedulers_view_of_each_tenant_by_replica(
         == 2 * len(PROMPT)
     assert not [s for s in samples(metrics, "loraplex_tenant_running_requests")
                 if s.labels["tenant_id"] == "8"]
+
+
+def test_the_disk_tier_has_its_series(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A pool of 10 four-token blocks evicts a shared 16-token prefix to the disk tier; the
+    prefix's next request loads it back. The disk series equal the engine's figures, and a
+    replacement engine under the same ordinal adds to the counters from zero."""
+    system = [(7 * i) % 290 + 5 for i in range(16)]
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            ModelConfig(str(tiny_llama_dir)),
+            CacheConfig(block_size=4, num_kv_blocks=10, kv_disk_dir=str(tmp_path),
+                        kv_disk_gib=0.01),
+            LoRAConfig(max_loras=1, max_lora_rank=16),
+            SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256)), progress=False)
+
+    def run(eng: LLMEngine, prompt: list[int]) -> None:
+        eng.add_request(f"r{eng.num_steps}-{prompt[0]}", prompt, PARAMS)
+        while eng.has_unfinished():
+            eng.step()
+
+    def disk_series(metrics: GatewayMetrics) -> dict[str, float]:
+        return {name: value(metrics, f"loraplex_kv_disk_{name}", replica="0")
+                for name in ("blocks", "bytes", "hit_tokens_total", "writes_total",
+                             "evictions_total", "refused_total")}
+
+    def figures(*snapshots: EngineStats) -> dict[str, float]:
+        last = snapshots[-1]
+        return {"blocks": last.kv_disk_blocks, "bytes": last.kv_disk_bytes_used,
+                **{f"{name}_total": sum(getattr(s, f"kv_disk_{name}") for s in snapshots)
+                   for name in ("hit_tokens", "writes", "evictions", "refused")}}
+
+    metrics = GatewayMetrics()
+    first = engine()
+    run(first, system + [11, 23, 37])
+    for j in range(3):  # 3 x 6 blocks through a pool of 10: the prefix goes to disk
+        run(first, [300 + 13 * j + k for k in range(20)])
+    run(first, system + [12, 24, 38])
+    assert first.disk is not None
+    first.disk.flush()
+    before = first.stats()
+    assert before.kv_disk_hit_tokens >= 16 and before.kv_disk_writes > 0
+    metrics.observe_engine([before])
+    assert disk_series(metrics) == figures(before)
+    metrics.observe_engine([first.stats()])  # nothing new: no increment
+    assert disk_series(metrics) == figures(before)
+    first.close()
+
+    second = engine()  # the same folder: its index is rebuilt, its counters start at 0
+    run(second, system + [13, 25, 39])
+    after = second.stats()
+    assert after.kv_disk_hit_tokens >= 16
+    assert after.kv_disk_hit_tokens < before.kv_disk_hit_tokens or \
+        after.kv_disk_writes < before.kv_disk_writes
+    metrics.observe_engine([after])
+    assert disk_series(metrics) == figures(before, after)
+    second.close()
