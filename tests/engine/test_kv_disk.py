@@ -7,11 +7,16 @@ tier again."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import signal
+import subprocess
+import sys
 from array import array
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import wait_until
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.cli_engine import add_engine_args, engine_config_from_args
@@ -211,6 +216,56 @@ def test_a_crash_leftover_is_removed_at_start(tiny_llama_dir: Path, tmp_path: Pa
     assert not list(folder.glob("*.tmp"))
     assert again.engine.stats().kv_disk_blocks == 0
     again.engine.close()
+
+
+# Writes the disk tier for as long as it lives: every domain's prompts, then fillers that
+# push their prefixes out of the 10-block pool, round after round.
+_WRITER = """
+import json, sys
+sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
+from test_kv_disk import DOMAINS, _llm, _run
+from pathlib import Path
+model, disk, adapters = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+llm = _llm(Path(model), disk)
+adapters = {{k: Path(v) for k, v in adapters.items()}}
+for r in range(10 ** 6):
+    for i, (adapter, salt) in enumerate(DOMAINS):
+        _run(llm, adapters, adapter, salt, (r + i) % 4)
+        _run(llm, adapters, None, f"filler-{{r}}-{{i}}", 5)
+"""
+
+
+@pytest.mark.server
+def test_kill_9_while_writing_leaves_nothing_a_restart_uses(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    """A process writing the tier is killed (SIGKILL) three times, at 2, 6 and 12 files:
+    the restart finds no temporary file, refuses nothing (a block file has its final name
+    only once whole), serves disk hits with HF + PEFT's outputs and ends with every block
+    free or cached."""
+    script = _WRITER.format(tests=str(Path(__file__).resolve().parent))
+    adapters = json.dumps({k: str(v) for k, v in llama_adapters.items()})
+    for target in (2, 6, 12):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama_dir),
+                                 str(tmp_path), adapters], stderr=subprocess.PIPE)
+        try:
+            wait_until(lambda n=target: len(_files(tmp_path)) >= n, proc,
+                       f"the writer (to {target} block files)")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+    llm = _llm(tiny_llama_dir, tmp_path)
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    start = llm.engine.stats()
+    assert start.kv_disk_refused == 0 and start.kv_disk_blocks >= 12
+    for i in range(4):
+        _run_all(llm, llama_adapters, expected, i)
+    stats = llm.engine.stats()
+    assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS)
+    assert stats.kv_disk_refused == 0
+    _check_idle(llm, tmp_path)
+    llm.engine.close()
 
 
 def test_bad_disk_settings_are_one_line_config_errors(tiny_llama_dir: Path,
