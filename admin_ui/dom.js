@@ -50,6 +50,12 @@ export function fmtBytes(n) {
   return `${(n / 1024 ** 3).toFixed(2)} GiB`;
 }
 
+/** "used / quota (pct%)", each formatted by ``fmt``; a null quota is "unlimited". */
+export function fmtUsed(n, quota, fmt) {
+  const pct = quota ? ` (${Math.round((100 * n) / quota)}%)` : "";
+  return `${fmt(n)} / ${quota === null || quota === undefined ? "unlimited" : fmt(quota)}${pct}`;
+}
+
 export function fmtTime(iso) {
   if (!iso) return "—";
   const d = new Date(iso);

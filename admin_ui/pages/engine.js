@@ -1,6 +1,6 @@
 // Engine: queue, KV cache, prefix-cache hit rate, adapter slots and speculative decoding of
-// the whole deployment, each tenant's share and recent latency, then each replica's,
-// refreshed every 2 s.
+// the whole deployment, each tenant's share and recent latency, then each replica's and
+// each replica's device slots, refreshed every 2 s.
 import { api } from "../api.js";
 import { badge, errorLine, fmtInt, h, table } from "../dom.js";
 
@@ -97,6 +97,19 @@ function replicaRows(replicas) {
   });
 }
 
+// One row per device slot of each replica, named by the replica's ordinal as in the
+// Replicas table and by its index within that replica.
+function slotRows(replicas) {
+  return replicas.flatMap((r) => r.slots.map((slot, i) => {
+    const where = [h("span", { class: "slot-replica" }, String(r.replica)), String(i)];
+    return slot
+      ? [...where, h("strong", {}, slot.model || "(unknown)"),
+         slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}` : DASH,
+         h("code", {}, slot.identity)]
+      : [...where, h("span", { class: "muted" }, "empty"), DASH, DASH];
+  }));
+}
+
 export async function render(container) {
   const stamp = h("span", { class: "muted", id: "engine-updated" });
   const error = errorLine();
@@ -141,12 +154,8 @@ export async function render(container) {
           proposed ? pct(accepted / proposed) : "—",
           drafts ? (1 + accepted / drafts).toFixed(2) : "—"]),
         "No speculative decoding yet."));
-      slots.replaceChildren(table(["Slot", "Adapter", "Version", "Identity"],
-        s.slots.map((slot, i) => slot
-          ? [String(i), h("strong", {}, slot.model || "(unknown)"),
-             slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}` : "—",
-             h("code", {}, slot.identity)]
-          : [String(i), h("span", { class: "muted" }, "empty"), "—", "—"]), "No slots."));
+      slots.replaceChildren(table(["Replica", "Slot", "Adapter", "Version", "Identity"],
+        slotRows(s.replicas), "No slots."));
       tenants.replaceChildren(table(["Tenant", "Weight", "Waiting", "Running", "KV blocks",
         "TTFT p50 / p99", "TPOT p50 / p99", "TTFT steps p50 / p99", "SLO attainment"],
         tenantRows(s.tenants, latency.data), "No tenant has sent a request yet."));

@@ -1,8 +1,8 @@
 // Tenants: create, change limits, scheduling settings and storage quotas, suspend and
 // reactivate.
 import { api } from "../api.js";
-import { badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtInt, h, table }
-  from "../dom.js";
+import { badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtInt, fmtUsed, h,
+  table } from "../dom.js";
 
 export const title = "Tenants";
 const TENANT_RULE = "use lower-case letters, digits, '.', '_' or '-', starting with a " +
@@ -118,9 +118,15 @@ export async function render(container) {
               await load(); } catch (err) { rowError.show(err); }
       });
       const suspended = t.status === "suspended";
+      // The server refuses to suspend the tenant of the admin key in use (is_own): say so
+      // instead of offering a button that can only fail.
       const toggle = suspended
         ? h("button", { type: "button", class: "small" }, "Reactivate")
-        : confirmButton("Suspend", "Confirm suspend", () => setStatus("suspended"), "danger small");
+        : t.is_own
+          ? h("small", { class: "muted own-tenant" },
+              "Cannot be suspended: it holds the admin key you are using.")
+          : confirmButton("Suspend", "Confirm suspend", () => setStatus("suspended"),
+                          "danger small");
       if (suspended) toggle.addEventListener("click", () => setStatus("active"));
       async function setStatus(status) {
         rowError.clear();
@@ -201,11 +207,6 @@ function sizeText(n) {
   return `${n}${UNITS[i]}`;
 }
 
-function used(n, quota, fmt) {
-  const pct = quota ? ` (${Math.round((100 * n) / quota)}%)` : "";
-  return `${fmt(n)} / ${quota === null || quota === undefined ? "unlimited" : fmt(quota)}${pct}`;
-}
-
 /** One row per tenant: stored bytes and versions against the quotas, which save with it. */
 function storageTable(data, reload) {
   const rows = data.map((t) => {
@@ -230,9 +231,9 @@ function storageTable(data, reload) {
       } catch (err) { rowError.show(err); }
     });
     return [h("strong", { class: "storage-tenant" }, t.name),
-            h("span", { class: "storage-used" }, used(t.storage_bytes, t.max_storage_bytes, fmtBytes)),
+            h("span", { class: "storage-used" }, fmtUsed(t.storage_bytes, t.max_storage_bytes, fmtBytes)),
             h("span", { class: "versions-used" },
-              used(t.num_adapter_versions, t.max_adapter_versions, fmtInt)),
+              fmtUsed(t.num_adapter_versions, t.max_adapter_versions, fmtInt)),
             bytes, versions, h("div", {}, h("div", { class: "actions" }, save), rowError)];
   });
   return table(["Tenant", "Stored", "Versions", "Max storage", "Max versions", "Actions"], rows,

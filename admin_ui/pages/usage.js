@@ -1,6 +1,7 @@
-// Usage: tokens per hour, stacked by tenant or by adapter, drawn as SVG by hand.
+// Usage: tokens per hour, stacked by tenant or by adapter, drawn as SVG by hand; and each
+// tenant's adapter storage now against its quotas.
 import { api } from "../api.js";
-import { errorLine, field, fmtInt, h, latestLoad, table } from "../dom.js";
+import { errorLine, field, fmtBytes, fmtInt, fmtUsed, h, latestLoad, table } from "../dom.js";
 import { tenantOptions } from "./keys.js";
 
 export const title = "Usage";
@@ -89,6 +90,17 @@ function chart(rows, seriesOf, start, end) {
   return h("div", { class: "chart" }, svg, legend);
 }
 
+/** One row per tenant: stored bytes and active adapter versions against the quotas. */
+function storageTable(storage) {
+  return table(["Tenant", "Stored", "Versions"],
+    [...storage].sort((a, b) => a.tenant.localeCompare(b.tenant)).map((t) => [
+      h("strong", { class: "storage-tenant" }, t.tenant),
+      h("span", { class: "storage-used" }, fmtUsed(t.storage_bytes, t.max_storage_bytes, fmtBytes)),
+      h("span", { class: "versions-used" },
+        fmtUsed(t.num_adapter_versions, t.max_adapter_versions, fmtInt))]),
+    "No tenants yet.");
+}
+
 export async function render(container) {
   const windowSel = h("select", {}, [["24", "Last 24 hours"], ["48", "Last 48 hours"],
     ["168", "Last 7 days"], ["720", "Last 30 days"]].map(([v, l]) => h("option", { value: v }, l)));
@@ -98,7 +110,8 @@ export async function render(container) {
                     h("option", { value: "model" }, "adapter"));
   const error = errorLine();
   const chartArea = h("div", { id: "usage-chart-area" });
-  const totalsArea = h("div");
+  const totalsArea = h("div", { id: "usage-totals" });
+  const storageArea = h("div", { id: "usage-storage" });
   for (const el of [windowSel, tenant, groupBy]) el.addEventListener("change", () => load());
 
   const begin = latestLoad();
@@ -133,6 +146,7 @@ export async function render(container) {
       acc.requests += r.requests; acc.prompt += r.prompt_tokens; acc.completion += r.completion_tokens;
       rows.set(k, acc);
     }
+    storageArea.replaceChildren(storageTable(report.storage));
     totalsArea.replaceChildren(table(["Tenant", byTenant ? "Models" : "Model", "Requests",
                                       "Prompt tokens", "Completion tokens", "Total tokens"],
       [...rows.values()].sort((a, b) => (b.prompt + b.completion) - (a.prompt + a.completion))
@@ -148,7 +162,11 @@ export async function render(container) {
         field("Window", windowSel), field("Tenant", tenant), field("Stack by", groupBy)),
       error),
     h("div", { class: "card" }, h("h2", {}, "Tokens per hour"), chartArea),
-    h("div", { class: "card" }, h("h2", {}, "Totals"), totalsArea));
+    h("div", { class: "card" }, h("h2", {}, "Totals"), totalsArea),
+    h("div", { class: "card" }, h("h2", {}, "Storage"),
+      h("p", { class: "muted" }, "What each tenant keeps in the adapter store now (not over " +
+        "the window), against its quotas; set them on the Tenants page. A deleted version " +
+        "counts until its files are removed."), storageArea));
   try { await tenantOptions(tenant, { all: true }); } catch (err) { error.show(err); }
   await load();
 }

@@ -179,7 +179,7 @@ def test_usage_totals_stacked_by_tenant_name_the_tenant(
     wait_metered(ui_server, key, completion_tokens=5)
     page = signed_in_page(browser, ui_server, "usage")
     assert page.locator("#page form select >> nth=2").input_value() == "tenant"
-    row = page.locator("#page table tr", has=page.locator("td", has_text=tenant))
+    row = page.locator("#usage-totals tr", has=page.locator("td", has_text=tenant))
     page.wait_for_selector(f"#usage-chart rect[data-series={tenant}]")
     cells = row.locator("td").all_text_contents()
     assert cells[0] == tenant
@@ -187,9 +187,9 @@ def test_usage_totals_stacked_by_tenant_name_the_tenant(
     assert cells[1] == f"{tenant}/tone v1, {SERVED} (base)"
     assert cells[2] == "2" and cells[4] == "5"
     page.select_option("#page form select >> nth=2", "model")
-    by_model = page.locator("#page table tr", has=page.locator("td", has_text=tenant))
+    by_model = page.locator("#usage-totals tr", has=page.locator("td", has_text=tenant))
     page.wait_for_function(
-        f"() => [...document.querySelectorAll('#page table tr')]"
+        f"() => [...document.querySelectorAll('#usage-totals tr')]"
         f".filter(r => r.textContent.includes('{tenant}')).length === 2", timeout=10_000)
     models = sorted(r.locator("td").nth(1).text_content() for r in by_model.all())
     assert models == sorted([f"{SERVED} (base)", f"{tenant}/tone v1"])

@@ -100,7 +100,7 @@ def test_admin_flow(browser: Any, ui_server: UIServer, ui_adapters: dict[str, Pa
 
     _go(page, ui_server, "usage")
     page.wait_for_selector("#usage-chart rect[data-series=webco]")
-    expect(page.locator("#page table")).to_contain_text("webco/helper v1")
+    expect(page.locator("#usage-totals table")).to_contain_text("webco/helper v1")
     page.screenshot(path=str(screenshots / "usage.png"), full_page=True)
 
     _go(page, ui_server, "engine")

@@ -16,7 +16,12 @@ from starlette.routing import Route
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.gateway.adapter_uploads import storage_json
-from loraplex.gateway.auth import admin_principal, check_not_own_key, check_not_own_tenant
+from loraplex.gateway.auth import (
+    admin_principal,
+    check_not_own_key,
+    check_not_own_tenant,
+    is_own,
+)
 from loraplex.gateway.http import MAX_INT32, read_json_object
 from loraplex.gateway.state import Gateway
 from loraplex.registry import quotas, service
@@ -54,9 +59,12 @@ def _string(body: dict[str, Any], field: str) -> str:
     return value
 
 
-def tenant_json(tenant: Tenant, num_keys: int = 0, num_adapters: int = 0,
+def tenant_json(tenant: Tenant, caller: Principal, num_keys: int = 0, num_adapters: int = 0,
                 storage: dict[int, tuple[int, int]] | None = None) -> dict[str, Any]:
+    # is_own: the tenant of the caller's admin key, which the caller may not suspend (the
+    # admin UI offers no Suspend for it).
     return {"object": "tenant", "id": tenant.id, "name": tenant.name, "status": tenant.status,
+            "is_own": is_own(caller, tenant.id),
             **{field: getattr(tenant, field) for field in (*LIMITS, *SETTINGS)},
             **storage_json(quotas.usage_of(tenant, storage or {})),
             "created_at": tenant.created_at.isoformat(),
@@ -72,9 +80,9 @@ def key_json(key: ApiKey, tenant_name: str) -> dict[str, Any]:
             "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None}
 
 
-def _described(session: Session, tenant: Tenant) -> dict[str, Any]:
+def _described(session: Session, tenant: Tenant, caller: Principal) -> dict[str, Any]:
     keys = [k for k in service.list_keys(session, tenant.id) if k.revoked_at is None]
-    return tenant_json(tenant, len(keys),
+    return tenant_json(tenant, caller, len(keys),
                        len({a.name for a in service.list_adapters(session, tenant.id)}),
                        quotas.storage_by_tenant(session, [tenant.id]))
 
@@ -82,7 +90,7 @@ def _described(session: Session, tenant: Tenant) -> dict[str, Any]:
 # --- tenants -----------------------------------------------------------------------------
 
 
-def _list_tenants(gw: Gateway) -> list[dict[str, Any]]:
+def _list_tenants(gw: Gateway, caller: Principal) -> list[dict[str, Any]]:
     with transaction(gw.sessions) as session:
         keys: dict[int, int] = {}
         for key in service.list_keys(session):
@@ -92,38 +100,39 @@ def _list_tenants(gw: Gateway) -> list[dict[str, Any]]:
         for row in service.list_adapters(session):
             adapters.setdefault(row.tenant_id, set()).add(row.name)
         storage = quotas.storage_by_tenant(session)
-        return [tenant_json(t, keys.get(t.id, 0), len(adapters.get(t.id, ())), storage)
+        return [tenant_json(t, caller, keys.get(t.id, 0), len(adapters.get(t.id, ())), storage)
                 for t in service.list_tenants(session)]
 
 
 async def list_tenants(request: Request) -> Response:
-    gw, _ = await admin_principal(request)
-    data = await run_in_threadpool(_list_tenants, gw)
+    gw, caller = await admin_principal(request)
+    data = await run_in_threadpool(_list_tenants, gw, caller)
     return JSONResponse({"object": "list", "data": data})
 
 
-def _create_tenant(gw: Gateway, body: dict[str, Any]) -> dict[str, Any]:
+def _create_tenant(gw: Gateway, caller: Principal, body: dict[str, Any]) -> dict[str, Any]:
     name = _string(body, "name")
     given = _limits_and_settings(body)
     with transaction(gw.sessions) as session:
-        return tenant_json(service.create_tenant(session, name, **given))
+        return tenant_json(service.create_tenant(session, name, **given), caller)
 
 
 async def create_tenant(request: Request) -> Response:
-    gw, _ = await admin_principal(request)
+    gw, caller = await admin_principal(request)
     body = await read_json_object(request, gw.config.max_body_bytes,
                                   ("name", *LIMITS, *SETTINGS, *QUOTAS))
-    return JSONResponse(await run_in_threadpool(_create_tenant, gw, body), status_code=201)
+    return JSONResponse(await run_in_threadpool(_create_tenant, gw, caller, body),
+                        status_code=201)
 
 
-def _get_tenant(gw: Gateway, name: str) -> dict[str, Any]:
+def _get_tenant(gw: Gateway, caller: Principal, name: str) -> dict[str, Any]:
     with transaction(gw.sessions) as session:
-        return _described(session, service.get_tenant_by_name(session, name))
+        return _described(session, service.get_tenant_by_name(session, name), caller)
 
 
 async def get_tenant(request: Request) -> Response:
-    gw, _ = await admin_principal(request)
-    return JSONResponse(await run_in_threadpool(_get_tenant, gw,
+    gw, caller = await admin_principal(request)
+    return JSONResponse(await run_in_threadpool(_get_tenant, gw, caller,
                                                 request.path_params["tenant"]))
 
 
@@ -139,7 +148,7 @@ def _update_tenant(gw: Gateway, caller: Principal, name: str,
             service.update_tenant_limits(session, tenant.id, **limits)
         if status is not None:
             service.set_tenant_status(session, tenant.id, status)
-        return _described(session, tenant)
+        return _described(session, tenant, caller)
 
 
 async def update_tenant(request: Request) -> Response:
