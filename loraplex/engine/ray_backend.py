@@ -21,7 +21,13 @@ a deployment handle:
   deletions are appended to a stream that every replica reads (blocking), so each drops
   the adapter's slot, host copy and prefix blocks within ``FORGET_BOUND_S``; every replica
   writes its stats under its ordinal (Serve's replica rank, stable across replacements)
-  each ``STATS_INTERVAL_S``, which is how the gateway lists every replica.
+  each ``STATS_INTERVAL_S``, which is how the gateway lists every replica, and how it knows
+  which of the deployment's replicas are missing (``/ready`` is 503 until all answer); in
+  the same round it applies the pinned adapters the gateways wrote (one JSON list of
+  ``id@digest``), so a replacement replica holds them too.
+- A clean stop of a gateway that started its own local cluster takes everything down: the
+  cluster's processes, its session folder, and the replicas' keys in Redis. A gateway that
+  joined a cluster leaves it, its replicas and their keys to the other gateways.
 
 Imported only in Ray mode: the embedded default never imports ``ray``.
 """
@@ -35,6 +41,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +50,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import ray
+import redis
 import redis.asyncio as aioredis
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
@@ -140,6 +149,10 @@ def _stats_key(config: RayConfig) -> str:
 
 def _forget_key(config: RayConfig) -> str:
     return f"{config.sync_key_prefix}{config.app_name}:forget"
+
+
+def _pins_key(config: RayConfig) -> str:
+    return f"{config.sync_key_prefix}{config.app_name}:pins"
 
 
 @dataclass(frozen=True)
@@ -242,6 +255,10 @@ class EngineReplica:
     async def describe(self) -> ModelDescription:
         return self._client.description
 
+    async def deployed_replicas(self) -> int:
+        """How many replicas the deployment runs (a gateway that attaches was not told)."""
+        return self._config.replicas
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None, request_id: str,
                        adapter_key: str = "", share: Share = NO_SHARE,
@@ -268,17 +285,25 @@ class EngineReplica:
             raise EngineDeadError("the engine step loop is not running")
 
     async def _publish_stats(self) -> None:
+        """Each STATS_INTERVAL_S: this replica's stats out, the gateways' pins in."""
         key = _stats_key(self._config)
+        pinned: Any = None  # the pins last applied, as the gateways wrote them
         while True:
             try:
                 # The engine reports itself as replica 0; the deployment knows its ordinal.
                 stats = dataclasses.replace(await self._client.stats(), replica=self._ordinal)
                 await self._redis.hset(key, str(self._ordinal), json.dumps(
                     {"at": time.time(), "pid": os.getpid(), "stats": stats_to_json(stats)}))
+                now = await self._redis.get(_pins_key(self._config)) or b"[]"
+                if now != pinned:
+                    await self._client.set_pinned_adapters(
+                        [self._resolve(identity) for identity in json.loads(now)])
+                    pinned = now
             except EngineDeadError:
                 return
             except Exception as exc:  # Redis away: the next round tries again
-                logger.warning("replica %d: cannot publish stats: %s", self._ordinal, exc)
+                logger.warning("replica %d: cannot publish stats or apply pins: %s",
+                               self._ordinal, exc)
             await asyncio.sleep(STATS_INTERVAL_S)
 
     async def _follow_deletions(self) -> None:
@@ -333,27 +358,64 @@ def make_deployment(engine_config: EngineConfig, ray_config: RayConfig) -> Any:
 # --- the gateway side ----------------------------------------------------------------------
 
 
-def connect_ray(ray_config: RayConfig) -> bool:
+def connect_ray(ray_config: RayConfig) -> Path | None:
     """Joins the cluster at ``ray_config.address`` (or ``LORAPLEX_RAY_ADDRESS``), or starts
-    a local one on loopback; returns whether this process started it. ConfigError in one
-    line when the cluster cannot be reached."""
+    a local one on loopback; returns the folder of the local cluster this process started
+    (its session files: ``stop_local_cluster`` removes it), None when it joined one.
+    ConfigError in one line when the cluster cannot be reached."""
     address = ray_address(ray_config.address)
     # Without it Ray binds a non-loopback address even when told 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address is not None:
         check_reachable(address)
+    temp_dir: Path | None = None
     try:
         if address is None:
-            ray.init(num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
-                     _node_ip_address="127.0.0.1",
+            # A folder of its own where Ray would put /tmp/ray, so that a clean stop removes
+            # exactly this cluster's files; "local": never a cluster found through
+            # RAY_ADDRESS or Ray's "current cluster" file.
+            temp_dir = Path(tempfile.mkdtemp(prefix="loraplex-ray-",
+                                             dir=os.environ.get("RAY_TMPDIR") or None))
+            ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1),
+                     include_dashboard=False, _node_ip_address="127.0.0.1",
+                     _temp_dir=str(temp_dir),
                      object_store_memory=ray_config.object_store_memory,
                      configure_logging=False, log_to_driver=False)
-            return True
+            return temp_dir
         ray.init(address=address, configure_logging=False, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
-                          f"{first_line(exc)}") from None
-    return False
+    except BaseException as exc:
+        if temp_dir is not None:  # whatever it had started
+            stop_local_cluster(temp_dir)
+        if isinstance(exc, ConnectionError | RuntimeError | ValueError):
+            raise ConfigError(f"cannot reach the Ray cluster at "
+                              f"{address or 'a new local one'}: {first_line(exc)}") from None
+        raise
+    return None
+
+
+def stop_local_cluster(temp_dir: Path) -> None:
+    """Stops the local cluster this process started (every process of it, replicas
+    included, waited for) and removes its session files.
+
+    Not ``serve.shutdown()`` first: the cluster goes as a whole, and Serve's shutdown ends
+    with its controller killing itself while this driver still has calls on it (the
+    shutdown request, which Serve awaits until that kill, and the handle's long poll); the
+    driver's error listener prints each as "Task ServeController.... failed", on every
+    clean stop. ``ray.shutdown`` stops that listener before it stops the processes."""
+    ray.shutdown(wait_for_processes=True)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def remove_replica_state(ray_config: RayConfig, redis_url: str) -> None:
+    """Deletes what the replicas keep in Redis (their stats, the deletion stream): only once
+    they are gone, or a live replica writes its stats again within STATS_INTERVAL_S."""
+    try:
+        with redis.Redis.from_url(redis_url, socket_timeout=5) as client:
+            client.delete(_stats_key(ray_config), _forget_key(ray_config),
+                          _pins_key(ray_config))
+    except redis.RedisError as exc:
+        logger.warning("cannot remove the engine replicas' keys from Redis: %s",
+                       first_line(exc))
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -369,14 +431,18 @@ class RayEngineBackend:
     """The gateway's handle on the replicas: an ``EngineBackend``."""
 
     def __init__(self, handle: Any, description: ModelDescription, ray_config: RayConfig,
-                 redis_url: str, *, owns_cluster: bool = False) -> None:
+                 redis_url: str, *, cluster_dir: Path | None = None) -> None:
+        """``ray_config.replicas``: the deployment's, which an attaching gateway asks for;
+        ``cluster_dir``: the local cluster this process started (see ``connect_ray``)."""
         self._handle = handle
         self._description = description
         self._config = ray_config
         self._redis_url = redis_url
-        self._owns_cluster = owns_cluster
+        self._cluster_dir = cluster_dir
         self._redis: aioredis.Redis | None = None
         self._healthy = True
+        # Ordinals not seen publishing: every one until the first probe has looked.
+        self._missing = tuple(range(ray_config.replicas))
         self._health_task: asyncio.Task[None] | None = None
         self._stopped = False  # by shutdown: this gateway sends no more requests
         self._closed = False  # by close: the cluster this process started is gone too
@@ -387,12 +453,12 @@ class RayEngineBackend:
         """Connects to Ray, deploys the replicas unless the application already runs (then
         attaches to it), and checks the served model against ``expected``; ConfigError in
         one line on any failure."""
-        owns = connect_ray(ray_config)
+        cluster_dir = connect_ray(ray_config)
         try:
             handle = cls._existing(ray_config)
             if handle is None:
                 deployment = make_deployment(engine_config, ray_config)
-                serve.start(http_options={"location": "NoServer"})
+                serve.start(proxy_location="Disabled")  # handles only, no HTTP proxy
                 try:
                     handle = serve.run(
                         deployment.bind(engine_config, expected, adapter_dir, redis_url,
@@ -405,11 +471,14 @@ class RayEngineBackend:
             mismatch = description_mismatch(expected, served)
             if mismatch is not None:
                 raise ConfigError(f"the running replicas serve another model: {mismatch}")
+            deployed = handle.deployed_replicas.remote().result(timeout_s=120)
         except BaseException:
-            if owns:
-                ray.shutdown()
+            if cluster_dir is not None:
+                stop_local_cluster(cluster_dir)
+                remove_replica_state(ray_config, redis_url)
             raise
-        return cls(handle, expected, ray_config, redis_url, owns_cluster=owns)
+        return cls(handle, expected, dataclasses.replace(ray_config, replicas=deployed),
+                   redis_url, cluster_dir=cluster_dir)
 
     @staticmethod
     def _existing(ray_config: RayConfig) -> Any:
@@ -428,6 +497,18 @@ class RayEngineBackend:
     @property
     def is_ready(self) -> bool:
         return self._healthy and not self._stopped
+
+    @property
+    def num_replicas(self) -> int:
+        """The replicas the deployment runs (ordinals 0..num_replicas-1)."""
+        return self._config.replicas
+
+    @property
+    def missing_replicas(self) -> tuple[int, ...]:
+        """The ordinals of the deployment's replicas that have not published their stats
+        within STATS_STALE_S (dead, or a replacement still starting), as of the last probe
+        (every HEALTH_INTERVAL_S)."""
+        return self._missing
 
     @property
     def is_alive(self) -> bool:
@@ -454,14 +535,14 @@ class RayEngineBackend:
             await self._redis.aclose()
 
     def close(self) -> None:
-        """The end: a local cluster this process started goes, with its replicas."""
+        """The end: a local cluster this process started goes, with its replicas, its
+        session files and their keys in Redis (see ``stop_local_cluster``)."""
         if self._closed:
             return
         self._closed = self._stopped = True
-        if self._owns_cluster:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
-            ray.shutdown()
+        if self._cluster_dir is not None:
+            stop_local_cluster(self._cluster_dir)
+            remove_replica_state(self._config, self._redis_url)
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        lora: AdapterRef | None, cache_salt: str | None,
@@ -516,14 +597,22 @@ class RayEngineBackend:
 
     async def replica_stats(self) -> tuple[EngineStats, ...]:
         """Every live replica's figures (as each last published them), by ordinal."""
+        live = await self._published()
+        return tuple(stats_from_json(live[ordinal]["stats"]) for ordinal in sorted(live))
+
+    async def _published(self) -> dict[int, dict[str, Any]]:
+        """What each live replica last published (within STATS_STALE_S), by ordinal."""
         raw = await self._redis_client().hgetall(_stats_key(self._config))
         now = time.time()
-        listed: list[tuple[int, EngineStats]] = []
-        for ordinal, value in raw.items():
-            record = json.loads(value)
-            if now - float(record["at"]) <= STATS_STALE_S:
-                listed.append((int(ordinal), stats_from_json(record["stats"])))
-        return tuple(stats for _, stats in sorted(listed, key=lambda item: item[0]))
+        records = {int(ordinal): json.loads(value) for ordinal, value in raw.items()}
+        return {ordinal: record for ordinal, record in records.items()
+                if now - float(record["at"]) <= STATS_STALE_S}
+
+    async def set_pinned_adapters(self, refs: Sequence[AdapterRef]) -> None:
+        """Every replica, a replacement included, holds these pins within STATS_INTERVAL_S:
+        each reads them from Redis with its stats round."""
+        await self._redis_client().set(_pins_key(self._config),
+                                       json.dumps([model_id(ref) for ref in refs]))
 
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Every replica drops the version within FORGET_BOUND_S (see the module doc)."""
@@ -538,6 +627,19 @@ class RayEngineBackend:
 
     async def _probe(self) -> None:
         while True:
+            try:
+                live = await self._published()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis away: /ready says so itself (its "redis")
+                pass
+            else:
+                missing = tuple(o for o in range(self._config.replicas) if o not in live)
+                gone = sorted(set(missing) - set(self._missing))  # none before a first look
+                if gone:
+                    logger.warning("engine replica %s of %d stopped answering",
+                                   ", ".join(map(str, gone)), self._config.replicas)
+                self._missing = missing
             try:
                 await asyncio.wait_for(self._handle.describe.remote(), HEALTH_INTERVAL_S * 2)
                 self._healthy = True

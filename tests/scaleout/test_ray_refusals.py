@@ -1,22 +1,26 @@
 """``loraplex serve --backend ray`` refuses, in one line and before loading anything, what
-several gateways cannot share, and a cluster it cannot reach."""
+several gateways cannot share, and a cluster it cannot reach; a refusal after it started a
+local cluster leaves nothing of it behind."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from loraplex.registry import db
-from loraplex.testing import postgres_schema, redis_url_for_tests
+from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests
 
 
 def _serve(tmp_path: Path, *args: str, env: dict[str, str]) -> tuple[int, list[str], float]:
@@ -84,19 +88,45 @@ def test_an_unreachable_cluster_is_one_line_in_seconds(tmp_path: Path,
     assert took < 60
 
 
+def _carrying(variable: str) -> list[int]:
+    """The processes whose environment holds ``variable`` (``NAME=value``): Ray's processes
+    inherit the gateway's, whatever their command line becomes."""
+    needle = variable.encode() + b"\0"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "environ").read_bytes() + b"\0":
+                    found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
 def test_a_model_the_replicas_cannot_load_is_named_in_one_line(
         tmp_path: Path, tiny_llama_dir: Path, pg_url: str) -> None:
     """The gateway reads only the config; the replicas fail on a truncated weights file,
     and the gateway's one line says which file and why (not Serve's bare "Failed to update
-    the deployments")."""
+    the deployments"). The local cluster it started goes with it: no process, no session
+    folder, no key in Redis."""
     model = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, model)
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])
-    code, lines, _ = _serve(tmp_path, "--model", str(model), "--database-url", pg_url,
-                            "--redis-url", redis_url_for_tests(),
-                            env={"LORAPLEX_CACHE_SALT_SECRET": "s"})
+    # Where Ray puts its folder (else /tmp/ray): short, as its socket paths must fit 107 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lpx", dir="/tmp"))
+    try:
+        with redis_key_prefix("rayrefuse") as prefix:
+            code, lines, _ = _serve(tmp_path, "--model", str(model), "--database-url", pg_url,
+                                    "--redis-url", redis_url_for_tests(),
+                                    "--redis-key-prefix", prefix,
+                                    env={"LORAPLEX_CACHE_SALT_SECRET": "s",
+                                         "RAY_TMPDIR": str(ray_tmp)})
+            with redis.Redis.from_url(redis_url_for_tests()) as r:
+                assert list(r.scan_iter(match=f"{prefix}*")) == []
+        assert list(ray_tmp.iterdir()) == []
+        assert _carrying(f"RAY_TMPDIR={ray_tmp}") == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 2 and len(lines) == 1, lines
     assert "the engine replicas did not start" in lines[0]
     assert f"{weights}: not a readable safetensors file" in lines[0]

@@ -33,14 +33,20 @@ def _database_ok(gw: Gateway) -> bool:
 
 async def ready(request: Request) -> Response:
     """The engine is loaded and running, the registry database answers, and so does the
-    rate limiter's Redis when one is configured (``redis`` is null otherwise)."""
+    rate limiter's Redis when one is configured (``redis`` is null otherwise). A backend of
+    several replicas (Ray) also names those of its replicas that do not answer, by ordinal
+    (``replicas``: ``{"configured", "missing"}``): any missing one makes it 503."""
     gw = gateway(request)
     engine_ok = gw.backend.is_ready
     database_ok = await run_in_threadpool(_database_ok, gw)
     redis_ok = await gw.rate_limiter.ping() if gw.config.redis_url else None
-    ok = engine_ok and database_ok and redis_ok is not False
-    return JSONResponse({"status": "ready" if ok else "not ready", "engine": engine_ok,
-                         "database": database_ok, "redis": redis_ok},
+    body: dict[str, Any] = {"engine": engine_ok, "database": database_ok, "redis": redis_ok}
+    configured = gw.backend.num_replicas
+    missing = list(gw.backend.missing_replicas)
+    if configured is not None:
+        body["replicas"] = {"configured": configured, "missing": missing}
+    ok = engine_ok and database_ok and redis_ok is not False and not missing
+    return JSONResponse({"status": "ready" if ok else "not ready", **body},
                         status_code=200 if ok else 503)
 
 
