@@ -53,6 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras,
                    help="adapters kept in host memory in front of the slots")
+    g.add_argument("--max-pinned-fraction", type=float,
+                   default=LoRAConfig.max_pinned_fraction,
+                   help="share of the device slots pinned adapters may take (rounded down; "
+                        "below 1: the rest serve the working set)")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size,
                    help="tokens per KV-cache block (a power of two)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -108,7 +112,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory,
                           not args.no_prefix_caching, args.swap_space_blocks,
                           args.kv_disk_dir, args.kv_disk_gib),
-        lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras),
+        lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                        args.max_pinned_fraction),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                   not args.no_chunked_prefill, args.preemption_mode,
                                   policy=args.scheduling_policy,

@@ -34,7 +34,7 @@ from loraplex.errors import (
     ModelLoadError,
     first_line,
 )
-from loraplex.registry import db, quotas, service, upload
+from loraplex.registry import db, pins, quotas, service, upload
 from loraplex.registry.db import transaction
 from loraplex.registry.move import move_registry
 from loraplex.registry.names import check_adapter_name
@@ -122,7 +122,9 @@ def _adapter_json(a: Any, tenant_name: str) -> dict[str, Any]:
             "base_model": a.base_model, "rank": a.rank, "alpha": a.alpha,
             "use_rslora": a.use_rslora, "target_modules": list(a.target_modules),
             "size_bytes": a.size_bytes, "storage_path": a.storage_path,
-            "visibility": a.visibility, "status": a.status, "created_at": _iso(a.created_at)}
+            "visibility": a.visibility, "status": a.status, "created_at": _iso(a.created_at),
+            "pinned": a.pinned_at is not None and a.status == "active",
+            "pinned_at": _iso(a.pinned_at) if a.status == "active" else None}
 
 
 def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
@@ -509,6 +511,25 @@ def _adapters_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapters_pin(args: argparse.Namespace) -> int:
+    """Records the pin (or unpin); a server applies it (see registry/pins.py)."""
+    version = _number(args.version, service.check_version, "--version")
+    with _sessions(args) as factory, transaction(factory) as session:
+        tenant = service.get_tenant_by_name(session, args.tenant)
+        (pins.pin if args.pin else pins.unpin)(session, tenant.id, args.name, version)
+        data = _name_state_json(service.name_versions(session, tenant.id, args.name),
+                                tenant.name)
+        held = [f"{a.tenant.name}/{a.name}@{a.version}" for a in pins.pinned_adapters(session)]
+    lora = LoRAConfig()
+    _emit(args, data, lambda: print(
+        f"{data['model']} version {version} {'pinned' if args.pin else 'unpinned'}; pinned, "
+        f"oldest first: {', '.join(held) or 'none'}. A server holds the oldest "
+        f"floor(--max-pinned-fraction x --max-loras) of them (default "
+        f"{lora.max_pinned_fraction:g} x {lora.max_loras} = {lora.max_pinned}) in its "
+        "adapter slots, from within about 2 s"))
+    return 0
+
+
 def _adapters_split(args: argparse.Namespace) -> int:
     if args.cancel:
         if args.to is not None or args.percent is not None:
@@ -750,6 +771,16 @@ def add_registry_commands(subparsers: Any) -> None:
     p.add_argument("--tenant", required=True, metavar="NAME")
     p.add_argument("name", metavar="NAME")
     p.add_argument("version", metavar="VERSION")
+    for command, help_ in (
+            ("pin", "pin a version: every server keeps it in a device slot and its host "
+                    "cache, so its requests never wait for a load; a server applies the "
+                    "oldest pins that fit its share of slots (--max-pinned-fraction)"),
+            ("unpin", "unpin a version: its slot joins the working set again")):
+        p = leaf(adapters, command, _adapters_pin, help_)
+        p.set_defaults(pin=command == "pin")
+        p.add_argument("--tenant", required=True, metavar="NAME")
+        p.add_argument("name", metavar="NAME")
+        p.add_argument("--version", required=True, metavar="N", help=f"the version to {command}")
     p = leaf(adapters, "split", _adapters_split,
              "split the requests naming an adapter: --percent of them go to version --to "
              "(the canary), the rest to the current version; the same request 'user' always "

@@ -85,12 +85,23 @@ class LoRAConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 16
+    # Adapters an operator pins keep a device slot and their host copy; they take at most
+    # this share of the slots (rounded down), the rest stay for the working set.
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, "max_loras must be >= 1")
         _require(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
         _require(self.max_cpu_loras >= self.max_loras,
                  "max_cpu_loras must be >= max_loras")
+        _require(0 <= self.max_pinned_fraction < 1,
+                 "max_pinned_fraction must be at least 0 and below 1 (the working set "
+                 f"keeps a slot), got {self.max_pinned_fraction}")
+
+    @property
+    def max_pinned(self) -> int:
+        """Device slots pinned adapters may take."""
+        return int(self.max_loras * self.max_pinned_fraction)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-// Adapters: upload (with progress; refusals shown inline), versions with the current one
-// and a canary split's shares, promote (confirmed), split, cancel, visibility, delete.
+// Adapters: upload (with progress; refusals shown inline), versions with the current one,
+// a canary split's shares and pins, promote (confirmed), split, cancel, pin or unpin,
+// visibility, delete.
 import { api, upload } from "../api.js";
 import {
   badge, checkName, confirmButton, errorLine, field, fmtBytes, fmtTime, h, latestLoad, table,
@@ -116,6 +117,14 @@ export async function render(container) {
             cancel.addEventListener("click", () => act("DELETE", "/split"));
             actions.append(cancel);
           }
+          // A pinned version keeps a device slot: its requests never wait for a load.
+          const pin = h("button", { type: "button", class: `small ${a.pinned ? "unpin" : "pin"}`,
+                                    title: a.pinned ? "Give its device slot back to the working set"
+                                      : "Keep it in a device slot and the host cache" },
+                        a.pinned ? "Unpin" : "Pin");
+          pin.addEventListener("click", () => (a.pinned
+            ? act("DELETE", `/pin?version=${a.version}`) : act("POST", "/pin", { version: a.version })));
+          actions.append(pin);
           const other = a.visibility === "public" ? "private" : "public";
           const toggle = h("button", { type: "button", class: "small" }, `Make ${other}`);
           toggle.addEventListener("click", () => act("PATCH", "", { visibility: other }));
@@ -128,7 +137,10 @@ export async function render(container) {
         return [h("strong", {}, a.model),
                 h("div", {}, h("span", { class: "nowrap" }, `v${a.version} `,
                   a.current ? badge("current", "good") : null,
-                  a.traffic_percent > 0 && !a.current ? badge("canary", "warn") : null),
+                  a.traffic_percent > 0 && !a.current ? badge("canary", "warn") : null,
+                  a.pinned ? h("span", { title: `pinned ${fmtTime(a.pinned_at)}: kept in a ` +
+                                         "device slot, its requests never wait for a load" },
+                               " ", badge("pinned")) : null),
                   h("div", { class: "muted subline traffic", title: "share of requests" },
                     `${traffic} of traffic`)),
                 `${a.rank}${a.use_rslora ? " (rs)" : ""}`, fmtBytes(a.size_bytes),

@@ -104,7 +104,8 @@ function slotRows(replicas) {
     const where = [h("span", { class: "slot-replica" }, String(r.replica)), String(i)];
     return slot
       ? [...where, h("strong", {}, slot.model || "(unknown)"),
-         slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}` : DASH,
+         h("span", {}, slot.version ? `v${slot.version}${slot.status === "deleted" ? " (deleted)" : ""}`
+           : DASH, slot.pinned ? " " : null, slot.pinned ? badge("pinned") : null),
          h("code", {}, slot.identity)]
       : [...where, h("span", { class: "muted" }, "empty"), DASH, DASH];
   }));
@@ -140,7 +141,8 @@ export async function render(container) {
              "prompt tokens", s.prefix_cache_hit_rate),
         stat("Adapter slots", `${s.slots.filter(Boolean).length} / ${s.slots.length}`,
              `${fmtInt(s.adapter_slot_loads)} loads · ${fmtInt(s.adapter_slot_evictions)} ` +
-             `evictions · ${s.adapter_load_seconds.toFixed(2)} s loading`),
+             `evictions · ${s.adapter_load_seconds.toFixed(2)} s loading · ` +
+             `${s.pinned_adapters.length} of ${s.max_pinned} pinned`),
         stat("Steps", fmtInt(s.num_steps), `${fmtInt(s.num_preemptions)} preemptions`),
         stat("Speculation accepted", s.spec_num_drafts ? pct(s.spec_acceptance_rate) : "—",
              `${fmtInt(s.spec_num_accepted_tokens)} of ${fmtInt(s.spec_num_draft_tokens)} ` +

@@ -34,6 +34,7 @@ class ModelDescription:
     max_lora_rank: int
     target_shapes: TargetShapes  # the LoRA-able modules an adapter must match
     architecture: str = ""  # the model's family as users know it ("Gemma 2")
+    max_pinned: int = 0  # adapter versions an operator may pin (LoRAConfig.max_pinned)
 
 
 class EngineBackend(Protocol):
@@ -53,6 +54,17 @@ class EngineBackend(Protocol):
     def is_alive(self) -> bool:
         """False once the engine has failed for good (its step loop died): the process
         must be restarted, so ``/health`` fails for the orchestrator to do it."""
+        ...
+
+    @property
+    def num_replicas(self) -> int | None:
+        """The replicas the deployment runs (ordinals 0..N-1); None for the one engine in
+        process, which has no replica to miss."""
+        ...
+
+    @property
+    def missing_replicas(self) -> tuple[int, ...]:
+        """The ordinals of replicas that do not answer now (``/ready`` is 503 meanwhile)."""
         ...
 
     def start(self) -> None:
@@ -90,12 +102,19 @@ class EngineBackend(Protocol):
         Requests already running on it finish unchanged."""
         ...
 
+    async def set_pinned_adapters(self, refs: Sequence[AdapterRef]) -> None:
+        """Makes ``refs`` the pinned adapter versions on every replica (replacing the
+        previous set): each keeps a device slot and its host copy (see
+        ``LLMEngine.set_pinned_adapters``)."""
+        ...
+
 
 def description_mismatch(expected: ModelDescription, actual: ModelDescription) -> str | None:
     """What differs between two descriptions of the served model, in one line; None when
     they agree."""
     diffs = [f"{name} {getattr(actual, name)!r} (expected {getattr(expected, name)!r})"
-             for name in ("model", "tokenizer", "max_model_len", "vocab_size", "max_lora_rank")
+             for name in ("model", "tokenizer", "max_model_len", "vocab_size", "max_lora_rank",
+                          "max_pinned")
              if getattr(actual, name) != getattr(expected, name)]
     if actual.target_shapes != expected.target_shapes:
         diffs.append("LoRA target shapes differ")

@@ -157,6 +157,10 @@ class EngineClient:
         """False once the step loop has died (it never comes back: restart the server)."""
         return self._dead is None
 
+    # The engine boundary's replica view: one engine in process (see EngineBackend).
+    num_replicas: None = None
+    missing_replicas: tuple[int, ...] = ()
+
     @property
     def num_unfinished(self) -> int:
         """Requests submitted and not yet finished (approximate; any thread)."""
@@ -275,6 +279,10 @@ class EngineClient:
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version from the engine (see ``LLMEngine.forget_adapter``)."""
         await self.run_in_engine(lambda engine: engine.forget_adapter(adapter_id, digest))
+
+    async def set_pinned_adapters(self, refs: Sequence[AdapterRef]) -> None:
+        """See ``LLMEngine.set_pinned_adapters``."""
+        await self.run_in_engine(lambda engine: engine.set_pinned_adapters(refs))
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread between two steps and returns its

@@ -9,7 +9,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStat
 from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
 from loraplex.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from loraplex.engine.share import NO_SHARE, Share
-from loraplex.engine.slot_cache import AdapterSlotCache
+from loraplex.engine.slot_cache import AdapterSlotCache, deleted_error
 from loraplex.engine.spec_step import SpecStep
 from loraplex.engine.stats import EngineStats
 from loraplex.engine.validation import check_params, check_prompt
@@ -55,7 +55,8 @@ def model_description(config: EngineConfig, args: ModelArgs) -> ModelDescription
                             vocab_size=args.vocab_size,
                             max_lora_rank=config.lora.max_lora_rank,
                             target_shapes=TargetShapes.from_model_dir(model),
-                            architecture=args.family)
+                            architecture=args.family,
+                            max_pinned=config.lora.max_pinned)
 
 
 class LLMEngine:
@@ -76,7 +77,8 @@ class LLMEngine:
                                  lower_tier=self.disk)
         self.target_shapes = TargetShapes.from_model_dir(config.model.model)
         self.adapters = AdapterSlotCache(config.lora.max_loras, config.lora.max_cpu_loras,
-                                       self._load_adapter, self.runner.set_lora_slot)
+                                       self._load_adapter, self.runner.set_lora_slot,
+                                       config.lora.max_pinned)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.adapters,
                                    max_adapter_wait_s)
         self._grammar: GrammarCompiler | None = None  # made on the first grammar request
@@ -187,14 +189,31 @@ class LLMEngine:
 
     def forget_adapter(self, adapter_id: str, digest: str) -> None:
         """Drops a deleted adapter version: its cached prefix blocks, its host copy, and its
-        slot unless a running request pins it (such requests finish unchanged; the slot is
-        then reused like any idle one)."""
+        slot. Every request already here on it (running, queued, preempted or swapped out)
+        finishes on its weights, kept until the last of them ends (read now if no copy is
+        in memory: the caller removes the files only after this returns); one added after
+        this is refused (AdapterError saying the version was deleted)."""
+        key = (adapter_id, digest)
         tag = ("adapter", adapter_id, digest)
         self.kv.drop_cached(lambda keys: tag in keys)
         if self.disk is not None:
             self.disk.drop(lambda keys: tag in keys)
             self.disk.flush()  # its files are gone once this returns
-        self.adapters.forget((adapter_id, digest))
+        in_flight = next((r.adapter for r in self._unfinished()
+                          if r.adapter is not None and r.adapter.key == key), None)
+        self.adapters.forget(key, in_flight)
+
+    def _unfinished(self) -> Iterator[Request]:
+        for group in self._groups.values():
+            for request in group:
+                if not request.status.is_finished:
+                    yield request
+
+    def _release_deleted(self) -> None:
+        """Lets go of a deleted adapter's kept weights once none of its requests is left."""
+        if self.adapters.num_retained:
+            self.adapters.release_deleted({r.adapter.key for r in self._unfinished()
+                                           if r.adapter is not None})
 
     # --- admission ---------------------------------------------------------------------
 
@@ -209,6 +228,8 @@ class LLMEngine:
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
+        if adapter is not None and self.adapters.is_deleted(adapter.key):
+            raise deleted_error()
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt(prompt, params.max_tokens, vocab_size=self.vocab_size,
                      max_model_len=self.max_model_len)
@@ -275,11 +296,20 @@ class LLMEngine:
         return deltas
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or pinned adapters a step is still to install."""
+        return self.scheduler.has_unfinished() or self.adapters.has_pinned_to_install()
+
+    def set_pinned_adapters(self, refs: Sequence[AdapterRef]) -> None:
+        """Makes ``refs`` the operator's pinned adapters (replacing the previous set): each
+        keeps its host copy and, once read, a device slot no other adapter takes, so its
+        requests never wait for a load. AdapterError past ``LoRAConfig.max_pinned``."""
+        self.adapters.set_pinned(list(refs))
 
     # --- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
+        if self.adapters.has_pinned_to_install():
+            self.adapters.install_pinned()
         plan = self.spec.plan(self.scheduler.running) if self.spec is not None else None
         out = self.scheduler.schedule(plan.num_tokens if plan is not None else None)
         self._save_evicted()
@@ -578,6 +608,7 @@ class LLMEngine:
             del self._groups[group_id]
             for r in group:
                 self._generators.pop(r.request_id, None)
+            self._release_deleted()
 
     # --- figures -----------------------------------------------------------------------
 
@@ -616,6 +647,7 @@ class LLMEngine:
             max_cpu_loras=self.adapters.max_cpu_loras,
             adapter_slots=tuple(None if k is None else _identity(k) for k in ad.slots),
             host_adapters=tuple(_identity(k) for k in ad.host),
+            pinned_adapters=tuple(_identity(k) for k in ad.held),
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
             tenants=sched.tenant_stats(),

@@ -85,6 +85,8 @@ class EngineStats:
     # The scheduler's view of each tenant it has served (opaque ids, sorted): queues,
     # service received and KV blocks held.
     tenants: tuple[TenantStats, ...] = ()
+    # Adapters the operator pinned (kept in a slot and in the host cache), as given.
+    pinned_adapters: tuple[str, ...] = ()
 
     @classmethod
     def spec_rates(cls, num_drafts: int, num_draft_tokens: int,
@@ -154,6 +156,7 @@ def combine_stats(stats: Sequence[EngineStats]) -> EngineStats:
                         if used else 0.0),
         adapter_slots=tuple(slot for s in stats for slot in s.adapter_slots),
         host_adapters=tuple(name for s in stats for name in s.host_adapters),
+        pinned_adapters=_distinct(s.pinned_adapters for s in stats),
         running_adapters=_distinct(s.running_adapters for s in stats),
         waiting_adapters=_distinct(s.waiting_adapters for s in stats),
         spec_acceptance_rate=acceptance,

@@ -57,6 +57,7 @@ def adapter_json(row: Adapter, owner: str,
                  traffic: Mapping[tuple[int, str], Traffic] | None = None) -> dict[str, Any]:
     """An adapter version as the API shows it (never its path on the server); with its
     name's ``traffic``: whether it is the current version and its share of the requests."""
+    pinned_at = row.pinned_at if row.status == "active" else None
     out = {
         "object": "adapter", "id": row.id, "tenant": owner, "name": row.name,
         "model": f"{owner}/{row.name}", "version": row.version, "identity": row.identity,
@@ -64,6 +65,9 @@ def adapter_json(row: Adapter, owner: str,
         "alpha": row.alpha, "use_rslora": row.use_rslora,
         "target_modules": list(row.target_modules), "visibility": row.visibility,
         "status": row.status, "created_at": row.created_at.isoformat(),
+        # A deleted version's pin no longer applies (registry/pins.py).
+        "pinned": pinned_at is not None,
+        "pinned_at": None if pinned_at is None else pinned_at.isoformat(),
     }
     if traffic is not None:
         shares = traffic.get((row.tenant_id, row.name))
@@ -311,8 +315,9 @@ class AdapterService:
         """Deletes the tenant's adapter (all versions, or one) and tells the engine.
 
         Once the row is committed no new request resolves the adapter; the engine then
-        drops its cached blocks, host copy and idle slot, while requests already running
-        on it finish from the weights in their slot. Files go last.
+        drops its cached blocks, host copy and idle slot, while the requests it already
+        holds on it finish on weights it keeps for them (``LLMEngine.forget_adapter``).
+        Files go last, once the engine has its copy.
         """
         deleted = await asyncio.to_thread(
             upload.delete_adapter, self.sessions, self.store, tenant_id=tenant_id,

@@ -1,5 +1,5 @@
 """An adapter name's versions over HTTP: show them, promote one, split traffic onto a
-canary, cancel the split. Shared by the tenant's routes (its own names) and the admin
+canary, cancel the split, pin or unpin one (admin only). Shared by the tenant's routes (its own names) and the admin
 routes (any tenant's): the routes parse, these call the registry and shape the answer.
 
 Every change commits in one transaction and answers the name as it now stands; a refusal
@@ -17,12 +17,13 @@ from loraplex.errors import InvalidRequestError
 from loraplex.gateway.adapter_uploads import adapter_json
 from loraplex.gateway.http import read_json_object
 from loraplex.gateway.state import Gateway
-from loraplex.registry import service
+from loraplex.registry import pins, service
 from loraplex.registry.db import transaction
 from loraplex.registry.versions import NameVersions
 
 PROMOTE_FIELDS: Final = ("version",)
 SPLIT_FIELDS: Final = ("version", "percent")
+PIN_FIELDS: Final = ("version",)
 
 
 def name_json(state: NameVersions, owner: str) -> dict[str, Any]:
@@ -73,3 +74,18 @@ def split(gw: Gateway, tenant_id: int, owner: str, name: str,
 def cancel(gw: Gateway, tenant_id: int, owner: str, name: str) -> dict[str, Any]:
     with transaction(gw.sessions) as session:
         return name_json(service.cancel_split(session, tenant_id, name), owner)
+
+
+def pin(gw: Gateway, tenant_id: int, owner: str, name: str, version: object,
+        max_pins: int) -> dict[str, Any]:
+    """Pins the version; ConflictError when ``max_pins`` versions are pinned already."""
+    with transaction(gw.sessions) as session:
+        pins.pin(session, tenant_id, name, version, max_pins)
+        return name_json(service.name_versions(session, tenant_id, name), owner)
+
+
+def unpin(gw: Gateway, tenant_id: int, owner: str, name: str,
+          version: object) -> dict[str, Any]:
+    with transaction(gw.sessions) as session:
+        pins.unpin(session, tenant_id, name, version)
+        return name_json(service.name_versions(session, tenant_id, name), owner)

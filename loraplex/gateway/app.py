@@ -24,6 +24,7 @@ from loraplex.gateway.connections import BodyTimeout
 from loraplex.gateway.errors import exception_handlers
 from loraplex.gateway.metrics import GatewayMetrics
 from loraplex.gateway.openapi import openapi_document
+from loraplex.gateway.pins import PinSync
 from loraplex.gateway.ratelimit import make_rate_limiter
 from loraplex.gateway.routes import (
     adapters,
@@ -71,6 +72,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
         tokenizers=Tokenizers(load_tokenizer(model.tokenizer)), served_model_name=served,
         salt_secret=salt_secret(server_config.cache_salt_secret),
         grammars=GrammarCompiler(None, 0, ()),
+        pins=PinSync(sessions, store, backend),
     )
     sweeper = StoreSweeper(gw.sessions, gw.store, grace_s=registry_config.sweep_grace_s,
                            interval_s=registry_config.sweep_interval_s)
@@ -83,9 +85,11 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
         backend.start()
         gw.meter.start()
         sweeper.start()  # crash leftovers of any process sharing the store
+        gw.pins.start()
         try:
             yield
         finally:
+            await gw.pins.stop()
             await sweeper.stop()
             await backend.shutdown()
             await gw.meter.stop()

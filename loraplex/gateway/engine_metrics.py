@@ -16,6 +16,10 @@ Speculative decoding: ``spec_decode_num_drafts``, ``_num_draft_tokens`` and
 ``_num_accepted_tokens`` (counters, as vLLM's) by replica and adapter (``id@digest12``, or
 ``base``; capped like the replica label), and each replica's acceptance rate.
 
+``adapter_residency``: 1 for each adapter resident on a replica, by ``level`` (``device``
+slot or ``host`` cache) and ``pinned`` ("true" for a version the operator pinned, which
+stays resident), ``adapter`` as ``id@digest12`` capped like the other adapter labels.
+
 The prefix cache's disk tier: ``kv_disk_blocks`` and ``kv_disk_bytes`` (gauges) and
 ``kv_disk_hit_tokens``, ``_writes``, ``_evictions``, ``_refused`` (counters), by replica.
 """
@@ -117,6 +121,10 @@ class EngineMetrics:
         self.adapter_capacity = gauge(
             "adapter_capacity", "Adapters that fit, by level: device slots or host cache.",
             "level")
+        self.adapter_residency = gauge(
+            "adapter_residency", "1 per adapter resident, by level and whether it is pinned.",
+            "adapter", "level", "pinned")
+        self._residency: dict[str, set[tuple[str, str, str]]] = {}
         self.lora_info = gauge(
             "lora_requests_info",
             "Adapters of running and waiting requests (as vLLM's vllm:lora_requests_info); "
@@ -205,6 +213,7 @@ class EngineMetrics:
                                           (stats.max_loras, stats.max_cpu_loras), strict=True):
             self.adapters_resident.labels(replica, level).set(count)
             self.adapter_capacity.labels(replica, level).set(capacity)
+        self._set_residency(replica, stats)
         labels = (str(stats.max_loras), info_adapters(stats.running_adapters),
                   info_adapters(stats.waiting_adapters))
         previous = self._info_labels.get(replica)
@@ -212,6 +221,18 @@ class EngineMetrics:
             self.lora_info.remove(replica, *previous)
         self._info_labels[replica] = labels
         self.lora_info.labels(replica, *labels).set(time.time())
+
+    def _set_residency(self, replica: str, stats: EngineStats) -> None:
+        pinned = set(stats.pinned_adapters)
+        now = {(self._adapter_label(name), level, "true" if name in pinned else "false")
+               for level, names in zip(RESIDENCY_LEVELS, (stats.adapter_slots,
+                                                          stats.host_adapters), strict=True)
+               for name in names if name is not None}
+        for labels in self._residency.get(replica, set()) - now:
+            self.adapter_residency.remove(replica, *labels)
+        for labels in now:
+            self.adapter_residency.labels(replica, *labels).set(1)
+        self._residency[replica] = now
 
     def _count(self, replica: str, totals: _Totals) -> None:
         step = totals.since(self._totals.get(replica, _Totals()))
@@ -263,6 +284,8 @@ class EngineMetrics:
                 gauge.remove(replica, tenant)
         for metric in self._per_replica:
             metric.remove(replica)
+        for labels in self._residency.pop(replica, set()):
+            self.adapter_residency.remove(replica, *labels)
         for level in RESIDENCY_LEVELS:
             self.adapters_resident.remove(replica, level)
             self.adapter_capacity.remove(replica, level)

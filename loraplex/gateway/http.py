@@ -120,7 +120,8 @@ def parse_int(raw: str, name: str, lo: int = 1, hi: int = MAX_INT32) -> int:
     """
     if not raw.isascii() or not raw.isdigit() or len(raw) > len(str(hi)) \
             or not lo <= int(raw) <= hi:
-        raise InvalidRequestError(f"{name} must be an integer from {lo} to {hi}, got {raw!r}",
+        shown = repr(raw) if len(raw) <= 40 else f"{raw[:40]!r}..."  # a huge one, cut
+        raise InvalidRequestError(f"{name} must be an integer from {lo} to {hi}, got {shown}",
                                   param=name)
     return int(raw)
 

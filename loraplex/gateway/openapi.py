@@ -197,19 +197,22 @@ _TENANTS = {"type": "array", "items": _SCHEDULER_TENANT}
 _REPLICA_STATS = {"type": "object", "description": (
     "One replica's figures (the fields of EngineStats): replica (its ordinal 0..N-1), "
     "queue, KV pool, device slots (adapter_slots, and slots with each adapter's name), "
-    "host_adapters, running_adapters and waiting_adapters (id@digest12), tenants"),
+    "host_adapters, running_adapters and waiting_adapters (id@digest12), pinned_adapters "
+    "(the versions an operator pinned that it holds, id@digest12; each slot says whether "
+    "its adapter is pinned), tenants"),
     "required": ["replica", "num_waiting", "num_running", "kv_pool_usage", "max_loras",
                  "adapter_slots", "host_adapters", "running_adapters", "waiting_adapters",
-                 "slots", "tenants"],
+                 "pinned_adapters", "slots", "tenants"],
     "properties": {"replica": {"type": "integer", "minimum": 0}, "tenants": _TENANTS}}
 _ENGINE_STATS = {"type": "object", "description": (
     "The whole deployment's figures at the top level (replica -1: the replicas' sums, "
     "rates recomputed from them, slots concatenated in replica order, tenants summed "
     "over replicas), and each live replica's under replicas, ordered by ordinal (none "
-    "while no replica is up)"),
-    "required": ["replica", "slots", "served_model", "architecture", "replicas", "tenants"],
+    "while no replica is up); max_pinned: the most adapter versions pins may hold"),
+    "required": ["replica", "slots", "served_model", "architecture", "max_pinned",
+                 "replicas", "tenants"],
     "properties": {"replica": {"const": -1}, "tenants": _TENANTS,
-                   "architecture": {"type": "string"},
+                   "architecture": {"type": "string"}, "max_pinned": _COUNT,
                    "replicas": {"type": "array", "items": _REPLICA_STATS}}}
 
 _SECONDS = {"type": ["number", "null"], "minimum": 0}
@@ -274,6 +277,9 @@ _VERSION = _query("version", {"type": "integer", "minimum": 1, "maximum": 2**31 
 _PROMOTE = closed({"type": "object", "required": ["version"], "properties": {
     "version": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION,
                 "description": "The version that becomes current (an older one: rollback)"}}})
+_PIN = closed({"type": "object", "required": ["version"], "properties": {
+    "version": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION,
+                "description": "The version to pin (an active one)"}}})
 _SPLIT = closed({"type": "object", "required": ["version", "percent"], "properties": {
     "version": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION,
                 "description": "The canary version (not the current one)"},
@@ -416,6 +422,18 @@ def _admin_paths() -> dict[str, Any]:
         **_version_paths("/admin/api/tenants/{tenant}/adapters/{name}",
                          [tenant, _path_param("name", _ADAPTER_NAME)],
                          _errors(400, 401, 403, 404, 409, 413), "a tenant's"),
+        "/admin/api/tenants/{tenant}/adapters/{name}/pin": {
+            "parameters": [tenant, _path_param("name", _ADAPTER_NAME)],
+            "post": {"summary": "Pin a version: it keeps a device slot and its host copy on "
+                                "every replica, so its requests never wait for a load; 409 "
+                                "past the server's share of slots for pins (admin)",
+                     "requestBody": _body(_PIN),
+                     "responses": {"200": _json(_OBJ, "The name as it now stands"),
+                                   **_errors(400, 401, 403, 404, 409, 413)}},
+            "delete": {"summary": "Unpin a version (?version=N) (admin)",
+                       "parameters": [_VERSION | {"required": True}],
+                       "responses": {"200": _json(_OBJ, "The name as it now stands"),
+                                     **_errors(400, 401, 403, 404, 409)}}},
     }
 
 

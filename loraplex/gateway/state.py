@@ -19,6 +19,7 @@ from loraplex.engine.grammar import GrammarCompiler
 from loraplex.errors import InvalidRequestError
 from loraplex.gateway.fields import check_text
 from loraplex.gateway.metrics import GatewayMetrics
+from loraplex.gateway.pins import PinSync
 from loraplex.gateway.ratelimit import RateLimiter
 from loraplex.gateway.tools import CALL_OPEN
 from loraplex.gateway.usage import UsageMeter
@@ -121,6 +122,7 @@ class Gateway:
     salt_secret: bytes
     # Checks schemas that reach no engine (tools' parameters), in its sandbox's process.
     grammars: GrammarCompiler
+    pins: PinSync  # applies the registry's pinned adapters to the engine
     limiter: RateLimiter | None = None  # made in the lifespan, on the serving event loop
 
     @property

@@ -204,6 +204,8 @@ class Adapter(Base):
     # its stored copy was removed, or another active row holds the same content. NULL
     # while active, and while a deleted version's copy is still kept for it.
     reclaimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # When an operator pinned this version (registry/pins.py); NULL: not pinned.
+    pinned_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
     tenant: Mapped[Tenant] = relationship(back_populates="adapters")
 

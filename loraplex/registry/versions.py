@@ -251,7 +251,7 @@ def _flush(session: Session, name: str) -> None:
                             "retry") from exc
 
 
-def _target(session: Session, state: NameVersions, version: int, verb: str) -> Adapter:
+def active_version(session: Session, state: NameVersions, version: int, verb: str) -> Adapter:
     """The active version ``version`` of the name; 404 if it never existed, 409 if it
     was deleted."""
     row = next((a for a in state.versions if a.version == version), None)
@@ -278,7 +278,7 @@ def promote(session: Session, tenant_id: int, name: str, version: object) -> Nam
     a version that is no version number."""
     number = check_version(version)
     state = name_versions(session, tenant_id, name)
-    row = _target(session, state, number, "promote")
+    row = active_version(session, state, number, "promote")
     route = _route(session, tenant_id, name)
     if route is None:
         route = AdapterRoute(tenant_id=tenant_id, name=name)
@@ -299,7 +299,7 @@ def start_split(session: Session, tenant_id: int, name: str, version: object,
     number = check_version(version)
     share = check_percent(percent)
     state = name_versions(session, tenant_id, name)
-    canary = _target(session, state, number, "split traffic onto")
+    canary = active_version(session, state, number, "split traffic onto")
     if canary.id == state.traffic.current_id:
         raise ConflictError(f"version {number} is already the current version of adapter "
                             f"{name}: split onto another version")

@@ -167,6 +167,8 @@ ADMIN_ROUTES = [
     ("POST", "/admin/api/tenants/ops/adapters"),
     ("PATCH", "/admin/api/tenants/ops/adapters/x"),
     ("DELETE", "/admin/api/tenants/ops/adapters/x"),
+    ("POST", "/admin/api/tenants/ops/adapters/x/pin"),
+    ("DELETE", "/admin/api/tenants/ops/adapters/x/pin?version=1"),
 ]
 
 

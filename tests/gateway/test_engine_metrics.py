@@ -315,3 +315,30 @@ def test_the_disk_tier_has_its_series(tiny_llama_dir: Path, tmp_path: Path) -> N
     metrics.observe_engine([after])
     assert disk_series(metrics) == figures(before, after)
     second.close()
+
+
+def test_residency_names_each_adapter_and_whether_it_is_pinned(
+        tiny_llama_dir: Path, refs: dict[str, AdapterRef]) -> None:
+    engine = LLMEngine(EngineConfig(
+        ModelConfig(str(tiny_llama_dir)), CacheConfig(block_size=16, num_kv_blocks=64),
+        LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2),
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256)), progress=False)
+    try:
+        engine.set_pinned_adapters([refs["r4"]])
+        run_all(engine, refs["r8qv"], refs["r16rs"])  # the pin installs with the first step
+        metrics = GatewayMetrics()
+        metrics.observe_engine([engine.stats()])
+        series = {(s.labels["adapter"], s.labels["level"], s.labels["pinned"])
+                  for s in samples(metrics, "loraplex_adapter_residency") if s.value == 1}
+        pinned, last = identity(refs["r4"]), identity(refs["r16rs"])
+        assert series == {(pinned, "device", "true"), (pinned, "host", "true"),
+                          (last, "device", "false"), (last, "host", "false")}
+
+        engine.set_pinned_adapters([])  # unpinned, then pushed out by two others
+        run_all(engine, refs["r8qv"], refs["r16rs"])
+        metrics.observe_engine([engine.stats()])
+        series = {(s.labels["adapter"], s.labels["pinned"])
+                  for s in samples(metrics, "loraplex_adapter_residency")}
+        assert (pinned, "true") not in series and (pinned, "false") not in series
+    finally:
+        engine.close()

@@ -3,7 +3,8 @@
 
 Covers every string that reaches SQL (model names with or without an ``@`` version,
 tenant and adapter names in paths and queries, key names), any value of a tenant's
-scheduling settings and storage quotas, any body of a promote or a canary split, every
+scheduling settings and storage quotas, any body of a promote, a canary split or a pin
+(and any version an unpin names), every
 query parameter the OpenAPI document declares, and the
 multipart upload parser. Examples are capped and derandomized so the run stays short.
 """
@@ -130,8 +131,14 @@ def test_any_tenant_or_adapter_name_in_a_path_or_query_is_404(send: Caller,
                         {"version": 1}),
                        (f"/admin/api/tenants/{segment}/adapters/x/promote", {"version": 1}),
                        (f"/admin/api/tenants/fuzzer/adapters/{segment}/split",
-                        {"version": 1, "percent": 5})):
+                        {"version": 1, "percent": 5}),
+                       (f"/admin/api/tenants/fuzzer/adapters/{segment}/pin", {"version": 1}),
+                       (f"/admin/api/tenants/{segment}/adapters/x/pin", {"version": 1})):
         response = send("POST", path, admin=True, body=body)
+        assert response.status_code == 404, (path, response.text)
+    for path in (f"/admin/api/tenants/fuzzer/adapters/{segment}/pin?version=1",
+                 f"/admin/api/tenants/{segment}/adapters/x/pin?version=1"):
+        response = send("DELETE", path, admin=True)
         assert response.status_code == 404, (path, response.text)
     assert send("DELETE", f"/v1/adapters/{segment}").status_code == 404
     assert send("GET", f"/v1/adapters/{segment}").status_code == 404
@@ -227,6 +234,56 @@ def test_any_promote_or_split_body_is_answered_or_refused_naming_it(
             assert state["current_version"] == before["current_version"]
         else:
             assert (state["current_version"], state["split"]) == (version, None)
+
+
+@FUZZ
+@given(version=VERSION_VALUES, occupied=st.booleans())
+def test_any_pin_body_is_answered_or_refused_naming_it(send: Caller, versioned: str,
+                                                       version: Any, occupied: bool) -> None:
+    """The server has 2 slots, so one pin: with the other version pinned (``occupied``),
+    pinning a good version is 409. Every answer but a 200 changes nothing."""
+    base = f"/admin/api/tenants/fuzzer/adapters/{versioned}"
+    if occupied:
+        response = send("POST", f"{base}/pin", admin=True, body={"version": 2})
+        assert response.status_code == 200, response.text
+    before = send("GET", base, admin=True).json()
+    response = send("POST", f"{base}/pin", admin=True, body={"version": version})
+    if isinstance(version, float) and version.is_integer():
+        version = int(version)
+    if not _is_int(version, 1, 2**31 - 1):
+        expected, param = 400, "version"
+    elif version not in (1, 2):
+        expected, param = 404, "model"
+    elif occupied and version != 2:
+        expected, param = 409, None
+    else:
+        expected, param = 200, None
+    assert response.status_code == expected, (version, response.text)
+    if expected != 200:
+        assert response.json()["error"]["param"] == param, response.text
+        assert send("GET", base, admin=True).json() == before
+    else:
+        pinned = {v["version"]: v["pinned"] for v in response.json()["versions"]}
+        assert pinned == {1: version == 1, 2: version == 2 or occupied}
+    for number in (1, 2):  # no pin is left for the next example
+        assert send("DELETE", f"{base}/pin?version={number}", admin=True).status_code == 200
+    assert not any(v["pinned"] for v in send("GET", base, admin=True).json()["versions"])
+
+
+@FUZZ
+@given(tail=VERSION_TEXT)
+def test_any_version_an_unpin_names_is_answered_or_400(send: Caller, versioned: str,
+                                                       tail: str) -> None:
+    assume(not _has_surrogate(tail))  # no URL can carry one
+    base = f"/admin/api/tenants/fuzzer/adapters/{versioned}"
+    before = send("GET", base, admin=True).json()
+    response = send("DELETE", f"{base}/pin?{urlencode({'version': tail})}", admin=True)
+    number = int(tail) if re.fullmatch(r"[0-9]{1,10}", tail, re.ASCII) else 0
+    expected = (200 if number in (1, 2) else 404 if 1 <= number <= 2**31 - 1 else 400)
+    assert response.status_code == expected, (tail, response.text)
+    if expected == 400:
+        assert response.json()["error"]["param"] == "version", response.text
+    assert send("GET", base, admin=True).json() == before
 
 
 @FUZZ

@@ -16,7 +16,7 @@ from alembic.runtime.migration import MigrationContext
 
 from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE, folder_digest
 from loraplex.errors import ConfigError, StoreNotOwnedError
-from loraplex.registry import db, service
+from loraplex.registry import db, pins, service
 from loraplex.registry.models import Base
 from loraplex.registry.ownership import open_store
 from loraplex.registry.store import AdapterStore
@@ -44,7 +44,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0006"
+        assert db.current_revision(engine) == db.head_revision() == "0007"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -355,7 +355,7 @@ def test_0006_keeps_every_name_on_its_latest_version_and_goes_down_again(
                     "false, '[]', :d, 10, 'p', 'private', :s, CURRENT_TIMESTAMP)"),
                     {"t": tenant_id, "v": version, "d": str(version) * 64, "s": status})
         db.upgrade(url)
-        assert db.current_revision(engine) == "0006"
+        assert db.current_revision(engine) == db.head_revision()
         factory = db.make_session_factory(engine)
         with db.transaction(factory) as session:
             assert service.resolve_adapter(session, tenant_id, "a").version == 2
@@ -381,6 +381,46 @@ def test_0006_keeps_every_name_on_its_latest_version_and_goes_down_again(
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one() == 3
         db.upgrade(url)
-        assert db.current_revision(engine) == "0006"
+        assert db.current_revision(engine) == db.head_revision()
+    finally:
+        engine.dispose()
+
+
+def test_0007_adds_pins_unset_and_goes_down_again(empty_db_url: str) -> None:
+    """Existing versions come up unpinned; a pin is kept; downgrade drops only the column
+    (the rows stay), and upgrading again works."""
+    url = empty_db_url
+    db.upgrade(url, "0006")
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO tenants (name, status, created_at, updated_at) "
+                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+            for version in (1, 2):
+                conn.execute(sa.text(
+                    "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
+                    "use_rslora, target_modules, digest, size_bytes, storage_path, "
+                    "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
+                    "false, '[]', :d, 10, 'p', 'private', 'active', CURRENT_TIMESTAMP)"),
+                    {"t": tenant_id, "v": version, "d": str(version) * 64})
+        db.upgrade(url)
+        assert db.current_revision(engine) == "0007"
+        factory = db.make_session_factory(engine)
+        with db.transaction(factory) as session:
+            assert [a.pinned_at for a in service.list_adapters(session, tenant_id)] == [
+                None, None]
+            assert pins.pinned_adapters(session) == []
+            pins.pin(session, tenant_id, "a", 2)
+        with db.transaction(factory) as session:
+            assert [(a.name, a.version) for a in pins.pinned_adapters(session)] == [("a", 2)]
+        db.downgrade(url, "0006")
+        assert "pinned_at" not in {c["name"] for c in sa.inspect(engine).get_columns("adapters")}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one() == 2
+        db.upgrade(url)
+        with db.transaction(factory) as session:
+            assert pins.pinned_adapters(session) == []
     finally:
         engine.dispose()

@@ -1,5 +1,6 @@
-"""``loraplex adapters promote`` and ``adapters split`` on SQLite and PostgreSQL: the state
-they print, and refusals as one line on stderr that change nothing."""
+"""``loraplex adapters promote``, ``adapters split`` and ``adapters pin``/``unpin`` on SQLite
+and PostgreSQL: the state they print, and refusals as one line on stderr that change
+nothing."""
 
 from __future__ import annotations
 
@@ -87,3 +88,69 @@ def test_refusals_are_one_line_and_change_nothing(versions_cli: Cli, argv: list[
     assert message in err and len(err) < 300, err
     assert cli("adapters", "list", "--all") == before
     assert cli("adapters", "list", "--tenant", "acme")[0]["version"] == 4
+
+
+def _pins(data: dict[str, Any]) -> list[tuple[int, bool]]:
+    return [(v["version"], v["pinned"]) for v in data["versions"]]
+
+
+def test_pin_and_unpin(versions_cli: Cli, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI records pins without a server (no share to check); the text says which a
+    server applies: the oldest, as many as its share of slots."""
+    cli = versions_cli
+    data = cli("adapters", "pin", "--tenant", "acme", "bot", "--version", "2")
+    assert _pins(data) == [(1, False), (2, True), (4, False)]
+    assert data["versions"][1]["pinned_at"] is not None
+    assert _pins(cli("adapters", "pin", "--tenant", "acme", "bot", "--version", "4")) == [
+        (1, False), (2, True), (4, True)]
+    # Again: no change (the pin keeps its age).
+    again = cli("adapters", "pin", "--tenant", "acme", "bot", "--version", "2")
+    assert again["versions"][1]["pinned_at"] == data["versions"][1]["pinned_at"]
+    listed = cli("adapters", "list", "--all")
+    assert {(a["version"], a["pinned"]) for a in listed} == {(1, False), (2, True),
+                                                             (3, False), (4, True)}
+    capsys.readouterr()
+    assert run_registry_cli(["adapters", "pin", "--tenant", "acme", "bot", "--version", "1",
+                             *cli.options[:-1]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, out
+    assert out.startswith("acme/bot version 1 pinned; pinned, oldest first: acme/bot@2, "
+                          "acme/bot@4, acme/bot@1. A server holds the oldest "
+                          "floor(--max-pinned-fraction x --max-loras) of them"), out
+    assert _pins(cli("adapters", "unpin", "--tenant", "acme", "bot", "--version", "2")) == [
+        (1, True), (2, False), (4, True)]
+    # Unpinning what is not pinned changes nothing.
+    assert _pins(cli("adapters", "unpin", "--tenant", "acme", "bot", "--version", "2")) == [
+        (1, True), (2, False), (4, True)]
+    # A deleted version is no longer pinned.
+    cli("adapters", "delete", "--tenant", "acme", "--name", "bot", "--version", "4")
+    listed = cli("adapters", "list", "--all")
+    assert {(a["version"], a["pinned"]) for a in listed} == {(1, True), (2, False),
+                                                             (3, False), (4, False)}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["pin", "bot", "--version", "9"], "no version 9"),
+    (["pin", "bot", "--version", "3"], "cannot pin adapter bot version 3: that version is "
+                                       "deleted"),
+    (["pin", "bot", "--version", "0"], "--version must be an integer"),
+    (["pin", "bot", "--version", "x"], "--version must be an integer"),
+    (["pin", "bot", "--version", "1.5"], "--version must be an integer"),
+    (["pin", "bot", "--version", "9" * 5000], "--version must be an integer"),
+    (["pin", "nope", "--version", "1"], "no active adapter nope"),
+    (["pin", "bot@1", "--version", "1"], "no active adapter bot@1"),
+    (["unpin", "bot", "--version", "3"], "cannot unpin adapter bot version 3"),
+    (["unpin", "bot", "--version", "9"], "no version 9"),
+    (["unpin", "bot", "--version", "-1"], "--version must be an integer"),
+])
+def test_pin_refusals_are_one_line_and_change_nothing(versions_cli: Cli, argv: list[str],
+                                                      message: str) -> None:
+    cli = versions_cli
+    cli("adapters", "pin", "--tenant", "acme", "bot", "--version", "1")
+    before = cli("adapters", "list", "--all")
+    command, *rest = argv
+    err = cli("adapters", command, "--tenant", "acme", *rest, expect=2)
+    assert message in err and len(err) < 300, err
+    assert cli("adapters", "list", "--all") == before
+    err = cli("adapters", command, "--tenant", "nobody", *rest, expect=2)
+    assert len(err) < 300 and cli("adapters", "list", "--all") == before

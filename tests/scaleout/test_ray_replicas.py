@@ -1,6 +1,7 @@
 """Engine replicas on a real local Ray cluster, behind two real gateway processes.
 
-One module-scoped cluster (``ray start --head`` on loopback, two CPUs), two replicas of the
+First, alone, a gateway that starts a local cluster of its own, and its clean stop. Then one
+module-scoped cluster (``ray start --head`` on loopback, two CPUs), two replicas of the
 tiny Llama deployed by the first ``loraplex serve --backend ray``, a second gateway process
 attached to the same replicas, PostgreSQL for the registry and Redis for limits and replica
 state. Every call goes through the official ``openai`` client or plain HTTP.
@@ -14,11 +15,14 @@ import importlib.util
 import json
 import os
 import random
+import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -30,7 +34,8 @@ import httpx
 import openai
 import pytest
 import redis
-from servers import wait_ready, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from servers import ready_check, wait_ready, wait_until
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the ray extra is not installed", allow_module_level=True)
@@ -47,7 +52,7 @@ from loraplex.config import (  # noqa: E402
 from loraplex.engine.client import EngineClient  # noqa: E402
 from loraplex.engine.request import AdapterRef  # noqa: E402
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
-from loraplex.registry import db, service  # noqa: E402
+from loraplex.registry import db, pins, service  # noqa: E402
 from loraplex.testing import (
     postgres_schema,
     process_descendants,
@@ -90,6 +95,7 @@ class Deployment:
     logs: list[Path]
     argv: list[str]  # a gateway's command line, less --port
     env: dict[str, str]
+    db_url: str = ""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     head: subprocess.Popen[bytes] | None = None  # the cluster's `ray start --head`
 
@@ -221,7 +227,7 @@ def deployment(cluster: Cluster, tiny_llama_dir: Path, llama_adapters: dict[str,
                 "--max-num-seqs", str(MAX_NUM_SEQS), "--log-level", "warning"]
         dep = Deployment([f"http://127.0.0.1:{p}" for p in ports], keys, admin_key, prefix,
                          tiny_llama_dir, adapter_dirs, [root / "gw0.log", root / "gw1.log"],
-                         argv, env, head=cluster.head)
+                         argv, env, db_url=db_url, head=cluster.head)
         try:
             for i, port in enumerate(ports):
                 cmd = [*dep.argv, "--port", str(port)]
@@ -293,6 +299,96 @@ def _simulated_random_hits(sequence: list[str], replicas: int, capacity: int,
             if len(cache) > capacity:
                 cache.popitem(last=False)
     return hits / len(sequence)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _stop_with_children(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    spawned = process_descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid in spawned:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_clean_stop_of_its_own_cluster_leaves_nothing_behind(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+    """``loraplex serve --backend ray`` without ``--ray-address`` starts a local cluster;
+    SIGTERM stops it and removes everything the Ray backend made: the cluster's processes,
+    Ray's session folder, the replicas' keys in Redis. The stop prints no error-looking
+    line (Serve's shutdown printed two "Task ServeController... failed")."""
+    # Where Ray puts its folder (else /tmp/ray): short, as its socket paths must fit 107 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lpx", dir="/tmp"))
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, ray_tmp, True)
+        db_url = stack.enter_context(postgres_schema("raystop"))
+        prefix = stack.enter_context(redis_key_prefix("raystop"))
+        db.upgrade(db_url)
+        engine = db.make_engine(db_url)
+        try:
+            with db.transaction(db.make_session_factory(engine)) as session:
+                key = service.create_key(session, service.create_tenant(session, "alice").id)[1]
+        finally:
+            engine.dispose()
+        store = tmp_path / "store"
+        assert run_registry_cli(["adapters", "add", "--tenant", "alice", "--name", "sql",
+                                 str(llama_adapters["r4"]), "--database-url", db_url,
+                                 "--adapter-dir", str(store),
+                                 "--model", str(tiny_llama_dir)]) == 0
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+        env.update(LORAPLEX_CACHE_SALT_SECRET="clean-stop-secret",
+                   LORAPLEX_HOME=str(tmp_path / "home"), RAY_TMPDIR=str(ray_tmp), **RAY_ENV)
+        url = f"http://127.0.0.1:{(port := _free_port())}"
+        log = tmp_path / "serve.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [_bin("loraplex"), "serve", "--backend", "ray", "--replicas", "1",
+                 "--replica-cpus", "0.5", "--model", str(tiny_llama_dir),
+                 "--database-url", db_url, "--adapter-dir", str(store),
+                 "--redis-url", REDIS_URL, "--redis-key-prefix", prefix,
+                 "--num-kv-blocks", "64", "--max-lora-rank", "16", "--port", str(port),
+                 "--log-level", "warning"], env=env, stdout=out, stderr=out)
+        stack.callback(_stop_with_children, proc)  # when the test failed before its stop
+        wait_ready(url, proc, "the gateway with its own cluster", log=log)
+        ready = httpx.get(f"{url}/ready", timeout=30).json()
+        assert ready["replicas"] == {"configured": 1, "missing": []}, ready
+        # The replica's stats, and a deletion stream (an adapter it served, deleted).
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        client.completions.create(model="sql", prompt="x", max_tokens=2)
+        assert httpx.delete(f"{url}/v1/adapters/sql", headers={
+            "Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+        with redis.Redis.from_url(REDIS_URL) as r:
+            assert sorted(r.scan_iter(match=f"{prefix}replicas:*")) == [
+                f"{prefix}replicas:loraplex:{name}".encode() for name in ("forget", "stats")]
+        assert [p.name[:13] for p in ray_tmp.iterdir()] == ["loraplex-ray-"]
+        spawned = process_descendants(proc.pid)  # Ray's, the replica's worker among them
+        assert spawned
+        mark = log.stat().st_size
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: proc.poll() is not None, proc, "the stop")
+        stop_output = log.read_bytes()[mark:].decode(errors="replace")
+        # Ray's driver turns the SIGTERM uvicorn re-raises once stopped into exit status 15.
+        assert proc.returncode in (0, signal.SIGTERM), (proc.returncode, stop_output)
+        assert not re.search(r"error|fail|traceback|exception", stop_output,
+                             re.IGNORECASE), stop_output
+        assert [pid for pid in spawned if _alive(pid)] == []
+        assert list(ray_tmp.iterdir()) == []
+        with redis.Redis.from_url(REDIS_URL) as r:
+            assert list(r.scan_iter(match=f"{prefix}replicas:*")) == []
 
 
 def test_mixed_adapters_match_in_process_and_stick_to_replicas(
@@ -471,7 +567,81 @@ def test_replica_killed_mid_stream(deployment: Deployment) -> None:
     replaced = deployment.wait_replicas(
         lambda seen: len(seen) == 2 and victim not in {s["pid"] for s in seen.values()})
     assert sorted(replaced) == [0, 1]  # the replacement took the ordinal back
-    assert httpx.get(f"{deployment.gateways[0]}/ready", timeout=10).status_code == 200
+    # Ready again once the gateway's probe (every 2 s) has seen the replacement.
+    assert deployment.head is not None
+    wait_until(ready_check(deployment.gateways[0]), deployment.head, "/ready",
+               also=[p.pid for p in deployment.procs])
+
+
+def test_ready_names_a_missing_replica_until_it_is_replaced(deployment: Deployment) -> None:
+    assert deployment.head is not None
+    seen = deployment.wait_replicas(lambda seen: sorted(seen) == [0, 1])
+    ordinal = 1
+    victim = seen[ordinal]["pid"]
+    last: dict[str, Any] = {}
+
+    def every_gateway(status: int, missing: list[int]) -> bool:
+        for url in deployment.gateways:
+            response = httpx.get(f"{url}/ready", timeout=30)
+            last[url] = (response.status_code, response.json())
+            if response.status_code != status or response.json()["replicas"] != {
+                    "configured": 2, "missing": missing}:
+                return False
+        return True
+
+    # Stopped, not killed: it stays down until killed (or Serve's 30 s health check), so
+    # the 503 does not race the replacement's start.
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        wait_until(lambda: every_gateway(503, [ordinal]), deployment.head,
+                   "the gateways' /ready", also=[p.pid for p in deployment.procs],
+                   describe=lambda: f"last: {last}")
+        assert all(body["status"] == "not ready" for _, body in last.values())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    # 503 while the replacement starts, 200 again once it answers under the same ordinal.
+    wait_until(lambda: every_gateway(200, []), deployment.head, "the gateways' /ready",
+               also=[p.pid for p in deployment.procs], describe=lambda: f"last: {last}")
+    replaced = deployment.replicas()
+    assert sorted(replaced) == [0, 1] and replaced[ordinal]["pid"] != victim
+
+
+def _set_pin(deployment: Deployment, tenant: str, name: str, pinned: bool) -> str:
+    """Pins (or unpins) the latest version of tenant/name in the registry, as the CLI
+    does with no server; returns the version's identity as stats spell it."""
+    engine = db.make_engine(deployment.db_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            owner = service.get_tenant_by_name(session, tenant)
+            row = service.resolve_adapter(session, owner.id, name)
+            (pins.pin if pinned else pins.unpin)(session, owner.id, name, row.version)
+            return f"{row.id}@{row.digest[:12]}"
+    finally:
+        engine.dispose()
+
+
+def test_a_pin_holds_on_every_replica(deployment: Deployment) -> None:
+    """A pin written to the registry reaches both replicas through the gateways' sync:
+    each reports it pinned and in a device slot; unpinned, it is released everywhere."""
+    identity = _set_pin(deployment, "alice", "qv", True)
+    try:
+        deployment.wait_replicas(lambda seen: len(seen) == 2 and all(
+            r["pinned_adapters"] == [identity] and identity in r["adapter_slots"]
+            for r in seen.values()))
+        # Both gateways export it with the pinned label, for each replica.
+        for url in deployment.gateways:
+            text = httpx.get(f"{url}/metrics", timeout=30, headers={
+                "Authorization": f"Bearer {deployment.admin_key}"}).text
+            held = {s.labels["replica"] for family in text_string_to_metric_families(text)
+                    for s in family.samples if s.name == "loraplex_adapter_residency"
+                    and s.labels["adapter"] == identity and s.labels["level"] == "device"
+                    and s.labels["pinned"] == "true" and s.value == 1}
+            assert held == {"0", "1"}, url
+    finally:
+        _set_pin(deployment, "alice", "qv", False)
+    deployment.wait_replicas(lambda seen: len(seen) == 2 and all(
+        not r["pinned_adapters"] for r in seen.values()))
 
 
 def test_overflow_is_503_with_retry_after(deployment: Deployment) -> None:

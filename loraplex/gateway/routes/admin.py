@@ -71,15 +71,18 @@ def _named(tenants: list[dict[str, Any]], names: dict[str, str | None]) -> list[
     return [t | {"name": names.get(t["tenant"])} for t in tenants]
 
 
-def _slots(slots: tuple[str | None, ...],
+def _slots(stats: EngineStats,
            entries: dict[str, dict[str, Any]]) -> list[dict[str, Any] | None]:
+    pinned = set(stats.pinned_adapters)
     return [None if slot is None else {"slot": index} | entries[slot]
-            for index, slot in enumerate(slots)]
+            | {"pinned": slot in pinned} for index, slot in enumerate(stats.adapter_slots)]
 
 
 async def engine_stats(request: Request) -> Response:
-    """The engine's figures: queue, running requests, KV blocks, adapter slots, tenants
-    (each with its registry ``name``); at the top level for the whole deployment, and under
+    """The engine's figures: queue, running requests, KV blocks, adapter slots (each
+    saying whether its adapter is ``pinned``), the pins held (``pinned_adapters``) and the
+    most there may be (``max_pinned``), tenants (each with its registry ``name``); at the
+    top level for the whole deployment, and under
     ``replicas`` for each replica."""
     gw, _ = await admin_principal(request)
     replicas = await gw.backend.replica_stats()
@@ -91,11 +94,12 @@ async def engine_stats(request: Request) -> Response:
 
     def view(stats: EngineStats) -> dict[str, Any]:
         out = asdict(stats)
-        return out | {"slots": _slots(stats.adapter_slots, entries),
+        return out | {"slots": _slots(stats, entries),
                       "tenants": _named(out["tenants"], names)}
 
     return JSONResponse(view(total) | {"served_model": gw.served_model_name,
                                        "architecture": gw.backend.description.architecture,
+                                       "max_pinned": gw.backend.description.max_pinned,
                                        "replicas": [view(r) for r in replicas]})
 
 

@@ -1,8 +1,9 @@
 """Admin routes for any tenant's adapters: list versions, upload, visibility, delete; a
-name's versions, promote, canary split and its cancel."""
+name's versions, promote, canary split and its cancel, pin and unpin."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -23,6 +24,8 @@ from loraplex.gateway.http import query_flag, query_version, read_json_object
 from loraplex.gateway.state import Gateway
 from loraplex.registry import service
 from loraplex.registry.db import transaction
+
+logger = logging.getLogger(__name__)
 
 
 def list_versions(gw: Gateway, tenant: str | None, include_deleted: bool,
@@ -125,6 +128,43 @@ async def cancel_split(request: Request) -> Response:
                                                 tenant, request.path_params["name"]))
 
 
+async def _apply_pins(gw: Gateway) -> None:
+    # The pin is committed whatever happens here: a failure to apply it now is retried by
+    # the next round of the gateway's pin sync.
+    try:
+        await gw.pins.sync()
+    except Exception as exc:
+        logger.warning("cannot apply the pinned adapters now: %s", exc)
+
+
+async def pin(request: Request) -> Response:
+    """``{"version": N}`` keeps that version in a device slot and the host cache on every
+    replica; 409 past the server's share of slots for pins."""
+    gw, _ = await admin_principal(request)
+    body = await adapter_versions.read_body(request, gw, adapter_versions.PIN_FIELDS)
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    data = await run_in_threadpool(adapter_versions.pin, gw, tenant_id, tenant,
+                                   request.path_params["name"], body["version"],
+                                   gw.backend.description.max_pinned)
+    await _apply_pins(gw)
+    return JSONResponse(data)
+
+
+async def unpin(request: Request) -> Response:
+    """``?version=N``: that version is no longer pinned (its slot joins the working set)."""
+    gw, _ = await admin_principal(request)
+    version = query_version(request)
+    if version is None:
+        raise InvalidRequestError("version is required (?version=N)", param="version")
+    tenant = request.path_params["tenant"]
+    tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
+    data = await run_in_threadpool(adapter_versions.unpin, gw, tenant_id, tenant,
+                                   request.path_params["name"], version)
+    await _apply_pins(gw)
+    return JSONResponse(data)
+
+
 def routes() -> list[Route]:
     """The routes of this module, for ``create_app``."""
     name = "/admin/api/tenants/{tenant}/adapters/{name}"
@@ -133,6 +173,8 @@ def routes() -> list[Route]:
         Route(f"{name}/promote", promote, methods=["POST"]),
         Route(f"{name}/split", split, methods=["POST"]),
         Route(f"{name}/split", cancel_split, methods=["DELETE"]),
+        Route(f"{name}/pin", pin, methods=["POST"]),
+        Route(f"{name}/pin", unpin, methods=["DELETE"]),
         Route("/admin/api/adapters", list_adapters, methods=["GET"]),
         Route("/admin/api/tenants/{tenant}/adapters", list_adapters, methods=["GET"]),
         Route("/admin/api/tenants/{tenant}/adapters", upload_adapter, methods=["POST"]),
