@@ -38,7 +38,8 @@ from loraplex.errors import InvalidRequestError  # noqa: E402
 
 
 def hostile_specs() -> Iterator[tuple[str, GrammarSpec]]:
-    """The three reported specs, then an endless family of new ones of the same shapes."""
+    """The three reported specs, then an endless family of new ones of the costly shapes
+    (``multipleOf`` variants are refused at once as unsatisfiable, so they are not here)."""
     yield "multipleOf 2**30", GrammarSpec.json_schema({"type": "integer",
                                                        "multipleOf": 1 << 30})
     yield ".* x 20000", GrammarSpec("regex", ".*" * 20000, "guided_regex")
@@ -49,10 +50,7 @@ def hostile_specs() -> Iterator[tuple[str, GrammarSpec]]:
         yield f"family {k}", GrammarSpec.json_schema({"allOf": [
             {"type": "string", "pattern": f"^(.*{letter}.*){{{i + k % 7}}}$"}
             for i in range(1, 24 + k % 8)]})
-        yield f"family {k} regex", GrammarSpec(
-            "regex", f"(.*{letter}){{{20 + k}}}" * 40, "guided_regex")
-        yield f"family {k} multipleOf", GrammarSpec.json_schema(
-            {"type": "integer", "multipleOf": (1 << 30) + k})
+        yield f"family {k} .*", GrammarSpec("regex", ".*" * (20000 + k), "guided_regex")
 
 
 async def stream_gaps(client: EngineClient, max_tokens: int) -> list[float]:
