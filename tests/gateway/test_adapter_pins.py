@@ -88,7 +88,9 @@ class PinServer:
                                  str(self.store), "--model", str(self.model_dir)])
 
 
-def _wait(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+def _wait(check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    """``check()`` once true, else its last value after ``timeout_s``: the pins apply
+    within one 2 s sync round, so a minute holds on a machine however busy."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
@@ -225,7 +227,7 @@ def test_a_cli_pin_applies_within_seconds(pins: PinServer,
     assert server.cli("adapters", "pin", "--tenant", "acme", "a0", "--version", "1") == 0
     assert "oldest first: acme/a0@1" in capsys.readouterr().out
     a0 = server.identity("a0")
-    assert _wait(lambda: server.engine()["pinned_adapters"] == [a0], timeout_s=5)
+    assert _wait(lambda: server.engine()["pinned_adapters"] == [a0])
     # Past the share, the CLI records the pin; the server applies only the oldest.
     assert server.cli("adapters", "pin", "--tenant", "acme", "a1", "--version", "1") == 0
     assert server.version("a1", 1)["pinned"] is True
@@ -234,7 +236,7 @@ def test_a_cli_pin_applies_within_seconds(pins: PinServer,
     # The older pin goes: the next one applies.
     assert server.cli("adapters", "unpin", "--tenant", "acme", "a0", "--version", "1") == 0
     a1 = server.identity("a1")
-    assert _wait(lambda: server.engine()["pinned_adapters"] == [a1], timeout_s=5)
+    assert _wait(lambda: server.engine()["pinned_adapters"] == [a1])
 
 
 def test_a_deleted_pinned_version_is_no_longer_held(pins: PinServer,
@@ -247,7 +249,7 @@ def test_a_deleted_pinned_version_is_no_longer_held(pins: PinServer,
     assert server.engine()["pinned_adapters"] == [gone]
     deleted = server.call("DELETE", f"{BASE}/gone", params={"version": 1})
     assert deleted.status_code == 200, deleted.text
-    assert _wait(lambda: server.engine()["pinned_adapters"] == [], timeout_s=5)
+    assert _wait(lambda: server.engine()["pinned_adapters"] == [])
     time.sleep(2.5)  # a sync round does not bring it back
     stats = server.engine()
     assert stats["pinned_adapters"] == [] and _slot_of(stats, gone) is None
