@@ -19,7 +19,9 @@ a deployment handle:
   checks the files' digest when it loads them.
 - Shared state goes through Redis (required in Ray mode, as Serve has no broadcast):
   deletions are appended to a stream that every replica reads (blocking), so each drops
-  the adapter's slot, host copy and prefix blocks within ``FORGET_BOUND_S``; every replica
+  the adapter's slot, host copy and prefix blocks within ``FORGET_BOUND_S`` (keeping the
+  weights its requests in flight need) and acknowledges it; the gateway removes the files
+  once every live replica has; every replica
   writes its stats under its ordinal (Serve's replica rank, stable across replacements)
   each ``STATS_INTERVAL_S``, which is how the gateway lists every replica, and how it knows
   which of the deployment's replicas are missing (``/ready`` is 503 until all answer); in
@@ -153,6 +155,18 @@ def _forget_key(config: RayConfig) -> str:
 
 def _pins_key(config: RayConfig) -> str:
     return f"{config.sync_key_prefix}{config.app_name}:pins"
+
+
+def _forgot_key(config: RayConfig) -> str:
+    """Each replica's newest deletion applied (a stream id), by ordinal."""
+    return f"{config.sync_key_prefix}{config.app_name}:forgot"
+
+
+def _stream_id(value: bytes | str | None) -> tuple[int, int]:
+    """A Redis stream id ("ms-seq") as a comparable pair."""
+    text = value.decode() if isinstance(value, bytes) else (value or "0-0")
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 @dataclass(frozen=True)
@@ -319,6 +333,7 @@ class EngineReplica:
                     last = info["last-generated-id"] if info else "0-0"
                     if isinstance(last, bytes):
                         last = last.decode()
+                    await self._acknowledge(last)
                 answer: Any = await self._redis.xread({key: last},
                                                       block=int(FORGET_BOUND_S * 500))
                 for _, entries in answer or ():
@@ -326,11 +341,17 @@ class EngineReplica:
                         last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                         await self._client.forget_adapter(fields[b"adapter_id"].decode(),
                                                           fields[b"digest"].decode())
+                        await self._acknowledge(last)
             except EngineDeadError:
                 return
             except Exception as exc:
                 logger.warning("replica %d: cannot read deletions: %s", self._ordinal, exc)
                 await asyncio.sleep(FORGET_BOUND_S / 4)
+
+    async def _acknowledge(self, entry_id: str) -> None:
+        """Tells the gateways this replica applied every deletion up to ``entry_id``: it
+        holds its own copy of what its requests need, so the files may go."""
+        await self._redis.hset(_forgot_key(self._config), str(self._ordinal), entry_id)
 
     async def __del__(self) -> None:
         for task in getattr(self, "_tasks", ()):
@@ -412,7 +433,7 @@ def remove_replica_state(ray_config: RayConfig, redis_url: str) -> None:
     try:
         with redis.Redis.from_url(redis_url, socket_timeout=5) as client:
             client.delete(_stats_key(ray_config), _forget_key(ray_config),
-                          _pins_key(ray_config))
+                          _pins_key(ray_config), _forgot_key(ray_config))
     except redis.RedisError as exc:
         logger.warning("cannot remove the engine replicas' keys from Redis: %s",
                        first_line(exc))
@@ -615,10 +636,27 @@ class RayEngineBackend:
                                        json.dumps([model_id(ref) for ref in refs]))
 
     async def forget_adapter(self, adapter_id: str, digest: str) -> None:
-        """Every replica drops the version within FORGET_BOUND_S (see the module doc)."""
-        await self._redis_client().xadd(_forget_key(self._config),
-                                        {"adapter_id": adapter_id, "digest": digest},
-                                        maxlen=_FORGET_MAXLEN, approximate=True)
+        """Every replica drops the version (see the module doc); returns once every live
+        replica has applied it, so that its requests in flight keep the weights they need
+        before the files go (``LLMEngine.forget_adapter``), or after 2 × FORGET_BOUND_S
+        (a replica that does not answer by then holds no request worth waiting for)."""
+        client = self._redis_client()
+        entry = _stream_id(await client.xadd(_forget_key(self._config),
+                                             {"adapter_id": adapter_id, "digest": digest},
+                                             maxlen=_FORGET_MAXLEN, approximate=True))
+        deadline = time.monotonic() + 2 * FORGET_BOUND_S
+        while True:
+            live = await self._published()
+            acks = await client.hgetall(_forgot_key(self._config))
+            behind = [o for o in live if _stream_id(acks.get(str(o).encode())) < entry]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("replica %s did not confirm the deletion of adapter %s in "
+                               "%.0f s", ", ".join(map(str, behind)), adapter_id,
+                               2 * FORGET_BOUND_S)
+                return
+            await asyncio.sleep(0.05)
 
     def _redis_client(self) -> aioredis.Redis:
         if self._redis is None:

@@ -366,14 +366,16 @@ def test_a_clean_stop_of_its_own_cluster_leaves_nothing_behind(
         wait_ready(url, proc, "the gateway with its own cluster", log=log)
         ready = httpx.get(f"{url}/ready", timeout=30).json()
         assert ready["replicas"] == {"configured": 1, "missing": []}, ready
-        # The replica's stats, and a deletion stream (an adapter it served, deleted).
+        # The replica's stats, a deletion stream (an adapter it served, deleted) and the
+        # replica's acknowledgement of it.
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
         client.completions.create(model="sql", prompt="x", max_tokens=2)
         assert httpx.delete(f"{url}/v1/adapters/sql", headers={
             "Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
         with redis.Redis.from_url(REDIS_URL) as r:
             assert sorted(r.scan_iter(match=f"{prefix}replicas:*")) == [
-                f"{prefix}replicas:loraplex:{name}".encode() for name in ("forget", "stats")]
+                f"{prefix}replicas:loraplex:{name}".encode()
+                for name in ("forget", "forgot", "stats")]
         assert [p.name[:13] for p in ray_tmp.iterdir()] == ["loraplex-ray-"]
         spawned = process_descendants(proc.pid)  # Ray's, the replica's worker among them
         assert spawned
@@ -499,10 +501,27 @@ def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
             deployment.wait_replicas(lambda seen: len(holders(seen)) == 2, timeout_s=10)
             break
     assert len(holders(deployment.replicas())) == 2, "no burst spilled to the other replica"
+    prompt = "in flight at the delete"
+    in_flight = iter(client.completions.create(model="mlp", prompt=prompt, max_tokens=40,
+                                               temperature=0, stream=True))
+    streamed = next(in_flight).choices[0].text  # it runs on a replica now
     deleted_at = time.monotonic()
     response = httpx.delete(f"{deployment.gateways[1]}/v1/adapters/mlp",
                             headers={"Authorization": f"Bearer {deployment.keys['alice']}"})
     assert response.status_code == 200, response.text
+    # The delete answered (and removed the files) only once both replicas had applied it.
+    with redis.Redis.from_url(REDIS_URL) as r:
+        base = f"{deployment.redis_prefix}replicas:loraplex"
+        newest = r.xinfo_stream(f"{base}:forget")["last-generated-id"].decode()
+        acks = {int(k): v.decode() for k, v in r.hgetall(f"{base}:forgot").items()}
+
+    def as_pair(entry: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in entry.split("-"))
+
+    assert set(acks) >= {0, 1} and all(as_pair(acks[o]) >= as_pair(newest) for o in (0, 1))
+    streamed += "".join(chunk.choices[0].text for chunk in in_flight)
+    assert streamed == _in_process(deployment.model_dir, [("alice/mlp", prompt)],
+                                   deployment.adapter_dirs, 40)[0]
     with pytest.raises(openai.NotFoundError):  # at once, on the other gateway too
         client.completions.create(model="mlp", prompt="x", max_tokens=1)
     deployment.wait_replicas(lambda seen: len(seen) == 2 and not holders(seen), timeout_s=5)
