@@ -42,10 +42,10 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
 
 def command_line(script: str, args: argparse.Namespace) -> str:
     """The command that reproduces a run: ``script`` with every option it was given but
-    ``--out`` (unset ones left out), for the JSON document."""
+    ``--out`` (unset ones and flags not given left out), for the JSON document."""
     return f"python benchmarks/{script} " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if v is not None and k != "out")
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items() if v is not None and v is not False and k != "out")
 
 
 def save_loglog(fig: Any, ax: Any, out: Path, xlabel: str, ylabel: str, title: str) -> None:

@@ -1,14 +1,14 @@
-// Engine: queue, KV cache, prefix-cache hit rate, adapter slots and speculative decoding of
-// the whole deployment, each tenant's share and recent latency, then each replica's and
-// each replica's device slots, refreshed every 2 s.
+// Engine: queue, KV cache, prefix-cache hit rate, the KV disk tier, adapter slots and
+// speculative decoding of the whole deployment, each tenant's share and recent latency,
+// then each replica's and each replica's device slots, refreshed every 2 s.
 import { api } from "../api.js";
-import { badge, errorLine, fmtInt, h, table } from "../dom.js";
+import { badge, errorLine, fmtBytes, fmtInt, h, table } from "../dom.js";
 
 export const title = "Engine";
 const REFRESH_MS = 2000;
 
-function stat(label, value, sub, fraction) {
-  return h("div", { class: "stat" }, h("div", { class: "label" }, label),
+function stat(label, value, sub, fraction, id) {
+  return h("div", { class: "stat", id }, h("div", { class: "label" }, label),
     h("div", { class: "value" }, value), sub ? h("div", { class: "sub" }, sub) : null,
     fraction === undefined ? null : (() => {
       const bar = h("span");
@@ -83,12 +83,37 @@ function tenantRows(tenants, latency) {
   });
 }
 
-// One row per replica: its queue, KV pool and what sits in its device slots.
+// The prefix cache's disk tier of a deployment or replica (kv_disk_max_bytes is 0 where
+// there is none): each figure in a span named by its API field.
+const fig = (s, field, text) => h("span", { "data-figure": field }, text ?? fmtInt(s[field]));
+
+function diskFigures(s) {
+  return [fig(s, "kv_disk_blocks"), " blocks of ", fig(s, "kv_disk_max_bytes",
+    fmtBytes(s.kv_disk_max_bytes)), " · ", fig(s, "kv_disk_hit_tokens"), " hit tokens · ",
+  fig(s, "kv_disk_writes"), " writes · ", fig(s, "kv_disk_evictions"), " evictions · ",
+  fig(s, "kv_disk_refused"), " refused"];
+}
+
+function diskStat(s) {
+  if (!s.kv_disk_max_bytes) {
+    return stat("KV disk tier", "off", "no --kv-disk-dir", undefined, "engine-disk");
+  }
+  return stat("KV disk tier", fig(s, "kv_disk_bytes_used", fmtBytes(s.kv_disk_bytes_used)),
+    diskFigures(s), s.kv_disk_bytes_used / s.kv_disk_max_bytes, "engine-disk");
+}
+
+function diskCell(r) {
+  if (!r.kv_disk_max_bytes) return h("span", { class: "muted disk-off" }, "off");
+  return h("div", {}, fig(r, "kv_disk_bytes_used", fmtBytes(r.kv_disk_bytes_used)),
+    h("div", { class: "muted subline" }, diskFigures(r)));
+}
+
+// One row per replica: its queue, KV pool, disk tier and what sits in its device slots.
 function replicaRows(replicas) {
   return replicas.map((r) => {
     const loaded = r.slots.filter(Boolean);
     return [String(r.replica), fmtInt(r.num_waiting), fmtInt(r.num_running),
-      pct(r.kv_pool_usage), `${loaded.length} / ${r.max_loras}`,
+      pct(r.kv_pool_usage), diskCell(r), `${loaded.length} / ${r.max_loras}`,
       loaded.length
         ? h("span", {}, loaded.flatMap((slot, i) => [i ? ", " : null,
             h("strong", {}, slot.model || "(unknown)"), " ", h("code", {}, slot.identity)]))
@@ -139,6 +164,7 @@ export async function render(container) {
         stat("Prefix-cache hit rate", pct(s.prefix_cache_hit_rate),
              `${fmtInt(s.prefix_cache_hit_tokens)} of ${fmtInt(s.prefix_cache_queried_tokens)} ` +
              "prompt tokens", s.prefix_cache_hit_rate),
+        diskStat(s),
         stat("Adapter slots", `${s.slots.filter(Boolean).length} / ${s.slots.length}`,
              `${fmtInt(s.adapter_slot_loads)} loads · ${fmtInt(s.adapter_slot_evictions)} ` +
              `evictions · ${s.adapter_load_seconds.toFixed(2)} s loading · ` +
@@ -164,8 +190,8 @@ export async function render(container) {
       latencyNote.textContent = `Latency over each tenant's last ${fmtInt(latency.window)} ` +
         "requests in this gateway process";
       replicas.replaceChildren(table(["Replica", "Waiting", "Running", "KV pool",
-        "Slots in use", "Adapters in slots", "Host cache"], replicaRows(s.replicas),
-        "No replicas."));
+        "Disk tier", "Slots in use", "Adapters in slots", "Host cache"],
+        replicaRows(s.replicas), "No replicas."));
       const arch = s.architecture ? ` (${s.architecture})` : "";
       stamp.textContent = `Model ${s.served_model}${arch} · updated ${new Date().toLocaleTimeString("en-GB")}`;
     } catch (err) {

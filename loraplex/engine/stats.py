@@ -73,9 +73,11 @@ class EngineStats:
     spec_draft_forwards: int = 0
     spec_draft_forward_tokens: int = 0
     spec_draft_max_forward_tokens: int = 0
-    # The prefix cache's disk tier (zeros when off): prompt tokens whose KV was loaded from
-    # it; blocks and bytes on disk; files written, deleted for the budget, and refused
-    # (corrupt, truncated, another model's, or not the block asked for).
+    # The prefix cache's disk tier (zeros when off): its byte budget (0: no tier); prompt
+    # tokens whose KV was loaded from it; blocks and bytes on disk; files written, deleted
+    # for the budget, and refused (corrupt, truncated, another model's, or not the block
+    # asked for).
+    kv_disk_max_bytes: int = 0
     kv_disk_hit_tokens: int = 0
     kv_disk_blocks: int = 0
     kv_disk_bytes_used: int = 0

@@ -301,3 +301,80 @@ def test_layout_is_the_pools(tiny_llama_dir: Path, tmp_path: Path) -> None:
     runner.write_blocks([(3, data)])
     assert runner.read_blocks([3]) == [data]
     llm.engine.close()
+
+
+def _outputs(llm: LLM, adapters: dict[str, Path], rounds: int) -> dict[tuple[Any, ...], list[int]]:
+    return {(adapter, salt, i): _run(llm, adapters, adapter, salt, i)
+            for i in range(rounds) for adapter, salt in DOMAINS}
+
+
+def test_bf16_disk_hits_match_its_own_single_engine_run(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+    """bf16 cannot match the float32 oracle exactly, so its oracle is the same bf16 engine
+    with a pool that holds every prefix and no disk tier: its prefixes are pool hits, the
+    disk engine's are loaded back from disk, and greedy outputs are identical. A float32
+    block file (the same block hash: hashes do not depend on the dtype) is refused by the
+    bf16 engine, at start and on a lookup, and counted."""
+    single = LLM(str(tiny_llama_dir), dtype="bfloat16", progress=False, max_lora_rank=16,
+                 block_size=BLOCK, num_kv_blocks=256)
+    want = _outputs(single, llama_adapters, 3)
+    assert single.engine.stats().prefix_cache_hit_tokens >= 16 * len(DOMAINS) * 2
+    assert single.engine.stats().kv_disk_max_bytes == 0
+    single.engine.close()
+
+    llm = _llm(tiny_llama_dir, tmp_path, dtype="bfloat16")
+    disk = llm.engine.disk
+    assert disk is not None
+    assert disk.layout.dtype == "bfloat16"
+    assert _outputs(llm, llama_adapters, 3) == want
+    stats = llm.engine.stats()
+    # rounds 1 and 2: every domain's 16-token prefix came back from disk
+    assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS) * 2
+    assert stats.kv_disk_refused == 0
+    _check_idle(llm, tmp_path)
+    bf16_files = {p.name: p for p in disk.dir.glob("*.kvb")}
+    assert bf16_files
+    for path in bf16_files.values():  # bf16 bytes on disk: half of float32's data
+        assert read_header(path.read_bytes()).data_len == disk.layout.data_bytes
+    llm.engine.close()
+
+    # float32 blocks of the same prefixes, in float32's own folder, every one on disk
+    f32 = _llm(tiny_llama_dir, tmp_path)
+    _outputs(f32, llama_adapters, 1)
+    _evict_everything(f32, llama_adapters)
+    assert f32.engine.disk is not None and f32.engine.disk.dir != disk.dir
+    f32.engine.disk.flush()
+    f32_layout, f32_fp = f32.engine.disk.layout, f32.engine.disk.fingerprint
+    assert f32_layout.data_bytes == 2 * disk.layout.data_bytes
+    f32_files = {p.name: p for p in f32.engine.disk.dir.glob("*.kvb")}
+    f32.engine.close()
+    # The first block of each domain's prefix (no parent): refusing it recomputes the whole
+    # prompt, as the single engine computed it, so outputs stay bit for bit its outputs.
+    firsts = sorted(name for name in set(f32_files) & set(bf16_files)
+                    if read_header(bf16_files[name].read_bytes()).identity.parent_hash is None)
+    assert len(firsts) == len(DOMAINS)
+    raw = f32_files[firsts[0]].read_bytes()
+    with pytest.raises(BlockRefused) as info:
+        decode_block(raw, disk.fingerprint, disk.layout)
+    assert info.value.reason == "fingerprint"
+    # Into the bf16 folder under their block hashes: one as float32 wrote it, one claiming
+    # bf16's fingerprint with float32's layout (checksum valid). Both refused at start.
+    (disk.dir / firsts[0]).write_bytes(raw)
+    forged = dataclasses.replace(decode_block(f32_files[firsts[1]].read_bytes(), f32_fp,
+                                              f32_layout), fingerprint=disk.fingerprint)
+    (disk.dir / firsts[1]).write_bytes(encode_block(forged))
+    again = _llm(tiny_llama_dir, tmp_path, dtype="bfloat16")
+    assert again.engine.disk is not None
+    assert again.engine.stats().kv_disk_refused == 2
+    again.engine.disk.flush()
+    assert not (disk.dir / firsts[0]).exists() and not (disk.dir / firsts[1]).exists()
+    # The rest, indexed as bf16, replaced by float32's: refused by the lookups that read them.
+    for name in firsts[2:]:
+        (disk.dir / name).write_bytes(f32_files[name].read_bytes())
+    assert _outputs(again, llama_adapters, 3) == want
+    stats = again.engine.stats()
+    assert stats.kv_disk_refused == len(DOMAINS)
+    # the recomputed first blocks went back to disk in bf16 and served later rounds
+    assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS) * 2
+    _check_idle(again, tmp_path)
+    again.engine.close()

@@ -1,12 +1,14 @@
 """A live server and a headless Chromium for the admin UI tests.
 
 The server is the embedded default (SQLite registry, in-process rate limiter) on the tiny
-Llama, with one admin key; everything else is made through the UI. The browser is Debian's
+Llama, with one admin key; everything else is made through the UI. One more server of the
+kind (``ui_disk_server``) has the prefix cache's disk tier on. The browser is Debian's
 Chromium driven by Playwright (no browser download); without it the tests are skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import tempfile
 import threading
@@ -45,19 +47,19 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 class UIServer:
     url: str
     admin_key: str
+    kv_disk_dir: Path | None = None  # the KV disk tier's folder, where it has one
 
 
-@pytest.fixture(scope="session")
-def ui_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-              ) -> Iterator[UIServer]:
-    root = tmp_path_factory.mktemp("ui_server")
+@contextlib.contextmanager
+def _serve(tiny_llama_dir: Path, root: Path, cache: CacheConfig,
+           speculative: SpeculativeConfig | None) -> Iterator[UIServer]:
+    """The embedded server on the tiny Llama, its registry under ``root``, until exit."""
     db_url = f"sqlite:///{root / 'registry.db'}"
     admin_key = bootstrap_admin(db_url)
     client = EngineClient.from_config(EngineConfig(
-        ModelConfig(str(tiny_llama_dir)), CacheConfig(block_size=16, num_kv_blocks=128),
+        ModelConfig(str(tiny_llama_dir)), cache,
         LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=4),
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        SpeculativeConfig(prompt_lookup_min=1)))
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), speculative))
     app = create_app(ServerConfig(served_model_name=SERVED, usage_flush_interval_s=0.2),
                      RegistryConfig(db_url, str(root / "store")), client)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -72,12 +74,43 @@ def ui_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
             raise RuntimeError("the UI test server did not start")
         time.sleep(0.02)
     try:
-        yield UIServer(f"http://127.0.0.1:{sock.getsockname()[1]}", admin_key)
+        yield UIServer(f"http://127.0.0.1:{sock.getsockname()[1]}", admin_key,
+                       None if cache.kv_disk_dir is None else Path(cache.kv_disk_dir))
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
         client.close()
+
+
+@pytest.fixture(scope="session")
+def ui_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+              ) -> Iterator[UIServer]:
+    """The server most UI tests share: no KV disk tier."""
+    with _serve(tiny_llama_dir, tmp_path_factory.mktemp("ui_server"),
+                CacheConfig(block_size=16, num_kv_blocks=128),
+                SpeculativeConfig(prompt_lookup_min=1)) as server:
+        yield server
+
+
+# The disk tier's server: blocks of 4 tokens in a pool of 16 (a 24-token prompt takes 7),
+# so a handful of prompts evicts each other's prefixes to disk, and a disk budget of about
+# 16 blocks of the tiny Llama's (2 KiB of KV each, plus the header), so the tier evicts too.
+DISK_BLOCK_SIZE = 4
+DISK_BUDGET_BYTES = 16 * 2600
+
+
+@pytest.fixture(scope="session")
+def ui_disk_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                   ) -> Iterator[UIServer]:
+    """A server of its own with the prefix cache's disk tier on (``kv_disk_dir``): the
+    shared one's figures must not move under other tests, nor theirs under this one's."""
+    root = tmp_path_factory.mktemp("ui_disk_server")
+    with _serve(tiny_llama_dir, root,
+                CacheConfig(block_size=DISK_BLOCK_SIZE, num_kv_blocks=16,
+                            kv_disk_dir=str(root / "kv"),
+                            kv_disk_gib=DISK_BUDGET_BYTES / 2**30), None) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -218,7 +218,8 @@ def test_engine_page_lists_each_replica(browser: Any, ui_server: UIServer,
         "() => JSON.stringify([...document.querySelectorAll('#engine-replicas tbody tr')]"
         ".map(r => [...r.cells].map(c => c.textContent)))"))
     assert len(rows) == 1  # in process: one replica
-    replica, waiting, running, kv, slots, adapters, host = rows[0]
+    replica, waiting, running, kv, disk, slots, adapters, host = rows[0]
+    assert disk == "off"  # this server has no KV disk tier
     assert replica == "0" and waiting.isdigit() and int(running) >= 1
     # Live streams hold blocks: the pool is in use.
     assert re.fullmatch(r"\d+\.\d%", kv) and float(kv[:-1]) > 0
