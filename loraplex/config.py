@@ -334,6 +334,9 @@ class ServerConfig:
     # Folders whose adapters a tenant may register by path (/v1/load_lora_adapter); empty:
     # that route is refused.
     allowed_lora_dirs: tuple[str, ...] = ()
+    # An upload's answer waits this long for the new version's measured effect (its probe
+    # runs on in the background and stores the effect when it ends).
+    effect_probe_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -351,6 +354,7 @@ class ServerConfig:
         _require(self.max_n >= 1, "max_n must be >= 1")
         _require(self.rate_limit_window_s > 0, "rate_limit_window_s must be positive")
         _require(self.usage_flush_interval_s > 0, "usage_flush_interval_s must be positive")
+        _require(self.effect_probe_wait_s >= 0, "effect_probe_wait_s must be >= 0")
 
 
 @dataclass(frozen=True)

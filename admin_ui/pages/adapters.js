@@ -9,6 +9,18 @@ import { tenantOptions } from "./keys.js";
 
 export const title = "Adapters";
 const enc = encodeURIComponent;
+// An unmeasured version this young is still being measured (the probe waits behind
+// interactive work); an older one's probe failed, or it predates probes.
+const MEASURING_MS = 120_000;
+
+// A version's measured effect (the mean KL of its next-token distribution from the base
+// model's on the probe prompts, and how many of their greedy continuations it changed).
+export function effectText(effect) {
+  if (!effect) return null;
+  const kl = effect.kl === 0 ? "0" : effect.kl < 0.001 ? effect.kl.toExponential(1)
+    : String(Number(effect.kl.toPrecision(2)));
+  return `KL ${kl} · ${Math.round(effect.changed * effect.prompts)}/${effect.prompts} changed`;
+}
 
 export async function render(container) {
   const tenant = h("select", { required: true });
@@ -23,6 +35,8 @@ export async function render(container) {
   const uploadError = errorLine();
   uploadError.id = "upload-error";
   const uploadDone = h("p", { class: "success", role: "status", hidden: true, id: "upload-done" });
+  const uploadWarning = h("p", { class: "notice", role: "status", hidden: true,
+                                 id: "upload-warning" });
   const form = h("form", { class: "inline", id: "upload-adapter", novalidate: true },
     field("Tenant", tenant), field("Name", name, "a new upload under a name is a new version"),
     field("Visibility", visibility),
@@ -33,6 +47,7 @@ export async function render(container) {
     event.preventDefault();
     uploadError.clear();
     uploadDone.hidden = true;
+    uploadWarning.hidden = true;
     if (!tenant.value) { uploadError.show(new Error("Choose a tenant first.")); return; }
     if (!checkName(name, "Adapter name", "use letters, digits, '.', '_' or '-', starting " +
                    "with a letter or digit", uploadError)) return;
@@ -50,8 +65,12 @@ export async function render(container) {
       progress.value = 1;
       uploadDone.textContent = `Stored ${row.model} version ${row.version} (rank ${row.rank}, ` +
         `${fmtBytes(row.size_bytes)}). Call it with model "${row.name}" using a key of ` +
-        `${row.tenant}${row.visibility === "public" ? `, or "${row.model}" from any tenant` : ""}.`;
+        `${row.tenant}${row.visibility === "public" ? `, or "${row.model}" from any tenant` : ""}.` +
+        (row.effect ? ` Measured effect: ${effectText(row.effect)}.`
+          : row.effect_pending ? " Its effect is being measured." : "");
       uploadDone.hidden = false;
+      uploadWarning.textContent = (row.warnings || []).join(" ");
+      uploadWarning.hidden = !uploadWarning.textContent;
       name.value = "";
       files.value = "";
       await load();
@@ -142,7 +161,15 @@ export async function render(container) {
                                          "device slot, its requests never wait for a load" },
                                " ", badge("pinned")) : null),
                   h("div", { class: "muted subline traffic", title: "share of requests" },
-                    `${traffic} of traffic`)),
+                    `${traffic} of traffic`),
+                  h("div", { class: "muted subline effect",
+                              title: a.effect ? `measured effect (${fmtTime(a.effect.measured_at)}): mean ` +
+                                "KL of the next-token distribution from the base model's, and " +
+                                "the probe prompts whose greedy continuation it changed"
+                                : "its effect is not measured (yet)" },
+                    effectText(a.effect) || (a.status === "active"
+                      && Date.now() - Date.parse(a.created_at) < MEASURING_MS ? "measuring…"
+                      : "—"))),
                 `${a.rank}${a.use_rslora ? " (rs)" : ""}`, fmtBytes(a.size_bytes),
                 badge(a.visibility), badge(a.status), fmtTime(a.created_at),
                 h("code", { title: a.identity }, `${a.id}@${a.digest.slice(0, 12)}`),
@@ -155,7 +182,7 @@ export async function render(container) {
     h("div", { class: "card" }, h("h2", {}, "Upload an adapter"),
       h("p", { class: "muted" }, "A PEFT LoRA adapter for the served base model. It is checked " +
         "before it is stored: a refusal says why."),
-      form, progress, uploadError, uploadDone),
+      form, progress, uploadError, uploadDone, uploadWarning),
     h("div", { class: "card" },
       h("div", { class: "page-head" }, h("h2", {}, "Versions"),
         h("div", { class: "actions" }, field("Tenant", filter),

@@ -398,7 +398,9 @@ class LLMEngine:
                             frequency_penalty=p.frequency_penalty,
                             repetition_penalty=p.repetition_penalty, logit_bias=bias,
                             banned_ids=banned, prompt_token_ids=prompt_ids,
-                            output_token_ids=output_ids, allowed=allowed)
+                            output_token_ids=output_ids, allowed=allowed,
+                            full_distribution=(p.first_token_distribution
+                                               and request.num_output_tokens == 0))
                 for i, seq_id in enumerate(seq_ids)]
 
     def _seq_input(self, s: ScheduledSeq, spec_ids: dict[str, list[int]],
@@ -495,6 +497,8 @@ class LLMEngine:
         verify step may keep tokens past a stop)."""
         new_ids: list[int] = []
         new_logprobs: list[Any] = []
+        distribution = tokens[0].distribution if tokens and not request.output_token_ids \
+            else None
         for token in tokens:
             if request.constraint is not None and request.constraint.error is not None:
                 return self._grammar_error(request)  # its mask was meaningless: no token
@@ -526,7 +530,8 @@ class LLMEngine:
                 self.scheduler.finish(request, status)
                 break
         return self._delta(request, new_ids,
-                           new_logprobs if request.params.logprobs is not None else None)
+                           new_logprobs if request.params.logprobs is not None else None,
+                           distribution if new_ids else None)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         p = request.params
@@ -542,8 +547,8 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _delta(self, request: Request, new_ids: list[int],
-               new_logprobs: list[Any] | None) -> SequenceDelta:
+    def _delta(self, request: Request, new_ids: list[int], new_logprobs: list[Any] | None,
+               distribution: tuple[float, ...] | None = None) -> SequenceDelta:
         finished = request.status.is_finished
         metrics = None
         if finished:
@@ -567,7 +572,7 @@ class LLMEngine:
             new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, metrics=metrics,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, distribution=distribution)
 
     def _grammar_error(self, request: Request) -> SequenceDelta:
         """Ends a request whose grammar cannot be followed (an unsatisfiable schema, a
@@ -651,6 +656,7 @@ class LLMEngine:
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
             tenants=sched.tenant_stats(),
+            kv_disk_max_bytes=disk.max_bytes if disk else 0,
             kv_disk_hit_tokens=kv.lower_tier_hit_tokens,
             kv_disk_blocks=disk.num_blocks if disk else 0,
             kv_disk_bytes_used=disk.bytes_used if disk else 0,

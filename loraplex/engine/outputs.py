@@ -42,6 +42,9 @@ class SequenceDelta:
     # On the first token's delta when prompt logprobs were asked for: one per prompt
     # token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On the first token's delta when ``first_token_distribution`` was asked for: the
+    # log-probability of every token of the vocabulary there (raw logits), by token id.
+    distribution: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:

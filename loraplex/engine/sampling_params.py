@@ -163,6 +163,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what every token must keep to
+    # Internal (no HTTP field): the first token's delta carries the log-softmax of the raw
+    # logits over the whole vocabulary (``SequenceDelta.distribution``), what the gateway's
+    # adapter effect probe compares (gateway/adapter_effect.py).
+    first_token_distribution: bool = False
     extra: dict[str, object] = field(default_factory=dict, compare=False)
     # stop_token_ids as a set, made once: the engine asks it of every token (150,000 ids
     # in a tuple cost a scan per token per row).
@@ -184,6 +188,10 @@ class SamplingParams:
         bias = self.logit_bias if self.logit_bias is not None else ()
         pairs = bias.items() if isinstance(bias, Mapping) else _as_tuple(bias, "logit_bias")
         put("logit_bias", tuple(sorted(_bias_pair(pair) for pair in pairs)))
+        if not isinstance(self.first_token_distribution, bool):
+            raise InvalidRequestError("first_token_distribution must be true or false, got "
+                                      f"{self.first_token_distribution!r}",
+                                      param="first_token_distribution")
         # Each scalar stored as its type whatever it is given as (`presence_penalty=1` is
         # an int; the sampler's tensors of a batch whose penalties were all ints came out
         # int64); None only where None is the default.

@@ -7,6 +7,8 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    holds under half of its fair share (the seats or blocks over the active tenants'
    weights, times its own), requests of the tenant furthest above its share (batch class
    first) are preempted for it, newest first, while that tenant stays above its share.
+   An interactive request whose tenant holds more still preempts other tenants' batch
+   work (within its ``max_batch_wait_s``): batch work never holds interactive work back.
    A request is preempted so at most ``max_fair_preemptions`` times, and tenants near
    their shares (where admission by counters keeps them) never preempt each other, so
    throughput does not collapse into thrash.
@@ -350,7 +352,8 @@ class Scheduler:
                      blocks: dict[str | None, int] | None) -> Request | None:
         """The newest request of the tenant furthest above its share (of sequences, or
         of ``blocks`` when given), for a beneficiary whose tenant holds under half of its
-        own share; never one of a higher class, nor one preempted too often already."""
+        own share (above it, only another tenant's batch work, for interactive work);
+        never one of a higher class, nor one preempted too often already."""
         held = blocks
         if held is None:
             held = {}
@@ -369,9 +372,13 @@ class Scheduler:
         active = {r.share.tenant: r.share.weight for r in (*self.running, *self.waiting)}
         fair = ((self.config.max_num_seqs if blocks is None else self.kv.num_blocks)
                 / sum(active.values()))
-        if own > fair / 2:
-            return None
         beneficiary_batch = self.waiting.is_batch(beneficiary, now)
+        # Above half of its share, an interactive request still makes room from another
+        # tenant's batch work within its wait bound (the adapter effect probe's, say): batch
+        # work never holds interactive work back by more than a step.
+        above_half = own > fair / 2
+        if above_half and beneficiary_batch:
+            return None
         best: Request | None = None
         best_rank: tuple[bool, float] | None = None
         for request in reversed(self.running):  # newest first
@@ -379,6 +386,8 @@ class Scheduler:
             if theirs.tenant == share.tenant \
                     or request.num_preemptions >= self.config.max_fair_preemptions \
                     or (beneficiary_batch and theirs.priority != "batch"):
+                continue
+            if above_half and not self.waiting.is_batch(request, now):
                 continue
             rank = (theirs.priority == "batch" and not beneficiary_batch,
                     load(theirs.tenant, theirs.weight))

@@ -34,6 +34,7 @@ from loraplex.errors import (
     InvalidRequestError,
     UploadTooLargeError,
 )
+from loraplex.gateway.adapter_effect import EffectProbes, ProbeOutcome, effect_json
 from loraplex.gateway.errors import AdapterRejectedError, ClientDisconnected
 from loraplex.gateway.http import declared_length
 from loraplex.registry import service, upload
@@ -68,12 +69,26 @@ def adapter_json(row: Adapter, owner: str,
         # A deleted version's pin no longer applies (registry/pins.py).
         "pinned": pinned_at is not None,
         "pinned_at": None if pinned_at is None else pinned_at.isoformat(),
+        # null until measured (gateway/adapter_effect.py)
+        "effect": effect_json(row),
     }
     if traffic is not None:
         shares = traffic.get((row.tenant_id, row.name))
         active = shares is not None and row.status == "active"
         out["current"] = active and shares is not None and shares.current_id == row.id
         out["traffic_percent"] = shares.percent_of(row.id) if active and shares else 0.0
+    return out
+
+
+def upload_json(result: UploadResult, outcome: ProbeOutcome, owner: str) -> dict[str, Any]:
+    """The answer to an upload: the version, with its measured effect when the probe
+    ended in time (``effect_pending``: it still runs, and the effect is stored when it
+    ends), and ``warnings`` (an effect indistinguishable from zero)."""
+    out = adapter_json(result.adapter, owner)
+    if outcome.effect is not None:
+        out["effect"] = outcome.json()
+    out["effect_pending"] = outcome.pending
+    out["warnings"] = outcome.warnings()
     return out
 
 
@@ -257,11 +272,12 @@ class AdapterService:
     """Uploads and deletes adapters for the HTTP routes; built once by ``create_app``."""
 
     def __init__(self, uploader: AdapterUploader, sessions: sessionmaker[Session],
-                 store: AdapterStore, backend: EngineBackend) -> None:
+                 store: AdapterStore, backend: EngineBackend, probes: EffectProbes) -> None:
         self.uploader = uploader
         self.sessions = sessions
         self.store = store
         self.backend = backend
+        self.probes = probes
 
     @property
     def max_upload_bytes(self) -> int:
@@ -309,6 +325,13 @@ class AdapterService:
             raise
         except AdapterError as exc:
             raise AdapterRejectedError(str(exc)) from exc
+
+    async def probe(self, result: UploadResult) -> ProbeOutcome:
+        """Measures the effect of the version an upload committed (see adapter_effect),
+        waiting a bounded time; a version that was not new was measured when it was."""
+        if not result.new_version:
+            return ProbeOutcome(None, pending=False)
+        return await self.probes.probe(result.adapter)
 
     async def delete(self, tenant_id: int, name: str,
                      version: int | None = None) -> list[DeletedAdapter]:

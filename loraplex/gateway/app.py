@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute
 from loraplex.config import RegistryConfig, ServerConfig
 from loraplex.engine.backend import EngineBackend
 from loraplex.engine.grammar import GrammarCompiler
+from loraplex.gateway.adapter_effect import EffectProbes
 from loraplex.gateway.adapter_uploads import AdapterService
 from loraplex.gateway.auth import salt_secret
 from loraplex.gateway.connections import BodyTimeout
@@ -89,6 +90,7 @@ def create_app(server_config: ServerConfig, registry_config: RegistryConfig,
         try:
             yield
         finally:
+            await app.state.adapters.probes.stop()
             await gw.pins.stop()
             await sweeper.stop()
             await backend.shutdown()
@@ -129,4 +131,6 @@ def _adapter_service(gw: Gateway, backend: EngineBackend,
                                                                            max_rank),
                                base_model=model.model,
                                reserved_names=(gw.served_model_name,), limits=limits)
-    return AdapterService(uploader, gw.sessions, gw.store, backend)
+    probes = EffectProbes(backend, gw.sessions, gw.store, gw.tokenizers.encode,
+                          wait_s=gw.config.effect_probe_wait_s)
+    return AdapterService(uploader, gw.sessions, gw.store, backend, probes)

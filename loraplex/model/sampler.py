@@ -49,6 +49,8 @@ class SamplingRow:
     # Structured output: the row's allowed next tokens as a packed bitmask (int32 words,
     # bit t % 32 of word t // 32), computed while the forward pass runs; called once.
     allowed: Callable[[], torch.Tensor] | None = None
+    # The whole log-softmax of the raw logits is wanted (``SampledToken.distribution``).
+    full_distribution: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -64,7 +66,7 @@ class SamplingRow:
         """Greedy on the model's own logits: nothing applied to them, no logprobs."""
         return (self.is_greedy and self.num_logprobs is None and not self.has_penalties
                 and self.logit_bias is None and self.banned_ids is None
-                and self.allowed is None)
+                and self.allowed is None and not self.full_distribution)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class SampledToken:
     token_id: int
     logprob: float | None  # the model's log-probability of token_id (raw logits)
     top_logprobs: tuple[tuple[int, float], ...] | None  # best alternatives, most likely first
+    # Every token's log-probability (raw logits), by id, for a row with full_distribution.
+    distribution: tuple[float, ...] | None = None
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
@@ -95,7 +99,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             # RNG call per row whose size never depends on the batch.
             noise = torch.empty_like(probs[j]).exponential_(generator=gen)
             token_ids[i] = torch.argmax(probs[j] / noise)
-    need_logprobs = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
+    need_logprobs = [i for i, r in enumerate(rows)
+                     if r.num_logprobs is not None or r.full_distribution]
     logprobs = torch.log_softmax(raw.index_select(
         0, torch.tensor(need_logprobs, device=raw.device)), dim=-1) if need_logprobs else None
     ids = token_ids.tolist()
@@ -112,7 +117,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         if k > 0:
             vals, top_ids = row.topk(min(k, row.shape[0]))
             top = tuple(zip(top_ids.tolist(), vals.tolist(), strict=True))
-        out.append(SampledToken(ids[i], float(row[ids[i]]), top))
+        full = tuple(row.tolist()) if rows[i].full_distribution else None
+        out.append(SampledToken(ids[i], float(row[ids[i]]), top, full))
     return out
 
 

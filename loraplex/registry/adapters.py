@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, contains_eager
 
 from loraplex.errors import AdapterNotFoundError, ConflictError, InvalidRequestError
-from loraplex.registry.models import VISIBILITIES, Adapter, Tenant
+from loraplex.registry.models import VISIBILITIES, Adapter, Tenant, utcnow
 from loraplex.registry.names import check_adapter_name, is_adapter_name
 from loraplex.registry.quotas import storage_usage
 from loraplex.registry.versions import after_delete, list_current_versions, resolve_versions
@@ -79,6 +79,15 @@ def get_adapter(session: Session, adapter_id: int) -> Adapter:
     if adapter is None:
         raise AdapterNotFoundError(f"no adapter with id {adapter_id}")
     return adapter
+
+
+def record_effect(session: Session, adapter_id: int, kl: float, changed: float) -> None:
+    """Stores the version's measured effect (gateway/adapter_effect.py), measured now; a
+    version deleted since (its row stays) is updated all the same."""
+    adapter = get_adapter(session, adapter_id)
+    adapter.effect_kl = kl
+    adapter.effect_changed = changed
+    adapter.effect_measured_at = utcnow()
 
 
 def resolve_adapter(session: Session, tenant_id: int, model_name: str) -> Adapter:

@@ -206,6 +206,12 @@ class Adapter(Base):
     reclaimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # When an operator pinned this version (registry/pins.py); NULL: not pinned.
     pinned_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Its measured effect (gateway/adapter_effect.py), NULL until measured: the mean KL
+    # (nats) of the next-token distribution from the base model's over the probe prompts,
+    # and the fraction of their greedy continuations it changed.
+    effect_kl: Mapped[float | None] = mapped_column(sa.Float)
+    effect_changed: Mapped[float | None] = mapped_column(sa.Float)
+    effect_measured_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
     tenant: Mapped[Tenant] = relationship(back_populates="adapters")
 

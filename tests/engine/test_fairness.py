@@ -281,3 +281,37 @@ def test_swapped_requests_come_back_in_their_tenants_order() -> None:
     assert sched.waiting.fair_sorted([a2, a1], clock.now, []) == [a2, a1]
     sched.waiting.charge(b1, 100, 0)
     assert sched.waiting.fair_sorted([a1, b1, a2], clock.now, []) == [a1, b1, a2]
+
+
+def test_interactive_work_preempts_another_tenants_batch_work_above_its_share() -> None:
+    """A tenant already holding its share still gets a seat from another tenant's running
+    batch work (the adapter effect probe's) in the step it arrives; never from that
+    tenant's interactive work, nor from batch work past its wait bound."""
+    sched, adapters, clock = _setup(max_seqs=4, max_batch_wait_s=5.0)
+    sched.add(_request("stream", "a", clock, 8, 64))
+    _step(sched, adapters, clock)
+    for i in range(3):
+        sched.add(_request(f"probe{i}", "probe", clock, 8, 32, priority="batch"))
+    _step(sched, adapters, clock)  # the batch is full: stream + 3 probe requests
+    assert len(sched.running) == 4
+    sched.add(_request("a1", "a", clock, 8, 8))
+    out = _step(sched, adapters, clock)
+    assert "a1" in [s.request.request_id for s in out.scheduled]
+    assert [r.request_id for r in out.preempted] == ["probe2"]
+    # Interactive work of a third tenant is not preempted for it.
+    sched, adapters, clock = _setup(max_seqs=2)
+    sched.add(_request("stream", "a", clock, 8, 64))
+    sched.add(_request("other", "b", clock, 8, 64))
+    _step(sched, adapters, clock)
+    sched.add(_request("a1", "a", clock, 8, 8))
+    out = _step(sched, adapters, clock)
+    assert out.preempted == [] and "a1" not in [s.request.request_id for s in out.scheduled]
+    # Batch work that has waited its bound ranks as interactive: not preempted for it.
+    sched, adapters, clock = _setup(max_seqs=2, max_batch_wait_s=5.0)
+    sched.add(_request("stream", "a", clock, 8, 200))
+    sched.add(_request("late", "probe", clock, 8, 200, priority="batch"))
+    _step(sched, adapters, clock)
+    clock.now += 10.0
+    sched.add(_request("a1", "a", clock, 8, 8))
+    out = _step(sched, adapters, clock)
+    assert out.preempted == []

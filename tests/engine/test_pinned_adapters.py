@@ -92,7 +92,6 @@ def test_a_pinned_adapter_keeps_its_slot_and_host_copy_under_thrashing(
     # pinned one's never.
     others = sum(1 for name, _ in outputs if name != "r4")
     assert after.adapter_disk_loads - loads_before == others
-    assert after.adapter_slot_evictions >= others - 1
     for (name, i), tokens in outputs.items():
         ref_model = load_reference(tiny_llama_dir, llama_adapters[name])
         assert tokens == reference_greedy(ref_model, _prompt(i), PARAMS.max_tokens)[0], name

@@ -360,9 +360,11 @@ def test_delete_stops_new_requests_while_running_ones_finish(
     tenant, key = api.tenant("del")
     row = upload(api, f"/admin/api/tenants/{tenant}/adapters", "gone",
                  folder_files(llama_adapters["r4"]))
-    # A finished request leaves cached prefix blocks and a resident slot behind.
+    # A finished request leaves cached prefix blocks and a resident slot behind (beside
+    # those of the upload's effect probe).
+    probed, _ = _in_engine(api, _adapter_blocks(api, row["identity"]))
     api.openai(key).completions.create(model="gone", prompt=[7] * 40, max_tokens=2)
-    assert _in_engine(api, _adapter_blocks(api, row["identity"])) == (2, True)
+    assert _in_engine(api, _adapter_blocks(api, row["identity"])) == (probed + 2, True)
 
     stream = api.openai(key).completions.create(
         model="gone", prompt=[9] * 20, max_tokens=120, stream=True,
@@ -397,9 +399,10 @@ def test_delete_of_an_idle_adapter_drops_its_cache_and_slot(
     tenant, key = api.tenant("idle")
     row = upload(api, f"/admin/api/tenants/{tenant}/adapters", "idle",
                  folder_files(llama_adapters["r8qv"]))
-    api.openai(key).completions.create(model="idle", prompt=[11] * 40, max_tokens=2)
     probe = _adapter_blocks(api, row["identity"])
-    assert _in_engine(api, probe) == (2, True)
+    probed, _ = _in_engine(api, probe)  # the upload's effect probe's blocks
+    api.openai(key).completions.create(model="idle", prompt=[11] * 40, max_tokens=2)
+    assert _in_engine(api, probe) == (probed + 2, True)
     api.ok("DELETE", f"/admin/api/tenants/{tenant}/adapters/idle?version=1")
     assert _in_engine(api, probe) == (0, False)
     api.error("DELETE", f"/admin/api/tenants/{tenant}/adapters/idle?version=x", 400)
@@ -522,8 +525,10 @@ def test_one_tenants_upload_changes_nothing_for_another(
 
     # The same content again by the squatter: stored already, answered exactly alike.
     again = upload(api, "/v1/adapters", "copy", folder_files(src), key=squatter_key)
-    who = {"id", "tenant", "name", "model", "identity", "created_at"}
+    who = {"id", "tenant", "name", "model", "identity", "created_at", "effect"}
     assert set(again) == set(real)
+    # Each upload is measured on its own: the same effect, measured at its own time.
+    assert again["effect"]["kl"] == pytest.approx(real["effect"]["kl"], rel=1e-3)
     assert {k: v for k, v in again.items() if k not in who} == \
         {k: v for k, v in real.items() if k not in who}
     # Each is served its own scaling; identical content gives identical output.

@@ -92,8 +92,8 @@ def _stored_digests(adapter_dir: Path) -> list[str]:
 
 def test_end_to_end(cli: Cli, make_adapter: Callable[..., Path],
                     server_view: Callable[[str], sessionmaker[Session]]) -> None:
-    assert cli("db", "upgrade")["revision"] == "0007"
-    assert cli("db", "current")["head"] == "0007"
+    assert cli("db", "upgrade")["revision"] == "0008"
+    assert cli("db", "current")["head"] == "0008"
 
     acme = cli("tenants", "create", "acme", "--rpm", "60", "--tpm", "1000",
                "--max-concurrency", "2")

@@ -44,7 +44,7 @@ def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
 
     engine = db.make_engine(empty_db_url)
     try:
-        assert db.current_revision(engine) == db.head_revision() == "0007"
+        assert db.current_revision(engine) == db.head_revision() == "0008"
         db.check_schema(engine)
         with engine.begin() as conn:  # the re-created tables are usable
             conn.exec_driver_sql(
@@ -406,7 +406,7 @@ def test_0007_adds_pins_unset_and_goes_down_again(empty_db_url: str) -> None:
                     "false, '[]', :d, 10, 'p', 'private', 'active', CURRENT_TIMESTAMP)"),
                     {"t": tenant_id, "v": version, "d": str(version) * 64})
         db.upgrade(url)
-        assert db.current_revision(engine) == "0007"
+        assert db.current_revision(engine) == db.head_revision()
         factory = db.make_session_factory(engine)
         with db.transaction(factory) as session:
             assert [a.pinned_at for a in service.list_adapters(session, tenant_id)] == [
@@ -422,5 +422,46 @@ def test_0007_adds_pins_unset_and_goes_down_again(empty_db_url: str) -> None:
         db.upgrade(url)
         with db.transaction(factory) as session:
             assert pins.pinned_adapters(session) == []
+    finally:
+        engine.dispose()
+
+
+def test_0008_adds_the_measured_effect_unset_and_goes_down_again(empty_db_url: str) -> None:
+    """Existing versions come up unmeasured (effect NULL); a measured effect is kept;
+    downgrade drops only the columns (the rows stay), and upgrading again works."""
+    url = empty_db_url
+    db.upgrade(url, "0007")
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO tenants (name, status, created_at, updated_at) "
+                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+            conn.execute(sa.text(
+                "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
+                "use_rslora, target_modules, digest, size_bytes, storage_path, "
+                "visibility, status, created_at) VALUES (:t, 'a', 1, 'm', 1, 1.0, "
+                "false, '[]', :d, 10, 'p', 'private', 'active', CURRENT_TIMESTAMP)"),
+                {"t": tenant_id, "d": "1" * 64})
+        db.upgrade(url)
+        assert db.current_revision(engine) == "0008"
+        factory = db.make_session_factory(engine)
+        with db.transaction(factory) as session:
+            (row,) = service.list_adapters(session, tenant_id)
+            assert (row.effect_kl, row.effect_changed, row.effect_measured_at) == (
+                None, None, None)
+            row.effect_kl, row.effect_changed = 0.25, 0.5
+        with db.transaction(factory) as session:
+            (row,) = service.list_adapters(session, tenant_id)
+            assert (row.effect_kl, row.effect_changed) == (0.25, 0.5)
+        db.downgrade(url, "0007")
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("adapters")}
+        assert not columns & {"effect_kl", "effect_changed", "effect_measured_at"}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM adapters")).scalar_one() == 1
+        db.upgrade(url)
+        with db.transaction(factory) as session:
+            assert service.list_adapters(session, tenant_id)[0].effect_kl is None
     finally:
         engine.dispose()

@@ -16,10 +16,10 @@ from starlette.routing import Route
 
 from loraplex.gateway import adapter_versions
 from loraplex.gateway.adapter_uploads import (
-    adapter_json,
     adapter_service,
     deleted_json,
     storage_json,
+    upload_json,
     versions_json,
 )
 from loraplex.gateway.auth import authenticate
@@ -54,8 +54,10 @@ async def upload_adapter(request: Request) -> Response:
     """A new version of one of the caller's adapters (multipart; see adapter_uploads)."""
     gw = gateway(request)
     principal = await authenticate(request, gw.sessions)
-    result = await adapter_service(request).upload(request, principal.tenant_id)
-    return JSONResponse(adapter_json(result.adapter, principal.tenant_name), status_code=201)
+    adapters = adapter_service(request)
+    result = await adapters.upload(request, principal.tenant_id)
+    outcome = await adapters.probe(result)
+    return JSONResponse(upload_json(result, outcome, principal.tenant_name), status_code=201)
 
 
 async def delete_adapter(request: Request) -> Response:

@@ -81,9 +81,9 @@ def _slots(stats: EngineStats,
 async def engine_stats(request: Request) -> Response:
     """The engine's figures: queue, running requests, KV blocks, adapter slots (each
     saying whether its adapter is ``pinned``), the pins held (``pinned_adapters``) and the
-    most there may be (``max_pinned``), tenants (each with its registry ``name``); at the
-    top level for the whole deployment, and under
-    ``replicas`` for each replica."""
+    most there may be (``max_pinned``), tenants (each with its registry ``name``), the KV
+    disk tier (``kv_disk_*``; ``kv_disk_max_bytes`` 0 where it is off); at the top level
+    for the whole deployment, and under ``replicas`` for each replica."""
     gw, _ = await admin_principal(request)
     replicas = await gw.backend.replica_stats()
     total = combine_stats(replicas)

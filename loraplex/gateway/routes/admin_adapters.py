@@ -17,6 +17,7 @@ from loraplex.gateway.adapter_uploads import (
     adapter_json,
     adapter_service,
     deleted_json,
+    upload_json,
     versions_json,
 )
 from loraplex.gateway.auth import admin_principal
@@ -56,8 +57,10 @@ async def upload_adapter(request: Request) -> Response:
     gw, _ = await admin_principal(request)
     tenant = request.path_params["tenant"]
     tenant_id = await run_in_threadpool(_tenant_id, gw, tenant)
-    result = await adapter_service(request).upload(request, tenant_id)
-    return JSONResponse(adapter_json(result.adapter, tenant), status_code=201)
+    adapters = adapter_service(request)
+    result = await adapters.upload(request, tenant_id)
+    outcome = await adapters.probe(result)
+    return JSONResponse(upload_json(result, outcome, tenant), status_code=201)
 
 
 def _set_visibility(gw: Gateway, tenant: str, name: str, visibility: Any,
