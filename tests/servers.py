@@ -117,3 +117,20 @@ def clean_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     env["LORAPLEX_HOME"] = str(home)
     return env
+
+
+def ttft_steps_within(metrics_text: str, tenant: str, steps: int) -> tuple[float, float]:
+    """From a /metrics page: ``tenant``'s requests, and how many of them had their first
+    token within ``steps`` engine steps (``loraplex_time_to_first_token_steps``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    within = count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == "loraplex_time_to_first_token_steps_bucket" \
+                    and s.labels.get("tenant") == tenant:
+                if s.labels["le"] == f"{float(steps)}":
+                    within = s.value
+                if s.labels["le"] == "+Inf":
+                    count = s.value
+    return count, within

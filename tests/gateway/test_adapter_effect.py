@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from servers import ttft_steps_within
 
 from loraplex.config import SchedulerConfig, ServerConfig
 from loraplex.engine.share import Share
@@ -181,16 +181,7 @@ def _ttft_steps(server: Any, tenant: str) -> tuple[float, float]:
     """(requests, of which first token within 2 steps) of the tenant, from /metrics."""
     text = httpx.get(f"{server.url}/metrics", timeout=30,
                      headers={"Authorization": f"Bearer {server.admin_key}"}).text
-    within = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "loraplex_time_to_first_token_steps_bucket" \
-                    and s.labels.get("tenant") == tenant:
-                if s.labels["le"] == "2.0":
-                    within = s.value
-                if s.labels["le"] == "+Inf":
-                    count = s.value
-    return count, within
+    return ttft_steps_within(text, tenant, 2)
 
 
 async def _beside(server: Any, folder: Path) -> tuple[dict[str, Any], str | None, int]:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from servers import ttft_steps_within
 
 from loraplex.config import (
     SchedulerConfig,
@@ -46,16 +46,7 @@ def _engine(http: httpx.Client, admin_key: str) -> dict[str, Any]:
 def _ttft_steps(http: httpx.Client, admin_key: str, tenant: str) -> tuple[float, float]:
     """(requests, of which first token within 3 steps) of ``tenant``, from /metrics."""
     text = http.get("/metrics", headers={"Authorization": f"Bearer {admin_key}"}).text
-    within = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "loraplex_time_to_first_token_steps_bucket" \
-                    and s.labels.get("tenant") == tenant:
-                if s.labels["le"] == "3.0":
-                    within = s.value
-                if s.labels["le"] == "+Inf":
-                    count = s.value
-    return count, within
+    return ttft_steps_within(text, tenant, 3)
 
 
 async def _scenario(url: str, keys: dict[str, str], admin_key: str, num_noisy: int) -> None:

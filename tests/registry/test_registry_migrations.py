@@ -33,6 +33,25 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
+
+def _old_versions(conn: sa.Connection, versions: list[tuple[str, str]]) -> int:
+    """Raw rows as an older revision holds them: tenant "old" and versions 1.. of its
+    adapter "a", each (digest, status), stored at ``<digest[:2]>/<digest>``; the tenant's
+    id."""
+    conn.execute(sa.text(
+        "INSERT INTO tenants (name, status, created_at, updated_at) "
+        "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+    tenant_id: int = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+    for version, (digest, status) in enumerate(versions, start=1):
+        conn.execute(sa.text(
+            "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
+            "use_rslora, target_modules, digest, size_bytes, storage_path, "
+            "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
+            "false, '[]', :d, 10, :p, 'private', :s, CURRENT_TIMESTAMP)"),
+            {"t": tenant_id, "v": version, "d": digest, "p": f"{digest[:2]}/{digest}",
+             "s": status})
+    return tenant_id
+
 def test_upgrade_downgrade_upgrade(empty_db_url: str) -> None:
     assert _tables(empty_db_url) == set()
     db.upgrade(empty_db_url)
@@ -286,20 +305,8 @@ def test_0005_adds_quotas_backfills_reclaimed_and_goes_down_again(
     (store / kept[:2] / kept).mkdir(parents=True)  # only "kept" still has its folder
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                "INSERT INTO tenants (name, status, created_at, updated_at) "
-                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
-            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
-            for version, (digest, status) in enumerate(
-                    ((shared, "active"), (shared, "deleted"), (gone, "deleted"),
-                     (kept, "deleted")), start=1):
-                conn.execute(sa.text(
-                    "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
-                    "use_rslora, target_modules, digest, size_bytes, storage_path, "
-                    "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
-                    "false, '[]', :d, 10, :p, 'private', :s, CURRENT_TIMESTAMP)"),
-                    {"t": tenant_id, "v": version, "d": digest, "p": f"{digest[:2]}/{digest}",
-                     "s": status})
+            _old_versions(conn, [(shared, "active"), (shared, "deleted"), (gone, "deleted"),
+                                 (kept, "deleted")])
         db.upgrade(url, adapter_dir=str(store))
         with engine.connect() as conn:
             assert conn.execute(sa.text(
@@ -343,17 +350,8 @@ def test_0006_keeps_every_name_on_its_latest_version_and_goes_down_again(
     engine = db.make_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                "INSERT INTO tenants (name, status, created_at, updated_at) "
-                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
-            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
-            for version, status in ((1, "active"), (2, "active"), (3, "deleted")):
-                conn.execute(sa.text(
-                    "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
-                    "use_rslora, target_modules, digest, size_bytes, storage_path, "
-                    "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
-                    "false, '[]', :d, 10, 'p', 'private', :s, CURRENT_TIMESTAMP)"),
-                    {"t": tenant_id, "v": version, "d": str(version) * 64, "s": status})
+            tenant_id = _old_versions(conn, [("1" * 64, "active"), ("2" * 64, "active"),
+                                             ("3" * 64, "deleted")])
         db.upgrade(url)
         assert db.current_revision(engine) == db.head_revision()
         factory = db.make_session_factory(engine)
@@ -394,17 +392,7 @@ def test_0007_adds_pins_unset_and_goes_down_again(empty_db_url: str) -> None:
     engine = db.make_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                "INSERT INTO tenants (name, status, created_at, updated_at) "
-                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
-            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
-            for version in (1, 2):
-                conn.execute(sa.text(
-                    "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
-                    "use_rslora, target_modules, digest, size_bytes, storage_path, "
-                    "visibility, status, created_at) VALUES (:t, 'a', :v, 'm', 1, 1.0, "
-                    "false, '[]', :d, 10, 'p', 'private', 'active', CURRENT_TIMESTAMP)"),
-                    {"t": tenant_id, "v": version, "d": str(version) * 64})
+            tenant_id = _old_versions(conn, [("1" * 64, "active"), ("2" * 64, "active")])
         db.upgrade(url)
         assert db.current_revision(engine) == db.head_revision()
         factory = db.make_session_factory(engine)
@@ -434,16 +422,7 @@ def test_0008_adds_the_measured_effect_unset_and_goes_down_again(empty_db_url: s
     engine = db.make_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                "INSERT INTO tenants (name, status, created_at, updated_at) "
-                "VALUES ('old', 'active', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
-            tenant_id = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
-            conn.execute(sa.text(
-                "INSERT INTO adapters (tenant_id, name, version, base_model, rank, alpha, "
-                "use_rslora, target_modules, digest, size_bytes, storage_path, "
-                "visibility, status, created_at) VALUES (:t, 'a', 1, 'm', 1, 1.0, "
-                "false, '[]', :d, 10, 'p', 'private', 'active', CURRENT_TIMESTAMP)"),
-                {"t": tenant_id, "d": "1" * 64})
+            tenant_id = _old_versions(conn, [("1" * 64, "active")])
         db.upgrade(url)
         assert db.current_revision(engine) == "0008"
         factory = db.make_session_factory(engine)
