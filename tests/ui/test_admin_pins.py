@@ -52,7 +52,12 @@ def test_pin_refused_pin_and_unpin(browser: Any, ui_server: UIServer,
     errors = watch_errors(page)  # the refusal below is on purpose
 
     def show_tenant() -> None:
+        """Chooses the tenant and waits for its list: until then the rows are every
+        tenant's, and a row by version matches several."""
         page.select_option("#page .page-head select", tenant)
+        rows = page.locator("#adapter-list tbody tr")
+        expect(rows.filter(has_not_text=f"{tenant}/bot")).to_have_count(0)
+        expect(rows).to_have_count(2)
 
     def row(version: int) -> Any:
         return page.locator("#adapter-list tr", has=page.locator(
