@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from loraplex.engine.backend import EngineBackend
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.share import Share
-from loraplex.errors import LoraplexError
+from loraplex.errors import EngineOverloadedError, LoraplexError
 from loraplex.registry import service
 from loraplex.registry.db import transaction
 from loraplex.registry.models import Adapter
@@ -48,6 +49,7 @@ PROMPTS: Final = (
 )
 NUM_CONTINUATION_TOKENS: Final = 8
 PROBE_TENANT: Final = "loraplex:effect-probe"
+OVERLOAD_WAIT_S: Final = 120.0  # how long a probe request waits for room in a full engine
 PROBE_SHARE: Final = Share(tenant=PROBE_TENANT, priority="batch")
 PROBE_SALT: Final = "loraplex:effect-probe"
 # Below this mean KL (nats) the adapter's effect on the next-token distribution is
@@ -97,7 +99,23 @@ class ProbeError(LoraplexError):
 async def _run(backend: EngineBackend, prompt_ids: Sequence[int],
                ref: AdapterRef | None) -> tuple[np.ndarray, list[int]]:
     """One probe request: (the first token's log-probabilities ``[vocab]``, the greedy
-    continuation's token ids)."""
+    continuation's token ids). Refused as overloaded (a full engine, or a gateway queue
+    for busy replicas), it waits and asks again for up to ``OVERLOAD_WAIT_S``: the probe
+    is background work and takes the room left over."""
+    deadline = time.monotonic() + OVERLOAD_WAIT_S
+    delay = 0.2
+    while True:
+        try:
+            return await _run_once(backend, prompt_ids, ref)
+        except EngineOverloadedError:
+            if time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+
+async def _run_once(backend: EngineBackend, prompt_ids: Sequence[int],
+                    ref: AdapterRef | None) -> tuple[np.ndarray, list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NUM_CONTINUATION_TOKENS,
                             first_token_distribution=True)
     distribution: tuple[float, ...] | None = None

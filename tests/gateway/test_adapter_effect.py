@@ -20,7 +20,7 @@ from servers import ttft_steps_within
 
 from loraplex.config import SchedulerConfig, ServerConfig
 from loraplex.engine.share import Share
-from loraplex.errors import EngineOverloadedError
+from loraplex.errors import AdapterError, EngineOverloadedError
 from loraplex.gateway.adapter_effect import (
     MIN_EFFECT_KL,
     PROBE_SHARE,
@@ -110,24 +110,54 @@ def test_an_adapter_that_changes_almost_nothing_is_a_warning(
 
 
 class _Refusing:
-    """A backend whose every generation is refused (the engine overloaded)."""
+    """The server's backend, but its first ``times`` generations (every one: None) are
+    refused with ``error``."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, error: Exception, times: int | None = None) -> None:
         self.inner = inner
+        self.error = error
+        self.left = times
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        raise EngineOverloadedError("the engine is full")
-        yield  # a generator
+        if self.left is None or self.left > 0:
+            if self.left is not None:
+                self.left -= 1
+            raise self.error
+        async for delta in self.inner.generate(*args, **kwargs):
+            yield delta
+
+
+def test_a_probe_waits_for_room_in_a_full_engine(server: Any,
+                                                 llama_adapters: dict[str, Path]) -> None:
+    """Overloaded answers (a full engine, or a gateway's queue for busy Ray replicas) make
+    the probe wait and ask again, not fail."""
+    probes = _probes(server)
+    real = probes.backend
+    refusing = _Refusing(real, EngineOverloadedError("the engine is full"), times=6)
+    probes.backend = refusing  # type: ignore[assignment]
+    try:
+        row = _upload(server, "crowded", llama_adapters["r8qv"])
+    finally:
+        probes.backend = real
+    assert refusing.left == 0
+    if row["effect"] is None:  # past the answer's wait: stored when it ends
+        assert row["effect_pending"] is True
+        deadline = time.monotonic() + 120
+        while _listed(server, "crowded")[0]["effect"] is None:
+            assert time.monotonic() < deadline, "the probe never ended"
+            time.sleep(0.2)
+        row["effect"] = _listed(server, "crowded")[0]["effect"]
+    assert row["effect"]["kl"] > 0
 
 
 def test_a_failed_probe_never_loses_the_upload(server: Any, llama_adapters: dict[str, Path],
                                                caplog: pytest.LogCaptureFixture) -> None:
     probes = _probes(server)
     real = probes.backend
-    probes.backend = _Refusing(real)  # type: ignore[assignment]
+    probes.backend = _Refusing(real, AdapterError("the weights cannot be read"))  # type: ignore[assignment]
     try:
         row = _upload(server, "refused", llama_adapters["r8qv"])
     finally:
@@ -135,7 +165,7 @@ def test_a_failed_probe_never_loses_the_upload(server: Any, llama_adapters: dict
     assert row["status"] == "active" and row["version"] == 1
     assert row["effect"] is None and row["effect_pending"] is False and row["warnings"] == []
     assert "the effect probe of adapter version" in caplog.text
-    assert "the engine is full" in caplog.text
+    assert "the weights cannot be read" in caplog.text
     (listed,) = _listed(server, "refused")
     assert listed["effect"] is None and listed["status"] == "active"
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.keys["owner"],

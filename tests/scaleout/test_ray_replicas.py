@@ -475,6 +475,34 @@ def test_two_gateways_share_exact_rate_limits(deployment: Deployment) -> None:
     assert totals["requests"] == RPM and totals["completion_tokens"] <= RPM, totals
 
 
+def test_an_upload_is_measured_through_the_replicas(deployment: Deployment) -> None:
+    """The effect probe runs on the replicas like any batch request: the upload answer (or,
+    past its wait, the version's entry soon after) carries a non-zero effect."""
+    folder = deployment.adapter_dirs["alice/qv"]
+    files = {f: (f, (folder / f).read_bytes())
+             for f in ("adapter_config.json", "adapter_model.safetensors")}
+    headers = {"Authorization": f"Bearer {deployment.keys['bob']}"}
+    response = httpx.post(f"{deployment.gateways[0]}/v1/adapters", data={"name": "probed"},
+                          files=files, headers=headers, timeout=300)
+    assert response.status_code == 201, response.text
+    effect = response.json()["effect"]
+    try:
+        if effect is None:  # measured after the answer: the entry gets it
+            def measured() -> bool:
+                nonlocal effect
+                listed = httpx.get(f"{deployment.gateways[1]}/v1/adapters", headers=headers,
+                                   timeout=30).json()["data"]
+                effect = next(a["effect"] for a in listed if a["name"] == "probed")
+                return effect is not None
+
+            assert deployment.head is not None
+            wait_until(measured, deployment.head, "the effect probe")
+        assert effect["kl"] > 0 and effect["changed"] > 0, effect
+    finally:
+        assert httpx.delete(f"{deployment.gateways[0]}/v1/adapters/probed", headers=headers,
+                            timeout=60).status_code == 200
+
+
 def test_deletion_reaches_every_replica(deployment: Deployment) -> None:
     client = deployment.client("alice")
     # More concurrent requests than one replica takes: Serve spills them to the other,
