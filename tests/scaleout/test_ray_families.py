@@ -48,7 +48,9 @@ from loraplex.testing import (  # noqa: E402
     redis_url_for_tests,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.server,
+# Not `server`: its cluster's start is test_ray_replicas.py's, which .ci/run repeats beside
+# busy loops; nine deployments in turn there would take most of CI's time.
+pytestmark = [pytest.mark.slow,
               # Ray Serve's own pydantic models, on import in this process.
               pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
 
