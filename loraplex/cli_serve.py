@@ -151,6 +151,10 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-adapter-affinity", action="store_true",
                    help="route adapter requests like base ones, ignoring which replica holds "
                         "the adapter (for comparison)")
+    g.add_argument("--no-prefix-routing", action="store_true",
+                   help="route without regard to which replica caches a request's prefix "
+                        "for its adapter and tenant: adapter affinity and load only (for "
+                        "comparison; the gateway that deploys the replicas sets it for all)")
     g.add_argument("--max-queued-requests", type=int, default=RayConfig.max_queued_requests,
                    help="requests each gateway holds for busy replicas before answering 503 "
                         "(a setting of the deployment: the gateway that deploys the replicas "
@@ -273,7 +277,8 @@ def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
                            max_queued_requests=args.max_queued_requests,
                            sync_key_prefix=f"{args.redis_key_prefix}replicas:",
-                           adapter_affinity=not args.no_adapter_affinity)
+                           adapter_affinity=not args.no_adapter_affinity,
+                           prefix_routing=not args.no_prefix_routing)
     try:
         from loraplex.engine.ray_backend import RayEngineBackend
     except ImportError:

@@ -62,6 +62,9 @@ class CacheConfig:
     # within kv_disk_gib GiB. None: off.
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 4.0
+    # Record what the prefix cache stores and evicts (engine/kv_events.py): the Ray
+    # replicas turn it on and publish it for the gateways' prefix-aware routing.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -380,6 +383,9 @@ class RayConfig:
     # Off: adapter requests get Serve's plain load balancing too (to measure what affinity
     # gains; every replica then ends up loading every adapter).
     adapter_affinity: bool = True
+    # Route to the replica that caches the longest prefix of the request for its adapter
+    # and tenant (engine/prefix_routing.py); off: adapter affinity and load only.
+    prefix_routing: bool = True
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 1, "replicas must be >= 1")

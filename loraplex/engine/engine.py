@@ -21,6 +21,7 @@ from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
 from loraplex.engine.kv_blocks import BlockIdentity, KVLayout, model_fingerprint
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_disk import DiskTier
+from loraplex.engine.kv_events import KVEventLog
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
@@ -71,10 +72,14 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
         self.disk = self._disk_tier()
+        # What a router follows (the Ray replicas publish it): every block cached or evicted.
+        self.kv_events = (KVEventLog(config.cache.block_size)
+                          if config.cache.kv_events and config.cache.enable_prefix_caching
+                          else None)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching,
                                  config.cache.swap_space_blocks, self.runner.sliding_window,
-                                 lower_tier=self.disk)
+                                 lower_tier=self.disk, events=self.kv_events)
         self.target_shapes = TargetShapes.from_model_dir(config.model.model)
         self.adapters = AdapterSlotCache(config.lora.max_loras, config.lora.max_cpu_loras,
                                        self._load_adapter, self.runner.set_lora_slot,
@@ -616,6 +621,16 @@ class LLMEngine:
             self._release_deleted()
 
     # --- figures -----------------------------------------------------------------------
+
+    def take_kv_events(self) -> list[list[Any]]:
+        """The KV events since the last call (``kv_events.py``); none unless turned on."""
+        if self.kv_events is None:
+            return []
+        return self.kv_events.drain(self.kv.registered_blocks)
+
+    def resync_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.resync()
 
     def stats(self) -> EngineStats:
         """The engine's figures now, as replica 0 (a deployment sets its own ordinal)."""

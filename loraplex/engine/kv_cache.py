@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,6 +73,19 @@ def hash_block(
 
 def _normalize_extra_keys(extra_keys: Sequence[Sequence[str]]) -> tuple[ExtraKey, ...]:
     return tuple(tuple(key) for key in extra_keys)
+
+
+RegisteredBlock = tuple[bytes, bytes | None, tuple[ExtraKey, ...]]
+"""(block hash, parent hash, extra keys) of one block in the prefix cache."""
+
+
+class CacheEvents(Protocol):
+    """Told of every block the prefix cache registers or drops (``kv_events.KVEventLog``)."""
+
+    def stored(self, block_hash: bytes, parent: bytes | None,
+               extra_keys: tuple[ExtraKey, ...]) -> None: ...
+
+    def removed(self, block_hash: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -216,6 +229,7 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         sliding_window: int = 0,
         lower_tier: LowerTier | None = None,
+        events: CacheEvents | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -247,6 +261,7 @@ class KVCacheManager:
         self._evictions: list[EvictedBlock] = []
         self._pending_loads: dict[int, bytes] = {}  # block id -> hash whose KV is due
         self._num_lower_hit_tokens = 0
+        self.events = events  # what routers follow: every block registered or dropped
 
         # running sums over live requests, so stats() is O(1)
         self._num_live_tokens = 0
@@ -660,6 +675,13 @@ class KVCacheManager:
             lower_tier_hit_tokens=self._num_lower_hit_tokens,
         )
 
+    def registered_blocks(self) -> Iterator[RegisteredBlock]:
+        """Every block in the prefix cache: (hash, parent hash, extra keys)."""
+        for block_hash, block_id in self._hash_to_block.items():
+            key = self._block_keys[block_id]
+            assert key is not None
+            yield block_hash, key[0], key[2]
+
     def all_free_or_cached(self) -> bool:
         """Whether no request holds any device or host block."""
         return (
@@ -796,6 +818,8 @@ class KVCacheManager:
             self._hash_to_block[block_hash] = block_id
             self._block_hashes[block_id] = block_hash
             self._block_keys[block_id] = key
+            if self.events is not None:
+                self.events.stored(block_hash, key[0], key[2])
 
     def _release_device_blocks(self, request: _RequestBlocks) -> None:
         held = [b for b in request.block_ids if b != RELEASED]
@@ -823,6 +847,8 @@ class KVCacheManager:
         del self._hash_to_block[block_hash]
         self._block_hashes[block_id] = None
         self._block_keys[block_id] = None
+        if self.events is not None:
+            self.events.removed(block_hash)
 
     def _unregister(self, block_id: int) -> None:
         self._drop_hash(block_id)

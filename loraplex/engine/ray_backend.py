@@ -56,14 +56,17 @@ import redis
 import redis.asyncio as aioredis
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from loraplex.adapter_format import stored_folder
 from loraplex.config import EngineConfig, RayConfig
+from loraplex.engine import kv_events
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
 from loraplex.engine.fairness import TenantStats
 from loraplex.engine.outputs import SequenceDelta
+from loraplex.engine.prefix_routing import PrefixIndex, register_index, unregister_index
 from loraplex.engine.ray_address import check_reachable, ray_address
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
@@ -88,6 +91,9 @@ STATS_STALE_S: Final = 5.0  # a replica silent this long is no longer listed
 FORGET_BOUND_S: Final = 2.0  # a deletion reaches every live replica within this
 HEALTH_INTERVAL_S: Final = 2.0
 _FORGET_MAXLEN: Final = 10_000
+PREFIX_ROUTER: Final = "loraplex.engine.ray_router:PrefixAwareRouter"
+KV_EVENTS_INTERVAL_S: Final = 0.25  # a replica publishes at most one batch this often
+KV_EVENTS_MAXLEN: Final = 2_000  # batches the stream keeps (a late gateway reads them)
 _MODEL_ID = re.compile(r"([A-Za-z0-9_.-]{1,128})@([0-9a-f]{64})")
 
 
@@ -155,6 +161,12 @@ def _forget_key(config: RayConfig) -> str:
 
 def _pins_key(config: RayConfig) -> str:
     return f"{config.sync_key_prefix}{config.app_name}:pins"
+
+
+def _kv_events_key(config: RayConfig) -> str:
+    """Every replica's KV events (``kv_events.py``), one stream, the newest
+    KV_EVENTS_MAXLEN batches."""
+    return f"{config.sync_key_prefix}{config.app_name}:kv_events"
 
 
 def _forgot_key(config: RayConfig) -> str:
@@ -254,6 +266,9 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._publish_stats()),
                        loop.create_task(self._follow_deletions())]
+        if engine_config.cache.kv_events:
+            self._tasks.append(loop.create_task(self._publish_kv_events(
+                serve.get_replica_context().replica_id.unique_id)))
 
     def _resolve(self, adapter_key: str) -> AdapterRef:
         match = _MODEL_ID.fullmatch(adapter_key)
@@ -320,6 +335,28 @@ class EngineReplica:
                                self._ordinal, exc)
             await asyncio.sleep(STATS_INTERVAL_S)
 
+    async def _publish_kv_events(self, replica_id: str) -> None:
+        """Each KV_EVENTS_INTERVAL_S, what the prefix cache stored and evicted since, as
+        one batch (none when nothing changed). A batch Redis did not take is replaced by a
+        snapshot in the next one (the engine's log starts over)."""
+        key = _kv_events_key(self._config)
+        while True:
+            try:
+                events = await self._client.run_in_engine(lambda e: e.take_kv_events())
+                if events:
+                    try:
+                        await self._redis.xadd(
+                            key, {"batch": json.dumps(kv_events.batch(replica_id, events))},
+                            maxlen=KV_EVENTS_MAXLEN, approximate=True)
+                    except Exception:
+                        await self._client.run_in_engine(lambda e: e.resync_kv_events())
+                        raise
+            except EngineDeadError:
+                return
+            except Exception as exc:
+                logger.warning("replica %d: cannot publish KV events: %s", self._ordinal, exc)
+            await asyncio.sleep(KV_EVENTS_INTERVAL_S)
+
     async def _follow_deletions(self) -> None:
         key = _forget_key(self._config)
         last: str | None = None  # the newest deletion already applied
@@ -364,6 +401,12 @@ class EngineReplica:
 def make_deployment(engine_config: EngineConfig, ray_config: RayConfig) -> Any:
     """The Serve deployment of ``ray_config.replicas`` engine replicas."""
     gpus = ray_config.replica_gpus
+    # Off: Serve's own router (adapter affinity through multiplexed ids, then load).
+    router = RequestRouterConfig(
+        request_router_class=PREFIX_ROUTER,  # type: ignore[arg-type]  # str | Callable
+        request_router_kwargs={"block_size": engine_config.cache.block_size,
+                               "room": engine_config.scheduler.max_num_seqs},
+    ) if ray_config.prefix_routing else RequestRouterConfig()
     return serve.deployment(
         EngineReplica, name="engine", num_replicas=ray_config.replicas,
         ray_actor_options={"num_cpus": ray_config.replica_cpus,
@@ -373,7 +416,7 @@ def make_deployment(engine_config: EngineConfig, ray_config: RayConfig) -> Any:
         max_ongoing_requests=2 * engine_config.scheduler.max_num_seqs,
         max_queued_requests=ray_config.max_queued_requests,
         health_check_period_s=HEALTH_INTERVAL_S, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5)
+        graceful_shutdown_timeout_s=5, request_router_config=router)
 
 
 # --- the gateway side ----------------------------------------------------------------------
@@ -433,7 +476,8 @@ def remove_replica_state(ray_config: RayConfig, redis_url: str) -> None:
     try:
         with redis.Redis.from_url(redis_url, socket_timeout=5) as client:
             client.delete(_stats_key(ray_config), _forget_key(ray_config),
-                          _pins_key(ray_config), _forgot_key(ray_config))
+                          _pins_key(ray_config), _forgot_key(ray_config),
+                          _kv_events_key(ray_config))
     except redis.RedisError as exc:
         logger.warning("cannot remove the engine replicas' keys from Redis: %s",
                        first_line(exc))
@@ -465,6 +509,8 @@ class RayEngineBackend:
         # Ordinals not seen publishing: every one until the first probe has looked.
         self._missing = tuple(range(ray_config.replicas))
         self._health_task: asyncio.Task[None] | None = None
+        self._kv_index = PrefixIndex()  # what the router reads (prefix_routing.py)
+        self._events_task: asyncio.Task[None] | None = None
         self._stopped = False  # by shutdown: this gateway sends no more requests
         self._closed = False  # by close: the cluster this process started is gone too
 
@@ -478,6 +524,9 @@ class RayEngineBackend:
         try:
             handle = cls._existing(ray_config)
             if handle is None:
+                if ray_config.prefix_routing:  # the replicas publish what they cache
+                    engine_config = dataclasses.replace(engine_config, cache=dataclasses.replace(
+                        engine_config.cache, kv_events=True))
                 deployment = make_deployment(engine_config, ray_config)
                 serve.start(proxy_location="Disabled")  # handles only, no HTTP proxy
                 try:
@@ -540,7 +589,10 @@ class RayEngineBackend:
     def start(self) -> None:
         """Opens the Redis client and starts the readiness probe (on the serving loop)."""
         self._redis = aioredis.from_url(self._redis_url, socket_timeout=5)
-        self._health_task = asyncio.get_running_loop().create_task(self._probe())
+        loop = asyncio.get_running_loop()
+        self._health_task = loop.create_task(self._probe())
+        register_index(self._config.app_name, self._kv_index)
+        self._events_task = loop.create_task(self._follow_kv_events())
 
     async def shutdown(self) -> None:
         """Stops this gateway's use of the replicas (they serve other gateways on); a local
@@ -548,10 +600,12 @@ class RayEngineBackend:
         if self._stopped:
             return
         self._stopped = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        unregister_index(self._config.app_name, self._kv_index)
+        for task in (self._health_task, self._events_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._redis is not None:
             await self._redis.aclose()
 
@@ -662,6 +716,25 @@ class RayEngineBackend:
         if self._redis is None:
             raise RuntimeError("RayEngineBackend.start() was not called")
         return self._redis
+
+    async def _follow_kv_events(self) -> None:
+        """The replicas' KV events into this gateway's prefix index, from the oldest batch
+        the stream keeps; batches that are not KV events are counted and skipped."""
+        key = _kv_events_key(self._config)
+        last = "0-0"
+        while True:
+            try:
+                answer: Any = await self._redis_client().xread({key: last}, count=100,
+                                                               block=1000)
+                for _, entries in answer or ():
+                    for entry_id, fields in entries:
+                        last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                        self._kv_index.apply(fields.get(b"batch", b""))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: routing goes on from what it knows
+                logger.warning("cannot read the replicas' KV events: %s", first_line(exc))
+                await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def _probe(self) -> None:
         while True:

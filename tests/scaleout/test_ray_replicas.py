@@ -366,8 +366,8 @@ def test_a_clean_stop_of_its_own_cluster_leaves_nothing_behind(
         wait_ready(url, proc, "the gateway with its own cluster", log=log)
         ready = httpx.get(f"{url}/ready", timeout=30).json()
         assert ready["replicas"] == {"configured": 1, "missing": []}, ready
-        # The replica's stats, a deletion stream (an adapter it served, deleted) and the
-        # replica's acknowledgement of it.
+        # The replica's stats, a deletion stream (an adapter it served, deleted), the
+        # replica's acknowledgement of it, and its KV events (prefix-aware routing).
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
         client.completions.create(model="sql", prompt="x", max_tokens=2)
         assert httpx.delete(f"{url}/v1/adapters/sql", headers={
@@ -375,7 +375,7 @@ def test_a_clean_stop_of_its_own_cluster_leaves_nothing_behind(
         with redis.Redis.from_url(REDIS_URL) as r:
             assert sorted(r.scan_iter(match=f"{prefix}replicas:*")) == [
                 f"{prefix}replicas:loraplex:{name}".encode()
-                for name in ("forget", "forgot", "stats")]
+                for name in ("forget", "forgot", "kv_events", "stats")]
         assert [p.name[:13] for p in ray_tmp.iterdir()] == ["loraplex-ray-"]
         spawned = process_descendants(proc.pid)  # Ray's, the replica's worker among them
         assert spawned
