@@ -102,7 +102,8 @@ RUN pip install --no-deps -e . \
 RUN set -eux; \
     useradd --system --uid 10001 --user-group --create-home --home-dir /home/loraplex \
         --shell /usr/sbin/nologin loraplex; \
-    mkdir -p "$LORAPLEX_HOME/models" "$LORAPLEX_HOME/adapters" "$HF_HOME"; \
+    mkdir -p "$LORAPLEX_HOME/models" "$LORAPLEX_HOME/adapters" "$LORAPLEX_HOME/kv-disk" \
+        "$HF_HOME"; \
     chown -R loraplex:loraplex "$LORAPLEX_HOME"; \
     chmod 0755 /app/docker/entrypoint.sh
 

@@ -15,6 +15,8 @@ from loraplex.config import (
     SpeculativeConfig,
 )
 
+ENV_KV_DISK_DIR = "LORAPLEX_KV_DISK_DIR"  # --kv-disk-dir (the compose stack sets it)
+
 
 def model_arg(value: str | None) -> str:
     """The base model folder: the flag, LORAPLEX_MODEL, or the demo model (prepared)."""
@@ -82,7 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="host-memory KV blocks for --preemption-mode swap")
     g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="keep prefix-cache blocks evicted from the pool in this folder and "
-                        "load them back on a later hit (default: off)")
+                        f"load them back on a later hit (env {ENV_KV_DISK_DIR}; default: "
+                        "off)")
     g.add_argument("--kv-disk-gib", type=float, default=CacheConfig.kv_disk_gib, metavar="N",
                    help="disk budget of --kv-disk-dir in GiB, least recently used blocks "
                         "deleted first (default: %(default)s)")
@@ -105,13 +108,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="engine seed (sampling of requests that give no seed)")
 
 
+def kv_disk_dir(args: argparse.Namespace) -> str | None:
+    """The KV disk tier's folder: the flag, else LORAPLEX_KV_DISK_DIR; None: no tier."""
+    return args.kv_disk_dir or os.environ.get(ENV_KV_DISK_DIR) or None
+
+
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
     """The engine configuration of the options ``add_engine_args`` registered."""
     return EngineConfig(
         model=ModelConfig(model, args.dtype, args.device, args.seed, args.max_model_len),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory,
                           not args.no_prefix_caching, args.swap_space_blocks,
-                          args.kv_disk_dir, args.kv_disk_gib),
+                          kv_disk_dir(args), args.kv_disk_gib),
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
                         args.max_pinned_fraction),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,

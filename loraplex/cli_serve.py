@@ -17,7 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex.cli_engine import HelpFormatter, add_engine_args, engine_config_from_args, model_arg
+from loraplex.cli_engine import (
+    HelpFormatter,
+    add_engine_args,
+    engine_config_from_args,
+    kv_disk_dir,
+    model_arg,
+)
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
 from loraplex.config import ENV_API_KEY, ENV_METRICS_TOKEN, RegistryConfig
 from loraplex.errors import ConfigError
@@ -159,6 +165,19 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
                    help="requests each gateway holds for busy replicas before answering 503 "
                         "(a setting of the deployment: the gateway that deploys the replicas "
                         "sets it for all)")
+
+
+def _salt_secret(args: argparse.Namespace) -> str | None:
+    """LORAPLEX_CACHE_SALT_SECRET; else, with a KV disk tier in this process, the secret
+    kept in its folder (its blocks stay reachable for their tenants after a restart); else
+    None (a random one for this process; the ray backend refuses that)."""
+    configured = os.environ.get(ENV_CACHE_SALT_SECRET) or None
+    folder = kv_disk_dir(args)
+    if configured is not None or folder is None or args.backend != "local":
+        return configured
+    from loraplex.gateway.auth import kept_salt_secret
+
+    return kept_salt_secret(Path(folder))
 
 
 def _prepare_registry(args: argparse.Namespace) -> None:
@@ -311,7 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
             admin_key=os.environ.get(ENV_ADMIN_KEY) or None,
             served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
             max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
-            cache_salt_secret=os.environ.get(ENV_CACHE_SALT_SECRET) or None,
+            cache_salt_secret=_salt_secret(args),
             rate_limit_key_prefix=f"{args.redis_key_prefix}rl:",
             max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,

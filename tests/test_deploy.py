@@ -237,12 +237,13 @@ def test_compose_loraplex_waits_for_healthy_database_and_redis() -> None:
 def test_compose_named_volumes_are_declared_and_mounted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     declared = _compose()["volumes"]
-    assert set(declared) == {"pgdata", "adapters", "models"}
+    assert set(declared) == {"pgdata", "adapters", "models", "kvcache"}
     assert _named_mounts(_service("postgres")) == {"pgdata": "/var/lib/postgresql/data"}
     env = _environment(_service("loraplex"))
     mounts = _named_mounts(_service("loraplex"))
-    assert set(mounts) == {"adapters", "models"}
+    assert set(mounts) == {"adapters", "models", "kvcache"}
     assert mounts["adapters"] == env["LORAPLEX_ADAPTER_DIR"]
+    assert mounts["kvcache"] == env["LORAPLEX_KV_DISK_DIR"]  # the KV disk tier's folder
     # The models volume must hold the folder the demo model is prepared into.
     from loraplex.model.demo import default_demo_dir
 
@@ -335,7 +336,8 @@ def test_compose_ray_profile_publishes_only_the_gateways() -> None:
 
 
 def test_compose_ray_profile_shares_the_volumes_at_the_same_paths() -> None:
-    default = _named_mounts(_service("loraplex"))
+    # Not the KV disk tier's: one folder per engine, and replicas run without it.
+    default = {k: v for k, v in _named_mounts(_service("loraplex")).items() if k != "kvcache"}
     for name in RAY_SERVICES:
         assert _named_mounts(_service(name)) == default, name
     for name in ("gateway", "gateway-2"):
@@ -578,6 +580,7 @@ def test_entrypoint_serves_the_stack_against_local_postgres_and_redis(
         "LORAPLEX_REDIS_URL": REDIS_URL,
         "LORAPLEX_HOME": str(tmp_path / "home"),
         "LORAPLEX_ADAPTER_DIR": str(tmp_path / "home" / "adapters"),
+        "LORAPLEX_KV_DISK_DIR": str(tmp_path / "home" / "kv-disk"),
     }
     compose_env = _environment(_service("loraplex"))
     assert set(compose_env) == set(local), "compose.yaml's environment changed: update here"
@@ -594,6 +597,9 @@ def test_entrypoint_serves_the_stack_against_local_postgres_and_redis(
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         wait_ready(base, proc, "the image's entrypoint", log=log_path)
+        # The KV disk tier is on, with the salt secret its blocks need kept beside them.
+        assert (tmp_path / "home" / "kv-disk" / ".cache-salt-secret").stat().st_mode & 0o777 \
+            == 0o600
         with httpx.Client(base_url=base, timeout=10) as client:
             assert client.get("/health").json() == {"status": "ok"}
 

@@ -11,9 +11,13 @@ Also here: the admin key bootstrap of ``loraplex serve`` and the per-tenant cach
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import os
 import secrets
+import tempfile
+from pathlib import Path
 from typing import Final
 
 import sqlalchemy as sa
@@ -138,9 +142,44 @@ def cache_salt(secret: bytes, tenant_id: int) -> str:
 
 
 def salt_secret(configured: str | None) -> bytes:
-    """The configured secret, or a random one for this process (the prefix cache lives in
-    this process's memory, so salts need not survive a restart)."""
+    """The configured secret, or a random one for this process (a prefix cache in this
+    process's memory only needs salts for its lifetime; a disk tier's blocks need the
+    secret kept with them: ``kept_salt_secret``)."""
     return configured.encode() if configured else secrets.token_bytes(32)
+
+
+SALT_SECRET_FILE: Final = ".cache-salt-secret"
+
+
+def kept_salt_secret(folder: Path) -> str:
+    """The salt secret kept in ``folder`` (the KV disk tier's): made once (mode 0600),
+    read on every later start, so each tenant's salt, and with it every block the tier
+    keeps for the tenant, is the same after a restart. Deleting the folder resets both.
+    ConfigError in one line if it cannot be read or made."""
+    path = folder / SALT_SECRET_FILE
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            # Published whole or not at all: written aside, then linked into place (a
+            # second server starting at once links nothing and reads the first one's).
+            fd, temp = tempfile.mkstemp(prefix=".salt-", dir=folder)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(32))
+                    f.flush()
+                    os.fsync(f.fileno())
+                with contextlib.suppress(FileExistsError):
+                    os.link(temp, path)
+            finally:
+                os.unlink(temp)
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot keep the prefix-cache salt secret in {path}: "
+                          f"{exc.strerror or exc}") from None
+    if len(secret) < 32:
+        raise ConfigError(f"{path} holds no salt secret: delete the KV disk folder's blocks "
+                          "with it, or set LORAPLEX_CACHE_SALT_SECRET")
+    return secret
 
 
 def _check_admin_key_format(key: str) -> None:

@@ -5,11 +5,12 @@ Run by scripts/test-compose with the project's virtualenv python (openai, httpx,
     e2e.py adapters DIR         builds the two test adapters into DIR (the harness runs this
                                 while the stack starts)
     e2e.py setup STATE_FILE     tenants, keys and adapters (CLI in the container, and an
-                                HTTP upload), chat and stream on both adapters, isolation;
-                                writes what the second phase needs to STATE_FILE
+                                HTTP upload), chat and stream on both adapters, isolation,
+                                prefix blocks evicted to the KV disk tier's volume; writes what the second phase needs to STATE_FILE
     e2e.py after-restart STATE_FILE
-                                the same keys, adapters and usage after the stack was taken
-                                down (volumes kept) and brought up again
+                                the same keys, adapters, usage and KV disk blocks (read by
+                                their tenant only) after the stack was taken down (volumes
+                                kept) and brought up again
     e2e.py ray STATE_FILE       the same volumes under the `ray` profile: two gateways
                                 (LPX_TEST_API, LPX_TEST_API2) in front of engine replicas on
                                 Ray Serve; /ready, the replicas listed, an HTTP upload, chat
@@ -176,6 +177,30 @@ def usage(key: str) -> dict[str, Any]:
     return totals
 
 
+def engine_stats() -> dict[str, Any]:
+    r = httpx.get(f"{API}/admin/api/engine", timeout=TIMEOUT_S,
+                  headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200, (r.status_code, r.text)
+    return dict(r.json())
+
+
+def long_prompt(n: int) -> str:
+    """About 30 blocks of tokens (the test pool holds 96): the next four evict all of the
+    first (a lookup reads the disk only from a prefix's first block on)."""
+    return f"Disk tier check {n}. " + " ".join(f"clause {n}-{i} applies;" for i in range(80))
+
+
+def complete(key: str, prompt: str) -> None:
+    client(key).completions.create(model=BASE_MODEL, prompt=prompt, max_tokens=1)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.5)
+
+
 def model_ids(key: str, api: str = API) -> set[str]:
     return {m.id for m in client(key, api).models.list()}
 
@@ -265,6 +290,15 @@ def setup(state_file: Path) -> int:
         return totals
 
     state["acme_usage"] = checks.run("usage metered for acme", metered)
+
+    def blocks_reach_the_disk() -> None:
+        for n in range(6):  # past the pool: the first prompt's blocks are evicted, to disk
+            complete(acme, long_prompt(n))
+        wait_for("evicted blocks written to the kvcache volume",
+                 lambda: engine_stats()["kv_disk_blocks"] >= 64)
+
+    checks.run("KV disk tier: evicted prefix blocks written to its volume",
+               blocks_reach_the_disk)
     state_file.write_text(json.dumps(state))
     return checks.finish()
 
@@ -306,6 +340,17 @@ def after_restart(state_file: Path) -> int:
         assert after["total_tokens"] > before.get("total_tokens", 0), (before, after)
 
     checks.run("usage survived (and grew)", usage_survived)
+
+    def disk_blocks_survive_for_their_tenant_only() -> None:
+        assert engine_stats()["kv_disk_blocks"] > 0, "the volume's blocks were not indexed"
+        before = engine_stats()["kv_disk_hit_tokens"]
+        complete(globex, long_prompt(0))  # the same text under another tenant's salt
+        assert engine_stats()["kv_disk_hit_tokens"] == before, "globex read acme's blocks"
+        complete(acme, long_prompt(0))
+        assert engine_stats()["kv_disk_hit_tokens"] > before, "acme's blocks were not read"
+
+    checks.run("KV disk tier: blocks survived the restart, read by their tenant only",
+               disk_blocks_survive_for_their_tenant_only)
     return checks.finish()
 
 
