@@ -45,7 +45,7 @@ from _output import (  # noqa: E402
     write_json,
 )
 from _scaleout import RayCluster, ray_env, settled_replica_stats, summed  # noqa: E402
-from _server_process import free_port  # noqa: E402
+from _server_process import ServerProcess, free_port  # noqa: E402
 
 from loraplex.registry import db, service  # noqa: E402
 from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
@@ -121,20 +121,18 @@ def run_mode(args: argparse.Namespace, mode: str, model: str, work: list[tuple[i
                 redis_key_prefix(f"prefixray{name}") as prefix:
             db.upgrade(db_url)
             keys = _keys(db_url, args.tenants)
-            port = free_port()
             argv = [str(Path(sys.executable).parent / "loraplex"), "serve", "--backend", "ray",
                     "--replicas", "2", "--replica-cpus", "0.5", "--ray-address",
                     cluster.address, "--model", model, "--served-model-name", "demo",
                     "--database-url", db_url, "--adapter-dir", str(logs / f"store-{name}"),
                     "--redis-url", redis_url_for_tests(), "--redis-key-prefix", prefix,
                     "--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks",
-                    str(args.kv_blocks), "--port", str(port), "--log-level", "warning",
+                    str(args.kv_blocks), "--log-level", "warning",
                     *(["--no-prefix-routing"] if mode == "adapter-only" else [])]
-            log_path = logs / f"{name}-gateway.log"
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log)
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, proc, log_path)
+            gateway = _Gateway(argv, env, free_port(), logs / f"{name}-gateway.log")
+            proc = gateway.proc
+            gateway.wait_ready(900)
+            url = gateway.url
             before = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
             ttfts = asyncio.run(_drive(url, keys, work, args.concurrency))
             after = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
@@ -159,19 +157,15 @@ def run_mode(args: argparse.Namespace, mode: str, model: str, work: list[tuple[i
         cluster.stop()
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("the gateway exited: " + log.read_text()[-2000:])
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("the gateway was not ready in 900 s")
-        time.sleep(1)
+class _Gateway(ServerProcess):
+    name = "the gateway"
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path,
+                 ) -> None:
+        super().__init__(port, log_path)
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([*argv, "--port", str(port)], env=env, stdout=log,
+                                         stderr=log)
 
 
 def main() -> None:
