@@ -4,7 +4,7 @@ an adapter for tenant 1, base model for tenant 2) share one long system prompt. 
 domain's first request lands on some replica; the KV events it publishes reach this
 gateway's index; every later request of the domain then goes to that replica, which the
 replicas' own prefix-cache hit counters show (Serve's two-random-choices routing would
-send each to the other replica half the time). The same text under the other tenant's salt
+send each to the other replica half the time; one may, where a probe is late). The same text under the other tenant's salt
 never matches the first tenant's blocks. Greedy outputs equal the same requests in one
 in-process engine."""
 
@@ -160,8 +160,12 @@ def test_requests_follow_their_cached_prefix_per_adapter_and_tenant(
         if ray.is_initialized():
             serve.delete(APP)
             ray.shutdown()
-    # Every follow-up found the whole system prompt in its replica's pool.
-    assert hits == len(domains) * FOLLOW_UPS * SYSTEM_BLOCKS * BLOCK, (hits, routed)
+    # Every follow-up found the whole system prompt in its replica's pool, but one at most:
+    # Serve falls back to its own routing when the holder does not answer its queue-length
+    # probe within 0.1 s (a busy machine). Two random choices would pass this 13 times in
+    # 4,096 (11 or 12 of 12 on the holder).
+    full, each = len(domains) * FOLLOW_UPS, SYSTEM_BLOCKS * BLOCK
+    assert hits % each == 0 and hits >= (full - 1) * each, (hits // each, full, routed)
     keys = sorted(outputs)
     # A salt changes no output (only the cache's key): one in-process engine is the oracle.
     assert [outputs[k] for k in keys] == _in_process(
