@@ -69,6 +69,10 @@ MAX_NUM_SEQS = 4
 ADAPTERS = {"alice/sql": "r4", "alice/qv": "r8qv", "alice/mlp": "r8mlp", "bob/secret": "r16rs"}
 RPM = 6  # requests per window of tenant "metered"
 # The cluster runs with token authentication, as docs/scale-out.md asks of every cluster.
+# How long a replacement replica may show almost no CPU in the cluster's process tree:
+# beside busy CPUs, Serve reported one "taken more than 30s to be scheduled" for over 60 s
+# (CI, 12-07) before its worker started importing.
+REPLACEMENT_STALL_S = 240.0
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
@@ -129,7 +133,8 @@ class Deployment:
 
         if timeout_s is None:
             assert self.head is not None
-            wait_until(reached, self.head, "the replicas", describe=lambda: f"last: {seen}")
+            wait_until(reached, self.head, "the replicas", describe=lambda: f"last: {seen}",
+                       stall_s=REPLACEMENT_STALL_S)
             return seen
         deadline = time.monotonic() + timeout_s
         while not reached():
@@ -617,7 +622,7 @@ def test_replica_killed_mid_stream(deployment: Deployment) -> None:
     # Ready again once the gateway's probe (every 2 s) has seen the replacement.
     assert deployment.head is not None
     wait_until(ready_check(deployment.gateways[0]), deployment.head, "/ready",
-               also=[p.pid for p in deployment.procs])
+               also=[p.pid for p in deployment.procs], stall_s=REPLACEMENT_STALL_S)
 
 
 def test_ready_names_a_missing_replica_until_it_is_replaced(deployment: Deployment) -> None:
@@ -649,7 +654,8 @@ def test_ready_names_a_missing_replica_until_it_is_replaced(deployment: Deployme
             os.kill(victim, signal.SIGKILL)
     # 503 while the replacement starts, 200 again once it answers under the same ordinal.
     wait_until(lambda: every_gateway(200, []), deployment.head, "the gateways' /ready",
-               also=[p.pid for p in deployment.procs], describe=lambda: f"last: {last}")
+               also=[p.pid for p in deployment.procs], describe=lambda: f"last: {last}",
+               stall_s=REPLACEMENT_STALL_S)
     replaced = deployment.replicas()
     assert sorted(replaced) == [0, 1] and replaced[ordinal]["pid"] != victim
 
