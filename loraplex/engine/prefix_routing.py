@@ -71,7 +71,6 @@ class PrefixIndex:
         self._blocks: dict[str, set[bytes]] = {}
         self._heard: dict[str, float] = {}  # replica -> when its last batch came
         self._lock = threading.Lock()  # writers only; readers look up one set at a time
-        self.num_batches = 0
         self.num_refused = 0  # batches that were not KV events (never applied)
 
     def apply(self, message: bytes | str) -> bool:
@@ -99,7 +98,6 @@ class PrefixIndex:
                 self._blocks[replica] = set()
                 self.num_refused += 1
             self._heard[replica] = time.monotonic()
-            self.num_batches += 1
         return True
 
     def longest_prefixes(self, hashes: Sequence[bytes],
@@ -107,10 +105,6 @@ class PrefixIndex:
         """For each replica, how many of ``hashes`` it caches from the first on."""
         return {replica: matched_blocks(self._blocks.get(replica, set()), hashes)
                 for replica in replicas}
-
-    def blocks(self, replica: str) -> set[bytes]:
-        """A copy of what ``replica`` caches, as far as its events told."""
-        return set(self._blocks.get(replica, ()))
 
     def retain(self, live: Iterable[str]) -> None:
         """Drops replicas not in ``live`` that have been silent for FORGET_SILENT_S (a

@@ -729,7 +729,9 @@ class RayEngineBackend:
                 for _, entries in answer or ():
                     for entry_id, fields in entries:
                         last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                        self._kv_index.apply(fields.get(b"batch", b""))
+                        if not self._kv_index.apply(fields.get(b"batch", b"")):
+                            logger.warning("skipped a message in %s that is not KV events "
+                                           "(%d so far)", key, self._kv_index.num_refused)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: routing goes on from what it knows
