@@ -19,9 +19,10 @@ from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
 from loraplex.engine.kv_blocks import BlockIdentity, KVLayout, model_fingerprint
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_cache import KVCacheManager, extra_keys_for
 from loraplex.engine.kv_disk import DiskTier
 from loraplex.engine.kv_events import KVEventLog
+from loraplex.engine.kv_transfer import KVTransfer
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
@@ -100,17 +101,29 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
 
+    @functools.cached_property
+    def _kv_identity(self) -> tuple[KVLayout, str]:
+        """The pool's block layout and the model fingerprint every block outside the pool
+        carries (``kv_blocks.py``)."""
+        a = self.runner.args
+        layout = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, self.config.cache.block_size,
+                          self.config.model.dtype)
+        return layout, model_fingerprint(self.config.model.model, layout)
+
+    @functools.cached_property
+    def transfer(self) -> KVTransfer:
+        """This engine's side of prefill/decode transfers (``kv_transfer.py``)."""
+        return KVTransfer(self.kv, *self._kv_identity)
+
     def _disk_tier(self) -> DiskTier | None:
         """The prefix cache's disk tier, when ``kv_disk_dir`` asks for one."""
         cache = self.config.cache
         if cache.kv_disk_dir is None:
             return None
-        a = self.runner.args
-        layout = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, cache.block_size,
-                          self.config.model.dtype)
+        layout, fingerprint = self._kv_identity
         try:
-            return DiskTier(cache.kv_disk_dir, int(cache.kv_disk_gib * 2**30),
-                            model_fingerprint(self.config.model.model, layout), layout)
+            return DiskTier(cache.kv_disk_dir, int(cache.kv_disk_gib * 2**30), fingerprint,
+                            layout)
         except OSError as exc:
             raise ConfigError(f"--kv-disk-dir {cache.kv_disk_dir}: cannot use it as a "
                               f"folder ({exc.strerror or exc})") from None
@@ -137,6 +150,27 @@ class LLMEngine:
         self.runner.write_blocks([(block_id, self.disk.take(block_hash).data)
                                   for block_id, block_hash in loads])
         self.disk.end_step()
+
+    def export_prompt_blocks(self, token_ids: Sequence[int], adapter: AdapterRef | None,
+                             cache_salt: str | None) -> list[bytes]:
+        """The portable form of the blocks this engine's prefix cache holds for the prompt
+        under the adapter version and salt (after a prefill, ``kv_transfer.py``)."""
+        keys = extra_keys_for(adapter.key if adapter else None, cache_salt)
+        return self.transfer.export_prompt(token_ids, keys, self.runner.read_blocks)
+
+    def import_prompt_blocks(self, raws: Sequence[bytes], token_ids: Sequence[int],
+                             adapter: AdapterRef | None, cache_salt: str | None) -> int:
+        """Places another engine's blocks for this prompt in the prefix cache (before the
+        request is added, so its lookup finds them): how many were usable. Refused ones
+        are counted (``kv_transfer.py``); a deleted adapter version takes none."""
+        if adapter is not None and self.adapters.is_deleted(adapter.key):
+            return 0
+        keys = extra_keys_for(adapter.key if adapter else None, cache_salt)
+        blocks = self.transfer.verified(raws, token_ids, keys)
+        writes = self.transfer.place(blocks)
+        self._save_evicted()  # the slots they took may have held a block for the disk
+        self.runner.write_blocks(writes)
+        return len(blocks)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.runner.args.eos_token_ids)
@@ -678,8 +712,17 @@ class LLMEngine:
             kv_disk_writes=disk.num_writes if disk else 0,
             kv_disk_evictions=disk.num_evictions if disk else 0,
             kv_disk_refused=disk.num_refused if disk else 0,
+            **self._transfer_stats(),
             **(self.spec.stats() if self.spec is not None else {}),
         )
+
+
+    def _transfer_stats(self) -> dict[str, Any]:
+        if "transfer" not in self.__dict__:  # none made: no transfer yet
+            return {}
+        t = self.transfer.stats()
+        return {"kv_transfer_exported": t.num_exported, "kv_transfer_imported": t.num_imported,
+                "kv_transfer_refused": t.num_refused}
 
 
 def _identity(key: AdapterKey) -> str:

@@ -155,7 +155,7 @@ class KVCacheStats:
 
 # What a registered block's hash stands for; compared on every hit so that a hash
 # collision can never serve another prompt's (or another tenant's) KV.
-_BlockKey = tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]
+BlockKey = tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]
 
 
 # A table entry whose block was released behind the request's sliding window.
@@ -250,7 +250,7 @@ class KVCacheManager:
         # front = least recently used = evicted first
         self._cached_free_ids: OrderedDict[int, None] = OrderedDict()
         self._block_hashes: list[bytes | None] = [None] * num_blocks
-        self._block_keys: list[_BlockKey | None] = [None] * num_blocks
+        self._block_keys: list[BlockKey | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
 
         self._requests: dict[str, _RequestBlocks] = {}
@@ -328,29 +328,80 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return CachedPrefix((), 0)
         keys = _normalize_extra_keys(extra_keys)
-        max_num_blocks = max(0, (len(token_ids) - 1) // self.block_size)
-        block_ids: list[int] = []
+        pool = self.cached_run(token_ids, keys)
+        block_ids = [block_id for block_id, _ in pool]
         lower: list[bytes] = []
-        parent: bytes | None = None
-        for index in range(max_num_blocks):
+        parent = pool[-1][1] if pool else None
+        # past the pool's run, only the lower tier (its blocks need fresh slots)
+        tier = self.lower_tier
+        for index in range(len(pool), self._max_prefix_blocks(token_ids) if tier else 0):
+            assert tier is not None
             start = index * self.block_size
             block_tokens = tuple(token_ids[start : start + self.block_size])
             block_hash = hash_block(parent, block_tokens, keys)
-            if not lower:
-                block_id = self._hash_to_block.get(block_hash)
-                if block_id is not None \
-                        and self._block_keys[block_id] == (parent, block_tokens, keys):
-                    block_ids.append(block_id)
-                    parent = block_hash
-                    continue
-            # past the pool's run, only the lower tier (its blocks need fresh slots)
-            if self.lower_tier is None or block_hash in self._hash_to_block \
-                    or not self.lower_tier.lookup(block_hash, (parent, block_tokens, keys)):
+            if block_hash in self._hash_to_block \
+                    or not tier.lookup(block_hash, (parent, block_tokens, keys)):
                 break
             lower.append(block_hash)
             parent = block_hash
         return CachedPrefix(tuple(block_ids), (len(block_ids) + len(lower)) * self.block_size,
                             tuple(lower))
+
+    def cached_run(self, token_ids: Sequence[int],
+                   extra_keys: Sequence[Sequence[str]] = ()) -> list[tuple[int, bytes]]:
+        """``(block id, block hash)`` of the pool's cached blocks that hold the longest
+        prefix of ``token_ids`` under ``extra_keys``, verified as ``get_computed_blocks``
+        verifies them, never covering the last token. Changes nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        keys = _normalize_extra_keys(extra_keys)
+        run: list[tuple[int, bytes]] = []
+        parent: bytes | None = None
+        for index in range(self._max_prefix_blocks(token_ids)):
+            start = index * self.block_size
+            block_tokens = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(parent, block_tokens, keys)
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None or self._block_keys[block_id] != (parent, block_tokens, keys):
+                break
+            run.append((block_id, block_hash))
+            parent = block_hash
+        return run
+
+    def block_key(self, block_id: int) -> BlockKey:
+        """The key a cached block is registered under: (parent hash, token ids, extra keys)."""
+        key = self._block_keys[block_id]
+        if key is None:
+            raise KeyError(f"block {block_id} is not in the prefix cache")
+        return key
+
+    def import_cached(self, blocks: Sequence[tuple[bytes, BlockKey]]) -> list[tuple[int, int]]:
+        """Registers a chain of blocks computed elsewhere (``(hash, key)`` in prefix
+        order, each verified by the caller) as cached blocks of ref count 0, the first the
+        most recently used: ``(block id, index)`` of those that took a slot, whose KV the
+        caller must write before the next forward (after saving ``take_evictions``').
+        Blocks already cached are kept; the chain stops where the pool has no block to
+        give (only ref-0 blocks are taken, so no request is ever preempted for it)."""
+        if not self.enable_prefix_caching:
+            return []
+        placed: list[tuple[int, int]] = []
+        for index, (block_hash, key) in enumerate(blocks):
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is not None:
+                if self._block_keys[block_id] != key:
+                    break
+                continue
+            if self.num_free_blocks() == 0:
+                break
+            block_id = self._take_free_block()
+            self._register(block_id, block_hash, key)
+            placed.append((block_id, index))
+        self._release([block_id for block_id, _ in placed])
+        return placed
+
+    def _max_prefix_blocks(self, token_ids: Sequence[int]) -> int:
+        # never the last token: at least one is always computed
+        return max(0, (len(token_ids) - 1) // self.block_size)
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -811,7 +862,7 @@ class KVCacheManager:
         self._ref_counts[block_id] = 1
         return block_id
 
-    def _register(self, block_id: int, block_hash: bytes, key: _BlockKey) -> None:
+    def _register(self, block_id: int, block_hash: bytes, key: BlockKey) -> None:
         # a duplicate (same prefix computed twice concurrently) stays unregistered and goes
         # back to the pure free queue when released
         if block_hash not in self._hash_to_block and self._block_hashes[block_id] is None:

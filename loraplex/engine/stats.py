@@ -84,6 +84,11 @@ class EngineStats:
     kv_disk_writes: int = 0
     kv_disk_evictions: int = 0
     kv_disk_refused: int = 0
+    # Prefill/decode transfers (kv_transfer.py): blocks exported after a prefill, placed in
+    # the pool for a decode, and refused (malformed, another model's, not the request's).
+    kv_transfer_exported: int = 0
+    kv_transfer_imported: int = 0
+    kv_transfer_refused: int = 0
     # The scheduler's view of each tenant it has served (opaque ids, sorted): queues,
     # service received and KV blocks held.
     tenants: tuple[TenantStats, ...] = ()

@@ -866,3 +866,41 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+def _chain(token_ids: Sequence[int], keys: tuple[ExtraKey, ...],
+           ) -> list[tuple[bytes, kv_cache.BlockKey]]:
+    out: list[tuple[bytes, kv_cache.BlockKey]] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - BS + 1, BS):
+        tokens = tuple(token_ids[start:start + BS])
+        block_hash = hash_block(parent, tokens, keys)
+        out.append((block_hash, (parent, tokens, keys)))
+        parent = block_hash
+    return out
+
+
+def test_imported_blocks_are_cached_hits_and_never_preempt_a_request() -> None:
+    manager = KVCacheManager(num_blocks=6, block_size=BS)
+    assert prefill(manager, "held", list(range(100, 115))) is not None  # 4 blocks in use
+    prompt = list(range(13))  # 3 full blocks before the last token
+    placed = manager.import_cached(_chain(prompt[:12], ADAPTER_A))
+    # two free blocks: the chain stops there, the request's blocks untouched
+    assert [index for _, index in placed] == [0, 1]
+    assert manager.num_blocks_held("held") == 4
+    assert hit_tokens(manager, prompt, ADAPTER_A) == 8
+    assert hit_tokens(manager, prompt, ADAPTER_A_V2) == 0  # another digest: not its blocks
+    # ref count 0: allocatable, with the chain's first block evicted last
+    assert manager.num_free_blocks() == 2
+    assert [b for b, _ in manager.cached_run(prompt, ADAPTER_A)] == [b for b, _ in placed]
+    # importing again keeps what is cached and places nothing twice
+    manager.free("held")
+    again = manager.import_cached(_chain(prompt[:12], ADAPTER_A))
+    assert [index for _, index in again] == [2]
+    assert hit_tokens(manager, prompt, ADAPTER_A) == 12
+    assert manager.import_cached(_chain(prompt[:12], ADAPTER_A)) == []
+    # a chain whose cached block has another key stops there
+    first_hash, (parent, tokens, _) = _chain(prompt[:4], ADAPTER_A)[0]
+    assert manager.import_cached([(first_hash, (parent, tokens, ADAPTER_B))]) == []
+    manager.check_invariants()
+    assert manager.all_free_or_cached()
