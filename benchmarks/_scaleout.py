@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _server_process import free_port  # noqa: E402
+from _server_process import ServerProcess, free_port  # noqa: E402
 
 from loraplex.testing import process_descendants  # noqa: E402
 
@@ -163,3 +163,41 @@ def hit_rate(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]
             "disk_loads": total, "adapter_load_seconds": seconds,
             "loads_per_request": total / adapter_requests if adapter_requests else 0.0,
             "hit_rate": 1 - total / adapter_requests if adapter_requests else 0.0}
+
+
+# --- a gateway in front of the replicas -----------------------------------------------------
+
+
+class Gateway(ServerProcess):
+    """``loraplex serve`` (``argv``, less ``--port``) logging to ``log_path``."""
+
+    name = "the gateway"
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path,
+                 ) -> None:
+        super().__init__(port, log_path)
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([*argv, "--port", str(port)], env=env, stdout=log,
+                                         stderr=log)
+
+    def stop(self) -> None:
+        """SIGINT (a clean stop), then SIGKILL after 60 s."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def tenant_keys(db_url: str, tenants: int) -> list[str]:
+    """One API key for each of ``tenants`` new tenants (t0, t1, ...) in the registry."""
+    from loraplex.registry import db, service
+
+    engine = db.make_engine(db_url)
+    try:
+        with db.transaction(db.make_session_factory(engine)) as session:
+            return [service.create_key(session, service.create_tenant(session, f"t{t}").id)[1]
+                    for t in range(tenants)]
+    finally:
+        engine.dispose()

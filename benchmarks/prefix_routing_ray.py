@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,10 +42,17 @@ from _output import (  # noqa: E402
     save_figure,
     write_json,
 )
-from _scaleout import RayCluster, ray_env, settled_replica_stats, summed  # noqa: E402
-from _server_process import ServerProcess, free_port  # noqa: E402
+from _scaleout import (  # noqa: E402
+    Gateway,
+    RayCluster,
+    ray_env,
+    settled_replica_stats,
+    summed,
+    tenant_keys,
+)
+from _server_process import free_port  # noqa: E402
 
-from loraplex.registry import db, service  # noqa: E402
+from loraplex.registry import db  # noqa: E402
 from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
 
 MODES = ("adapter-only", "prefix-aware")
@@ -71,16 +76,6 @@ def _workload(args: argparse.Namespace) -> list[tuple[int, str]]:
         tenant, prompt = rng.randrange(args.tenants), rng.randrange(args.prompts)
         out.append((tenant, f"{prompts[tenant, prompt]}Question {i}: what is {rng.random():.6f}?"))
     return out
-
-
-def _keys(db_url: str, tenants: int) -> list[str]:
-    engine = db.make_engine(db_url)
-    try:
-        with db.transaction(db.make_session_factory(engine)) as session:
-            return [service.create_key(session, service.create_tenant(session, f"t{t}").id)[1]
-                    for t in range(tenants)]
-    finally:
-        engine.dispose()
 
 
 async def _drive(url: str, keys: list[str], work: list[tuple[int, str]],
@@ -114,13 +109,13 @@ def run_mode(args: argparse.Namespace, mode: str, model: str, work: list[tuple[i
            "LORAPLEX_HOME": str(logs / "home")}
     name = mode.replace("-", "")
     cluster = RayCluster(2, logs / f"{name}-ray.log", cluster_env)
-    proc: subprocess.Popen[bytes] | None = None
+    gateway: Gateway | None = None
     try:
         cluster.wait_ready()
         with postgres_schema(f"prefixray{name}") as db_url, \
                 redis_key_prefix(f"prefixray{name}") as prefix:
             db.upgrade(db_url)
-            keys = _keys(db_url, args.tenants)
+            keys = tenant_keys(db_url, args.tenants)
             argv = [str(Path(sys.executable).parent / "loraplex"), "serve", "--backend", "ray",
                     "--replicas", "2", "--replica-cpus", "0.5", "--ray-address",
                     cluster.address, "--model", model, "--served-model-name", "demo",
@@ -129,8 +124,7 @@ def run_mode(args: argparse.Namespace, mode: str, model: str, work: list[tuple[i
                     "--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks",
                     str(args.kv_blocks), "--log-level", "warning",
                     *(["--no-prefix-routing"] if mode == "adapter-only" else [])]
-            gateway = _Gateway(argv, env, free_port(), logs / f"{name}-gateway.log")
-            proc = gateway.proc
+            gateway = Gateway(argv, env, free_port(), logs / f"{name}-gateway.log")
             gateway.wait_ready(900)
             url = gateway.url
             before = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
@@ -147,25 +141,9 @@ def run_mode(args: argparse.Namespace, mode: str, model: str, work: list[tuple[i
                   f"{result['ttft_p50_s']:.3f} s, p99 {result['ttft_p99_s']:.3f} s", flush=True)
             return result
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if gateway is not None:
+            gateway.stop()
         cluster.stop()
-
-
-class _Gateway(ServerProcess):
-    name = "the gateway"
-
-    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path,
-                 ) -> None:
-        super().__init__(port, log_path)
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen([*argv, "--port", str(port)], env=env, stdout=log,
-                                         stderr=log)
 
 
 def main() -> None:

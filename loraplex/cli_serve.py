@@ -25,7 +25,7 @@ from loraplex.cli_engine import (
     model_arg,
 )
 from loraplex.cli_registry import add_registry_options, registry_config_from_args
-from loraplex.config import ENV_API_KEY, ENV_METRICS_TOKEN, RegistryConfig
+from loraplex.config import ENV_API_KEY, ENV_METRICS_TOKEN, RayConfig, RegistryConfig
 from loraplex.errors import ConfigError
 from loraplex.gateway.lora_modules import LoRAModule, parse_lora_module
 from loraplex.registry.upload import UploadLimits
@@ -138,15 +138,20 @@ def _add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
-    from loraplex.config import RayConfig
-
     g = parser.add_argument_group(
         "scale-out", "engine replicas on Ray Serve (needs the loraplex[ray] extra, PostgreSQL, "
         "Redis and LORAPLEX_CACHE_SALT_SECRET; see docs/scale-out.md)")
     g.add_argument("--backend", default="local", choices=["local", "ray"],
                    help="local: the engine in this process; ray: engine replicas on Ray Serve")
-    g.add_argument("--replicas", type=int, default=RayConfig.replicas,
-                   help="engine replicas to deploy (ray)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help=f"engine replicas to deploy (ray; default {RayConfig.replicas})")
+    g.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                   help="prefill/decode disaggregation (ray): P replicas compute prompts and "
+                        "hand their KV blocks to the decode replicas (default 0: every "
+                        "replica does both)")
+    g.add_argument("--decode-replicas", type=int, default=None, metavar="D",
+                   help="with --prefill-replicas: the replicas that decode (instead of "
+                        "--replicas)")
     g.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="the Ray cluster to join (env LORAPLEX_RAY_ADDRESS; default: start a "
                         "local one on loopback)")
@@ -282,22 +287,44 @@ def admin_banner(url: str, created_key: str | None) -> str:
     return "\n".join([rule, *(f"| {line.ljust(width)} |" for line in lines), rule])
 
 
-def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
-                  server_config: ServerConfig) -> EngineClient | RayEngineBackend:
-    """The engine in this process, or the Ray Serve replicas (deployed or attached to)."""
+def _ray_config(args: argparse.Namespace) -> RayConfig | None:
+    """The replicas the flags ask for (None: the engine in this process); ConfigError in
+    one line for flags that do not go together."""
     if args.backend == "local":
+        if args.prefill_replicas or args.decode_replicas is not None:
+            raise ConfigError("--prefill-replicas and --decode-replicas need --backend ray")
+        return None
+    if args.decode_replicas is not None and args.replicas is not None:
+        raise ConfigError("--replicas and --decode-replicas: give one (with "
+                          "--prefill-replicas, --decode-replicas says how many decode)")
+    if args.decode_replicas is not None and not args.prefill_replicas:
+        raise ConfigError("--decode-replicas needs --prefill-replicas (without it, "
+                          "--replicas says how many replicas do both)")
+    replicas = next(n for n in (args.decode_replicas, args.replicas, RayConfig.replicas)
+                    if n is not None)
+    if replicas < 1:
+        flag = "--decode-replicas" if args.decode_replicas is not None else "--replicas"
+        raise ConfigError(f"{flag} must be at least 1, not {replicas}")
+    if args.prefill_replicas < 0:
+        raise ConfigError(f"--prefill-replicas must be at least 0, not {args.prefill_replicas}")
+    return RayConfig(address=args.ray_address, replicas=replicas,
+                     prefill_replicas=args.prefill_replicas,
+                     replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+                     max_queued_requests=args.max_queued_requests,
+                     sync_key_prefix=f"{args.redis_key_prefix}replicas:",
+                     adapter_affinity=not args.no_adapter_affinity,
+                     prefix_routing=not args.no_prefix_routing)
+
+
+def _make_backend(args: argparse.Namespace, engine_config: EngineConfig,
+                  server_config: ServerConfig, ray_config: RayConfig | None,
+                  ) -> EngineClient | RayEngineBackend:
+    """The engine in this process, or the Ray Serve replicas (deployed or attached to)."""
+    if ray_config is None:
         from loraplex.engine.client import EngineClient
 
         return EngineClient.from_config(engine_config, progress=True)
-    from loraplex.config import RayConfig
-
     registry = registry_config_from_args(args)
-    ray_config = RayConfig(address=args.ray_address, replicas=args.replicas,
-                           replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
-                           max_queued_requests=args.max_queued_requests,
-                           sync_key_prefix=f"{args.redis_key_prefix}replicas:",
-                           adapter_affinity=not args.no_adapter_affinity,
-                           prefix_routing=not args.no_prefix_routing)
     try:
         from loraplex.engine.ray_backend import RayEngineBackend
     except ImportError:
@@ -349,6 +376,7 @@ def _serve(args: argparse.Namespace) -> int:
         from loraplex.gateway.lora_modules import check_lora_modules
 
         check_lora_modules(args.lora_modules)
+        ray_config = _ray_config(args)
         if args.backend == "ray":  # before anything is migrated or loaded
             from loraplex.config import check_shared_state
             from loraplex.engine.ray_address import check_reachable, ray_address
@@ -369,7 +397,7 @@ def _serve(args: argparse.Namespace) -> int:
         if api_key is not None:  # so is one that is another tenant's
             _ensure_static_key(args, api_key)
         engine_config = engine_config_from_args(args, model)
-        client = _make_backend(args, engine_config, server_config)
+        client = _make_backend(args, engine_config, server_config, ray_config)
         try:
             app = create_app(server_config, registry, client, upload_limits=limits)
             if args.lora_modules:  # checked against the loaded model's shapes

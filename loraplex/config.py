@@ -386,9 +386,13 @@ class RayConfig:
     # Route to the replica that caches the longest prefix of the request for its adapter
     # and tenant (engine/prefix_routing.py); off: adapter affinity and load only.
     prefix_routing: bool = True
+    # Prefill/decode disaggregation (engine/kv_transfer.py): this many prefill replicas
+    # besides the ``replicas`` that decode; 0: every replica does both.
+    prefill_replicas: int = 0
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 1, "replicas must be >= 1")
+        _require(self.prefill_replicas >= 0, "prefill_replicas must be >= 0")
         _require(self.replica_cpus > 0, "replica_cpus must be positive")
         _require(self.replica_gpus >= 0, "replica_gpus must be >= 0")
         _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")

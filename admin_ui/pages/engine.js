@@ -112,7 +112,8 @@ function diskCell(r) {
 function replicaRows(replicas) {
   return replicas.map((r) => {
     const loaded = r.slots.filter(Boolean);
-    return [String(r.replica), fmtInt(r.num_waiting), fmtInt(r.num_running),
+    return [r.role ? `${r.replica} (${r.role})` : String(r.replica),
+      fmtInt(r.num_waiting), fmtInt(r.num_running),
       pct(r.kv_pool_usage), diskCell(r), `${loaded.length} / ${r.max_loras}`,
       loaded.length
         ? h("span", {}, loaded.flatMap((slot, i) => [i ? ", " : null,
@@ -120,6 +121,15 @@ function replicaRows(replicas) {
         : h("span", { class: "muted" }, "none"),
       `${r.host_adapters.length} / ${r.max_cpu_loras}`];
   });
+}
+
+// With prefill/decode disaggregation, one row per pool (the API's "pools": the sums
+// over its replicas); the blocks its replicas handed over, took in and refused.
+function poolRows(pools) {
+  return pools.map((p) => [h("strong", {}, p.role), fmtInt(p.num_replicas),
+    fmtInt(p.num_waiting), fmtInt(p.num_running), pct(p.kv_pool_usage),
+    pct(p.prefix_cache_hit_rate), fig(p, "kv_transfer_exported"),
+    fig(p, "kv_transfer_imported"), fig(p, "kv_transfer_refused")]);
 }
 
 // One row per device slot of each replica, named by the replica's ordinal as in the
@@ -142,6 +152,8 @@ export async function render(container) {
   const stats = h("div", { class: "stats", id: "engine-stats" });
   const slots = h("div", { id: "engine-slots" });
   const replicas = h("div", { id: "engine-replicas" });
+  const pools = h("div", { id: "engine-pools" });
+  const poolsCard = h("div", { class: "card", hidden: true }, h("h2", {}, "Pools"), pools);
   const spec = h("div", { id: "engine-spec" });
   const tenants = h("div", { id: "engine-tenants" });
   const latencyNote = h("span", { class: "muted subline" });
@@ -192,6 +204,10 @@ export async function render(container) {
       replicas.replaceChildren(table(["Replica", "Waiting", "Running", "KV pool",
         "Disk tier", "Slots in use", "Adapters in slots", "Host cache"],
         replicaRows(s.replicas), "No replicas."));
+      poolsCard.hidden = !s.pools.length;
+      pools.replaceChildren(table(["Pool", "Replicas", "Waiting", "Running", "KV pool",
+        "Prefix-cache hit rate", "Blocks handed over", "Blocks taken in", "Blocks refused"],
+        poolRows(s.pools), "No pools."));
       const arch = s.architecture ? ` (${s.architecture})` : "";
       stamp.textContent = `Model ${s.served_model}${arch} · updated ${new Date().toLocaleTimeString("en-GB")}`;
     } catch (err) {
@@ -204,6 +220,7 @@ export async function render(container) {
     h("div", { class: "page-head" }, h("h1", {}, "Engine"), stamp), error, stats,
     h("div", { class: "card" }, h("div", { class: "page-head" }, h("h2", {}, "Tenants"),
       latencyNote), tenants),
+    poolsCard,
     h("div", { class: "card" }, h("h2", {}, "Replicas"), replicas),
     h("div", { class: "card" }, h("h2", {}, "Adapter slots"), slots),
     h("div", { class: "card" }, h("h2", {}, "Speculative decoding, by adapter"), spec));

@@ -57,7 +57,7 @@ import redis.asyncio as aioredis
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import BackPressureError, RayServeException
 
 from loraplex.adapter_format import stored_folder
 from loraplex.config import EngineConfig, RayConfig
@@ -65,6 +65,7 @@ from loraplex.engine import kv_events
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
 from loraplex.engine.fairness import TenantStats
+from loraplex.engine.kv_transfer import needs_prefill, prefill_params
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.prefix_routing import PrefixIndex, register_index, unregister_index
 from loraplex.engine.ray_address import check_reachable, ray_address
@@ -127,6 +128,21 @@ class RemoteError:
 
 # One message of a stream: new deltas, then maybe the error that ended it.
 Chunk = tuple[list[SequenceDelta], RemoteError | None]
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a prefill replica hands a decode replica (through Ray's object store): the
+    prompt's blocks in the portable form, or why it computed none (the decode replica
+    then computes the prompt itself, and refuses the request if it must)."""
+
+    blocks: tuple[bytes, ...] = ()
+    error: RemoteError | None = None
+
+
+def prefill_app(config: RayConfig) -> str:
+    """The Serve application of the prefill replicas (beside ``config.app_name``'s)."""
+    return f"{config.app_name}_prefill"
 
 
 def model_id(ref: AdapterRef | None) -> str:
@@ -241,8 +257,12 @@ class EngineReplica:
     # background tasks need).
     async def __init__(self, engine_config: EngineConfig,  # type: ignore[misc]
                        expected: ModelDescription, adapter_dir: str, redis_url: str,
-                       ray_config: RayConfig) -> None:
-        self._ordinal = int(serve.get_replica_context().rank.rank)
+                       ray_config: RayConfig, role: str = "") -> None:
+        # Prefill replicas come after the decode replicas' ordinals 0..replicas-1.
+        self._ordinal = int(serve.get_replica_context().rank.rank) + (
+            ray_config.replicas if role == "prefill" else 0)
+        self._role = role
+        self._block_size = engine_config.cache.block_size
         self._config = ray_config
         client = EngineClient.from_config(engine_config)
         mismatch = description_mismatch(expected, client.description)
@@ -284,19 +304,50 @@ class EngineReplica:
     async def describe(self) -> ModelDescription:
         return self._client.description
 
-    async def deployed_replicas(self) -> int:
-        """How many replicas the deployment runs (a gateway that attaches was not told)."""
-        return self._config.replicas
+    async def deployed_replicas(self) -> tuple[int, int]:
+        """How many decode (or co-located) and prefill replicas the deployment runs (a
+        gateway that attaches was not told)."""
+        return self._config.replicas, self._config.prefill_replicas
+
+    async def _lora(self, adapter_key: str) -> AdapterRef | None:
+        # The key comes as Serve's multiplexed model id (affinity routing), or as an
+        # argument when the gateway routes without affinity.
+        key = serve.get_multiplexed_model_id() or adapter_key
+        return await self._adapter(key) if key else None
+
+    async def prefill(self, prompt_token_ids: list[int], params: SamplingParams,
+                      cache_salt: str | None, request_id: str,
+                      adapter_key: str = "", share: Share = NO_SHARE) -> Prefilled:
+        """Computes the prompt (one greedy token, nobody reads it) and returns its blocks
+        (``kv_transfer.py``). The arguments are ``generate``'s, so the routers read both
+        alike; ``params`` only says whether there is anything to hand over."""
+        try:
+            lora = await self._lora(adapter_key)
+            if not needs_prefill(len(prompt_token_ids), params, self._block_size):
+                return Prefilled()
+            async for _ in self._client.generate(prompt_token_ids, prefill_params(), lora,
+                                                 cache_salt, f"{request_id}:prefill",
+                                                 share=share):
+                pass
+            blocks = await self._client.run_in_engine(
+                lambda e: e.export_prompt_blocks(prompt_token_ids, lora, cache_salt))
+        except LoraplexError as exc:
+            return Prefilled(error=RemoteError.of(exc))
+        return Prefilled(tuple(blocks))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None, request_id: str,
                        adapter_key: str = "", share: Share = NO_SHARE,
+                       prefilled: Prefilled | None = None,
                        ) -> AsyncGenerator[Chunk, None]:
-        # The key comes as Serve's multiplexed model id (affinity routing), or as an
-        # argument when the gateway routes without affinity.
-        key = serve.get_multiplexed_model_id() or adapter_key
+        """Streams the request; with ``prefilled`` (a prefill replica's result), its
+        blocks go into this engine's prefix cache first, so it computes only the tail."""
         try:
-            lora = await self._adapter(key) if key else None
+            lora = await self._lora(adapter_key)
+            if prefilled is not None and prefilled.blocks:
+                blocks = prefilled.blocks
+                await self._client.run_in_engine(lambda e: e.import_prompt_blocks(
+                    blocks, prompt_token_ids, lora, cache_salt))
         except LoraplexError as exc:
             yield [], RemoteError.of(exc)
             return
@@ -320,7 +371,8 @@ class EngineReplica:
         while True:
             try:
                 # The engine reports itself as replica 0; the deployment knows its ordinal.
-                stats = dataclasses.replace(await self._client.stats(), replica=self._ordinal)
+                stats = dataclasses.replace(await self._client.stats(), replica=self._ordinal,
+                                            role=self._role)
                 await self._redis.hset(key, str(self._ordinal), json.dumps(
                     {"at": time.time(), "pid": os.getpid(), "stats": stats_to_json(stats)}))
                 now = await self._redis.get(_pins_key(self._config)) or b"[]"
@@ -398,8 +450,9 @@ class EngineReplica:
             await client.shutdown()
 
 
-def make_deployment(engine_config: EngineConfig, ray_config: RayConfig) -> Any:
-    """The Serve deployment of ``ray_config.replicas`` engine replicas."""
+def make_deployment(engine_config: EngineConfig, ray_config: RayConfig, role: str = "") -> Any:
+    """The Serve deployment of ``ray_config.replicas`` engine replicas, or of its
+    ``prefill_replicas`` for ``role`` "prefill"."""
     gpus = ray_config.replica_gpus
     # Off: Serve's own router (adapter affinity through multiplexed ids, then load).
     router = RequestRouterConfig(
@@ -408,7 +461,9 @@ def make_deployment(engine_config: EngineConfig, ray_config: RayConfig) -> Any:
                                "room": engine_config.scheduler.max_num_seqs},
     ) if ray_config.prefix_routing else RequestRouterConfig()
     return serve.deployment(
-        EngineReplica, name="engine", num_replicas=ray_config.replicas,
+        EngineReplica, name="prefill" if role == "prefill" else "engine",
+        num_replicas=(ray_config.prefill_replicas if role == "prefill"
+                      else ray_config.replicas),
         ray_actor_options={"num_cpus": ray_config.replica_cpus,
                            **({"num_gpus": gpus} if gpus else {})},
         # Above max_num_seqs so the engine's own queue keeps a batch ready behind the
@@ -496,10 +551,15 @@ class RayEngineBackend:
     """The gateway's handle on the replicas: an ``EngineBackend``."""
 
     def __init__(self, handle: Any, description: ModelDescription, ray_config: RayConfig,
-                 redis_url: str, *, cluster_dir: Path | None = None) -> None:
-        """``ray_config.replicas``: the deployment's, which an attaching gateway asks for;
-        ``cluster_dir``: the local cluster this process started (see ``connect_ray``)."""
+                 redis_url: str, *, cluster_dir: Path | None = None,
+                 prefill_handle: Any = None, block_size: int = 16) -> None:
+        """``ray_config.replicas`` (and ``prefill_replicas``): the deployment's, which an
+        attaching gateway asks for; ``cluster_dir``: the local cluster this process
+        started (see ``connect_ray``); ``prefill_handle``: the prefill replicas' (with
+        disaggregation), whose blocks go to replicas of ``handle``."""
         self._handle = handle
+        self._prefill_handle = prefill_handle
+        self._block_size = block_size
         self._description = description
         self._config = ray_config
         self._redis_url = redis_url
@@ -507,7 +567,7 @@ class RayEngineBackend:
         self._redis: aioredis.Redis | None = None
         self._healthy = True
         # Ordinals not seen publishing: every one until the first probe has looked.
-        self._missing = tuple(range(ray_config.replicas))
+        self._missing = tuple(range(self.num_replicas))
         self._health_task: asyncio.Task[None] | None = None
         self._kv_index = PrefixIndex()  # what the router reads (prefix_routing.py)
         self._events_task: asyncio.Task[None] | None = None
@@ -522,40 +582,45 @@ class RayEngineBackend:
         one line on any failure."""
         cluster_dir = connect_ray(ray_config)
         try:
-            handle = cls._existing(ray_config)
+            handle = cls._existing(ray_config.app_name)
+            prefill = cls._existing(prefill_app(ray_config))
             if handle is None:
                 if ray_config.prefix_routing:  # the replicas publish what they cache
                     engine_config = dataclasses.replace(engine_config, cache=dataclasses.replace(
                         engine_config.cache, kv_events=True))
-                deployment = make_deployment(engine_config, ray_config)
                 serve.start(proxy_location="Disabled")  # handles only, no HTTP proxy
-                try:
-                    handle = serve.run(
-                        deployment.bind(engine_config, expected, adapter_dir, redis_url,
-                                        ray_config),
-                        name=ray_config.app_name, route_prefix=None)
-                except RuntimeError as exc:
-                    raise ConfigError(f"the engine replicas did not start: "
-                                      f"{_replica_failure(exc, ray_config.app_name)}") from None
-            served = handle.describe.remote().result(timeout_s=120)
-            mismatch = description_mismatch(expected, served)
-            if mismatch is not None:
-                raise ConfigError(f"the running replicas serve another model: {mismatch}")
-            deployed = handle.deployed_replicas.remote().result(timeout_s=120)
+                if ray_config.prefill_replicas:
+                    prefill = _run_app(engine_config, ray_config, "prefill", expected,
+                                       adapter_dir, redis_url)
+                handle = _run_app(engine_config, ray_config,
+                                  "decode" if ray_config.prefill_replicas else "", expected,
+                                  adapter_dir, redis_url)
+            for h in (handle, prefill) if prefill is not None else (handle,):
+                served = h.describe.remote().result(timeout_s=120)
+                mismatch = description_mismatch(expected, served)
+                if mismatch is not None:
+                    raise ConfigError(f"the running replicas serve another model: {mismatch}")
+            deployed, prefilling = handle.deployed_replicas.remote().result(timeout_s=120)
+            if prefilling and prefill is None:
+                raise ConfigError(f"the prefill replicas ({prefill_app(ray_config)}) are not "
+                                  "running")
         except BaseException:
             if cluster_dir is not None:
                 stop_local_cluster(cluster_dir)
                 remove_replica_state(ray_config, redis_url)
             raise
-        return cls(handle, expected, dataclasses.replace(ray_config, replicas=deployed),
-                   redis_url, cluster_dir=cluster_dir)
+        return cls(handle, expected, dataclasses.replace(ray_config, replicas=deployed,
+                                                         prefill_replicas=prefilling),
+                   redis_url, cluster_dir=cluster_dir,
+                   prefill_handle=prefill if prefilling else None,
+                   block_size=engine_config.cache.block_size)
 
     @staticmethod
-    def _existing(ray_config: RayConfig) -> Any:
+    def _existing(app_name: str) -> Any:
         with contextlib.suppress(Exception):  # none running (Serve not started, or no app)
-            app = serve.status().applications.get(ray_config.app_name)
+            app = serve.status().applications.get(app_name)
             if app is not None and app.status == "RUNNING":
-                return serve.get_app_handle(ray_config.app_name)
+                return serve.get_app_handle(app_name)
         return None
 
     # --- EngineBackend ---------------------------------------------------------------------
@@ -570,8 +635,9 @@ class RayEngineBackend:
 
     @property
     def num_replicas(self) -> int:
-        """The replicas the deployment runs (ordinals 0..num_replicas-1)."""
-        return self._config.replicas
+        """The replicas the deployment runs (ordinals 0..num_replicas-1; prefill replicas
+        after the decode replicas)."""
+        return self._config.replicas + self._config.prefill_replicas
 
     @property
     def missing_replicas(self) -> tuple[int, ...]:
@@ -591,7 +657,8 @@ class RayEngineBackend:
         self._redis = aioredis.from_url(self._redis_url, socket_timeout=5)
         loop = asyncio.get_running_loop()
         self._health_task = loop.create_task(self._probe())
-        register_index(self._config.app_name, self._kv_index)
+        for app in (self._config.app_name, prefill_app(self._config)):
+            register_index(app, self._kv_index)
         self._events_task = loop.create_task(self._follow_kv_events())
 
     async def shutdown(self) -> None:
@@ -600,7 +667,8 @@ class RayEngineBackend:
         if self._stopped:
             return
         self._stopped = True
-        unregister_index(self._config.app_name, self._kv_index)
+        for app in (self._config.app_name, prefill_app(self._config)):
+            unregister_index(app, self._kv_index)
         for task in (self._health_task, self._events_task):
             if task is not None:
                 task.cancel()
@@ -627,14 +695,27 @@ class RayEngineBackend:
             raise EngineDeadError("the engine backend is shut down")
         key = model_id(lora)
         if self._config.adapter_affinity:
-            handle, argument = self._handle.options(stream=True, multiplexed_model_id=key), ""
+            options: dict[str, Any] = {"multiplexed_model_id": key}
+            argument = ""
         else:
-            handle, argument = self._handle.options(stream=True), key
+            options, argument = {}, key
+        handle = self._handle.options(stream=True, **options)
         prompt = list(prompt_token_ids)
+        # With disaggregation, a prefill replica computes the prompt first; its blocks
+        # reach the decode replica as an argument, through Ray's object store (Serve
+        # routes the decode call once the prefill is done, and never through here).
+        prefill = (self._prefill_handle.options(**options)
+                   if self._prefill_handle is not None
+                   and needs_prefill(len(prompt), params, self._block_size) else None)
         received = False
         for attempt in range(2):
+            # A retry goes to a decode replica alone (it computes the prompt itself):
+            # the prefill replica may be what failed.
+            prefilled = (prefill.prefill.remote(prompt, params, cache_salt, request_id,
+                                                argument, share)
+                         if prefill is not None and attempt == 0 else None)
             response = handle.generate.remote(prompt, params, cache_salt, request_id, argument,
-                                              share)
+                                              share, prefilled)
             finished = False
             try:
                 async for deltas, error in response:
@@ -651,7 +732,9 @@ class RayEngineBackend:
             except LoraplexError:
                 finished = True
                 raise
-            except (RayError, DeploymentUnavailableError) as exc:
+            # RayServeException: also a replica (or, with disaggregation, the prefill
+            # replica whose result this call waits for) gone before its answer.
+            except (RayError, RayServeException) as exc:
                 cause = _unwrap(exc)
                 if isinstance(cause, LoraplexError):
                     raise cause from None
@@ -662,10 +745,12 @@ class RayEngineBackend:
                                           "failed") from None
             finally:
                 if not finished:
-                    # A consumer gone, or a failure: free the replica. Serve re-raises the
+                    # A consumer gone, or a failure: free the replicas. Serve re-raises the
                     # request's own failure here, which was handled above.
-                    with contextlib.suppress(Exception):
-                        response.cancel()
+                    for call in (response, prefilled):
+                        with contextlib.suppress(Exception):
+                            if call is not None:
+                                call.cancel()
 
     async def stats(self) -> EngineStats:
         return combine_stats(await self.replica_stats())
@@ -747,11 +832,11 @@ class RayEngineBackend:
             except Exception:  # Redis away: /ready says so itself (its "redis")
                 pass
             else:
-                missing = tuple(o for o in range(self._config.replicas) if o not in live)
+                missing = tuple(o for o in range(self.num_replicas) if o not in live)
                 gone = sorted(set(missing) - set(self._missing))  # none before a first look
                 if gone:
                     logger.warning("engine replica %s of %d stopped answering",
-                                   ", ".join(map(str, gone)), self._config.replicas)
+                                   ", ".join(map(str, gone)), self.num_replicas)
                 self._missing = missing
             try:
                 await asyncio.wait_for(self._handle.describe.remote(), HEALTH_INTERVAL_S * 2)
@@ -763,6 +848,20 @@ class RayEngineBackend:
                     logger.warning("engine replicas unreachable: %s", first_line(exc))
                 self._healthy = False
             await asyncio.sleep(HEALTH_INTERVAL_S)
+
+
+def _run_app(engine_config: EngineConfig, ray_config: RayConfig, role: str,
+             expected: ModelDescription, adapter_dir: str, redis_url: str) -> Any:
+    """Deploys one pool of replicas as its own Serve application; its handle."""
+    app = prefill_app(ray_config) if role == "prefill" else ray_config.app_name
+    deployment = make_deployment(engine_config, ray_config, role)
+    try:
+        return serve.run(deployment.bind(engine_config, expected, adapter_dir, redis_url,
+                                         ray_config, role),
+                         name=app, route_prefix=None)
+    except RuntimeError as exc:
+        raise ConfigError(f"the engine replicas did not start: "
+                          f"{_replica_failure(exc, app)}") from None
 
 
 def _replica_failure(exc: BaseException, app_name: str) -> str:

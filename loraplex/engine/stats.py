@@ -89,6 +89,9 @@ class EngineStats:
     kv_transfer_exported: int = 0
     kv_transfer_imported: int = 0
     kv_transfer_refused: int = 0
+    # The replica's pool with prefill/decode disaggregation ("prefill" or "decode"; "" for
+    # an engine that does both, and for a sum over pools).
+    role: str = ""
     # The scheduler's view of each tenant it has served (opaque ids, sorted): queues,
     # service received and KV blocks held.
     tenants: tuple[TenantStats, ...] = ()

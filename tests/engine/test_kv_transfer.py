@@ -17,6 +17,7 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.kv_blocks import decode_block, encode_block, model_fingerprint
 from loraplex.engine.kv_transfer import needs_prefill, prefill_params
 from loraplex.engine.request import AdapterRef
+from loraplex.model.truncate import save_first_layers
 from loraplex.testing import load_reference, reference_greedy
 
 BLOCK = 4
@@ -181,6 +182,27 @@ def test_seeded_sampling_and_n_continue_as_on_one_engine(
     assert got == [list(c.token_ids) for c in want[0].outputs]
     assert decode.engine.stats().kv_transfer_imported == 4
     _check_idle(single, prefill, decode)
+
+
+def test_a_speculating_decode_engine_takes_transferred_blocks(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    """The draft model keeps its own KV: it catches up over the prompt on the decode engine
+    while the target reads the transferred blocks."""
+    draft = save_first_layers(tiny_llama_dir, tmp_path / "draft", 2)
+    prefill = _llm(tiny_llama_dir)
+    decode = _llm(tiny_llama_dir, speculative_config={
+        "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None})
+    for adapter, salt in DOMAINS:
+        ref = _ref(llama_adapters, adapter)
+        raws = _prefill(prefill, _prompt(0), ref, salt)
+        assert _decode(decode, raws, _prompt(0), ref, salt) == [expected[(adapter, 0)]]
+    stats = decode.engine.stats()
+    assert stats.kv_transfer_imported == 4 * len(DOMAINS)
+    assert stats.prefix_cache_hit_tokens == 16 * len(DOMAINS)
+    assert stats.spec_num_drafts > 0
+    _check_idle(prefill, decode)
 
 
 def test_bf16_transfers_match_its_own_single_engine_run(

@@ -11,6 +11,7 @@ in-process engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import random
@@ -90,15 +91,19 @@ def _holder(ray_config: RayConfig, hashes: list[bytes]) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_requests_follow_their_cached_prefix_per_adapter_and_tenant(
         setup: tuple[EngineConfig, RayConfig, Path, AdapterRef], cluster: Cluster,  # noqa: F811
-) -> None:
+        dtype: str) -> None:
+    """In bfloat16 too: a prefix hit after routing gives the tokens of one bf16 engine."""
     import ray
     from ray import serve
 
-    from loraplex.engine.ray_backend import RayEngineBackend, model_id
+    from loraplex.engine.ray_backend import RayEngineBackend, model_id, remove_replica_state
 
     engine_config, ray_config, store, adapter = setup
+    engine_config = dataclasses.replace(engine_config, model=dataclasses.replace(
+        engine_config.model, dtype=dtype))
     expected = model_description(engine_config, ModelArgs.from_hf_config(
         load_hf_config(engine_config.model.model)))
     rng = random.Random(11)
@@ -160,6 +165,7 @@ def test_requests_follow_their_cached_prefix_per_adapter_and_tenant(
         if ray.is_initialized():
             serve.delete(APP)
             ray.shutdown()
+        remove_replica_state(ray_config, redis_url_for_tests())  # the next dtype's run
     # Every follow-up found the whole system prompt in its replica's pool, but one at most:
     # Serve falls back to its own routing when the holder does not answer its queue-length
     # probe within 0.1 s (a busy machine). Two random choices would pass this 13 times in

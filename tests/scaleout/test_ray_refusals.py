@@ -156,3 +156,22 @@ def test_a_foreign_replica_failure_is_named() -> None:
     ours = text + "loraplex.errors.ModelLoadError: /m/model.safetensors: truncated\n"
     assert _replica_failure(RuntimeError(ours), "an-app-not-deployed") == \
         "/m/model.safetensors: truncated"
+
+
+@pytest.mark.parametrize(("backend", "flags", "says"), [
+    ("ray", ["--decode-replicas", "2"], "--decode-replicas needs --prefill-replicas"),
+    ("ray", ["--replicas", "2", "--prefill-replicas", "1", "--decode-replicas", "1"],
+     "--replicas and --decode-replicas: give one"),
+    ("ray", ["--prefill-replicas", "1", "--decode-replicas", "0"],
+     "--decode-replicas must be at least 1"),
+    ("ray", ["--prefill-replicas", "-1"], "--prefill-replicas must be at least 0"),
+    ("local", ["--prefill-replicas", "1"], "need --backend ray"),
+])
+def test_disaggregation_flags_that_do_not_go_together(
+        tmp_path: Path, tiny_llama_dir: Path, pg_url: str, backend: str, flags: list[str],
+        says: str) -> None:
+    code, lines, _ = _serve(tmp_path, "--model", str(tiny_llama_dir), "--database-url", pg_url,
+                            "--redis-url", redis_url_for_tests(), "--backend", backend, *flags,
+                            env={"LORAPLEX_CACHE_SALT_SECRET": "s"})
+    assert code == 2 and len(lines) == 1, lines
+    assert says in lines[0]

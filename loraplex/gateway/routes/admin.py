@@ -83,7 +83,9 @@ async def engine_stats(request: Request) -> Response:
     saying whether its adapter is ``pinned``), the pins held (``pinned_adapters``) and the
     most there may be (``max_pinned``), tenants (each with its registry ``name``), the KV
     disk tier (``kv_disk_*``; ``kv_disk_max_bytes`` 0 where it is off); at the top level
-    for the whole deployment, and under ``replicas`` for each replica."""
+    for the whole deployment, under ``replicas`` for each replica (its ``role``, with
+    prefill/decode disaggregation), and under ``pools`` for each role's replicas together
+    (empty without disaggregation)."""
     gw, _ = await admin_principal(request)
     replicas = await gw.backend.replica_stats()
     total = combine_stats(replicas)
@@ -97,10 +99,14 @@ async def engine_stats(request: Request) -> Response:
         return out | {"slots": _slots(stats, entries),
                       "tenants": _named(out["tenants"], names)}
 
+    roles = sorted({r.role for r in replicas if r.role}, reverse=True)  # prefill, decode
+    pools = [view(combine_stats(group)) | {"role": role, "num_replicas": len(group)}
+             for role in roles for group in [[r for r in replicas if r.role == role]]]
     return JSONResponse(view(total) | {"served_model": gw.served_model_name,
                                        "architecture": gw.backend.description.architecture,
                                        "max_pinned": gw.backend.description.max_pinned,
-                                       "replicas": [view(r) for r in replicas]})
+                                       "replicas": [view(r) for r in replicas],
+                                       "pools": pools})
 
 
 def _latency_row(t: TenantLatency) -> dict[str, Any]:
