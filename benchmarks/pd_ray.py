@@ -96,12 +96,12 @@ def block_costs(model: str, dtype: str, num_blocks: int, repeats: int) -> dict[s
         blocks = prefill.engine.export_prompt_blocks(prompt, None, None)
         times["export"].append(time.perf_counter() - t0)
         assert len(blocks) == num_blocks
-        raw_bytes = len(blocks[0])
+        raw_bytes = sum(map(len, blocks)) // num_blocks
         t0 = time.perf_counter()
         ray.get(sink.take.remote([]))
         empty = time.perf_counter() - t0
         t0 = time.perf_counter()
-        assert ray.get(sink.take.remote(ray.put(blocks))) == raw_bytes * num_blocks
+        assert ray.get(sink.take.remote(ray.put(blocks))) == sum(map(len, blocks))
         times["object store"].append(max(0.0, time.perf_counter() - t0 - empty))
         decode.engine.kv.drop_cached(lambda keys: True)
         t0 = time.perf_counter()
