@@ -4,9 +4,9 @@ prompt with a full block is computed on the prefill replica, its blocks reach th
 replica through Ray's object store, and the decode replica computes only the tail. Greedy
 outputs of mixed adapters and tenants, seeded samples with n > 1 and a structured output
 equal one in-process bf16 engine's; a stream closed early frees its blocks on both sides;
-killing the prefill replica while requests are in its hands ends each of them with the
-right tokens (the gateway retries on a decode replica alone) or a clean EngineDeadError,
-and leaves no block held."""
+killing the prefill replica, then the decode replica, while requests are in their hands
+ends each request with the right tokens (the gateway retries once, on a decode replica
+alone) or a clean EngineDeadError, and leaves no block held in either pool."""
 
 from __future__ import annotations
 
@@ -32,7 +32,11 @@ if importlib.util.find_spec("ray") is None:
 import redis  # noqa: E402
 from servers import wait_until  # noqa: E402
 from test_ray_families import ray_driver  # noqa: E402, F401 (fixture)
-from test_ray_replicas import Cluster, cluster  # noqa: E402, F401 (fixture)
+from test_ray_replicas import (  # noqa: E402
+    REPLACEMENT_STALL_S,
+    Cluster,
+    cluster,  # noqa: F401 (fixture)
+)
 
 from loraplex.adapter_format import folder_digest, stored_folder  # noqa: E402
 from loraplex.config import (  # noqa: E402
@@ -88,8 +92,9 @@ def _published(ray_config: RayConfig) -> dict[int, dict[str, Any]]:
     out = {}
     for ordinal, value in raw.items():
         record = json.loads(value)
-        out[int(ordinal)] = {"at": record["at"], "pid": record["pid"],
-                             **json.loads(record["stats"])}
+        if time.time() - record["at"] < 5:  # a killed replica's last record goes stale
+            out[int(ordinal)] = {"at": record["at"], "pid": record["pid"],
+                                 **json.loads(record["stats"])}
     return out
 
 
@@ -121,7 +126,8 @@ def _idle(ray_config: RayConfig, since: float, head: Any) -> dict[int, dict[str,
         return len(live) == 2 and all(r["at"] > since and r["kv_blocks_used"] == 0
                                       and r["num_unfinished"] == 0 for r in live.values())
 
-    wait_until(check, head, "both pools idle with every block free")
+    wait_until(check, head, "both pools idle with every block free",
+               stall_s=REPLACEMENT_STALL_S)
     return _published(ray_config)
 
 
@@ -153,6 +159,8 @@ def test_prefill_on_one_pool_decode_on_the_other_matches_one_engine(
         (None, "salt-2", prompt(3)[-BLOCK:], GREEDY),  # one block: decoded without a prefill
         (refs["r8qv"], "salt-1", prompt(9), sampled), (None, "salt-1", prompt(4), choice)]
     more: list[Job] = [(refs["r4"], f"salt-k{i}", prompt(60 + i), GREEDY) for i in range(4)]
+    decode_killed: list[Job] = [(refs["r8qv"], f"salt-d{i}", prompt(50 + i), GREEDY)
+                                for i in range(4)]
     backend = RayEngineBackend.deploy(engine_config, ray_config, str(store),
                                       redis_url_for_tests(), expected)
 
@@ -173,22 +181,28 @@ def test_prefill_on_one_pool_decode_on_the_other_matches_one_engine(
             await asyncio.to_thread(idle)
             # The prefill replica killed while requests wait on it: each ends with the
             # right tokens (the gateway retries) or a clean error.
-            pid = _published(ray_config)[1]["pid"]
+            prefill_pid = _published(ray_config)[1]["pid"]
             task = asyncio.ensure_future(_run(backend.generate, more))
             await asyncio.sleep(0.005)
-            os.kill(pid, signal.SIGKILL)
+            os.kill(prefill_pid, signal.SIGKILL)
             after_kill = await task
-            return got, stats, after_kill
+            # The decode replica killed while requests wait on it (or stream from it).
+            await asyncio.to_thread(lambda: wait_until(
+                lambda: _published(ray_config).get(1, {}).get("pid", prefill_pid) != prefill_pid,
+                cluster.head, "a new prefill replica", stall_s=REPLACEMENT_STALL_S))
+            pid = _published(ray_config)[0]["pid"]
+            task = asyncio.ensure_future(_run(backend.generate, decode_killed))
+            await asyncio.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)
+            return got, stats, after_kill + await task
         finally:
             await backend.shutdown()
 
     try:
         assert backend.num_replicas == 2
         got, stats, after_kill = asyncio.run(scenario())
-        # the decode replica holds nothing once the requests ended
-        wait_until(lambda: _published(ray_config)[0]["kv_blocks_used"] == 0
-                   and _published(ray_config)[0]["num_unfinished"] == 0, cluster.head,
-                   "the decode replica idle after the kill")
+        # both pools (the replacements included) hold nothing once the requests ended
+        _idle(ray_config, time.time(), cluster.head)
     finally:
         backend.close()
         if ray.is_initialized():
@@ -204,7 +218,7 @@ def test_prefill_on_one_pool_decode_on_the_other_matches_one_engine(
     assert stats[0]["prefix_cache_hit_tokens"] >= 6 * 3 * BLOCK
     want = _in_process(engine_config, jobs)
     assert got == want
-    want_more = _in_process(engine_config, more)
+    want_more = _in_process(engine_config, more + decode_killed)
     for result, right in zip(after_kill, want_more, strict=True):
         if isinstance(result, BaseException):
             assert isinstance(result, EngineDeadError), repr(result)
