@@ -240,9 +240,6 @@ class EngineConfig:
                  < self.scheduler.max_num_batched_tokens,
                  "num_speculative_tokens must be below max_num_batched_tokens (a step "
                  "verifies the proposals together with the token they follow)")
-        _require(spec is None or spec.model is None or self.cache.kv_disk_dir is None,
-                 "kv_disk_dir does not work with a draft model yet (the disk tier keeps "
-                 "the target model's KV only): leave one of them out")
 
 
 # The embedded default's registry and store, inside the home.

@@ -305,6 +305,10 @@ class LLMEngine:
             constraint = self.grammar_constraint(params.grammar, cache_salt or "")
         request.constraint = constraint
         request.arrival_step = self.num_steps
+        if self.disk is not None and self.scheduler.has_unfinished() \
+                and not request.needs_prompt_logits:
+            # It waits at least a step: its disk blocks are read meanwhile, off this thread.
+            self.disk.read_ahead(self.kv.uncached_chain(prompt, request.extra_keys))
         self._groups[request_id] = [request]
         self.scheduler.add(request)
 
@@ -712,6 +716,7 @@ class LLMEngine:
             kv_disk_writes=disk.num_writes if disk else 0,
             kv_disk_evictions=disk.num_evictions if disk else 0,
             kv_disk_refused=disk.num_refused if disk else 0,
+            kv_disk_read_ahead=disk.num_read_ahead if disk else 0,
             **self._transfer_stats(),
             **(self.spec.stats() if self.spec is not None else {}),
         )

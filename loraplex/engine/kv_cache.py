@@ -368,6 +368,24 @@ class KVCacheManager:
             parent = block_hash
         return run
 
+    def uncached_chain(self, token_ids: Sequence[int],
+                       extra_keys: Sequence[Sequence[str]] = ()) -> list[tuple[bytes, BlockKey]]:
+        """``(hash, key)`` of the prompt's full blocks past the pool's cached run (those a
+        lower tier may hold), never covering the last token."""
+        if not self.enable_prefix_caching:
+            return []
+        keys = _normalize_extra_keys(extra_keys)
+        run = self.cached_run(token_ids, keys)
+        parent = run[-1][1] if run else None
+        chain: list[tuple[bytes, BlockKey]] = []
+        for index in range(len(run), self._max_prefix_blocks(token_ids)):
+            start = index * self.block_size
+            block_tokens = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(parent, block_tokens, keys)
+            chain.append((block_hash, (parent, block_tokens, keys)))
+            parent = block_hash
+        return chain
+
     def block_key(self, block_id: int) -> BlockKey:
         """The key a cached block is registered under: (parent hash, token ids, extra keys)."""
         key = self._block_keys[block_id]

@@ -5,10 +5,18 @@ Files live in ``DIR/<model fingerprint, 16 hex>/<block hash, 64 hex>.kvb``: engi
 different models (or dtypes, or block sizes) can share ``DIR`` without ever seeing each
 other's blocks, and each tier's budget counts only its own folder. Writes go through one
 writer thread (encode, temporary name, fsync, rename), so the step loop only hands over
-bytes; until a block's file is written, lookups are served from memory. Lookups read and
-verify a file on the step loop (checksum, fingerprint, layout, hash chain, and the key
-the pool asked for) and hold the verified block until the step ends, so a refused file is
-refused before the scheduler counts its tokens: the request recomputes them.
+bytes; until a block's file is written, lookups are served from memory. Lookups verify a
+file on the step loop (checksum, fingerprint, layout, hash chain, and the key the pool
+asked for) and hold the verified block until the step ends, so a refused file is refused
+before the scheduler counts its tokens: the request recomputes them.
+
+Reading overlaps the steps where it can: a request that arrives while others run has its
+blocks read and verified ahead (``read_ahead``, one reader thread, one task a block) while
+their steps run. A lookup takes a block read ahead from memory, waits for one being read,
+and reads one still queued itself (so no file is read twice). What is read ahead is
+bounded (``max_staged_bytes``, the oldest dropped first) and only used while the index
+still lists the block under the same key; a file the reader refused is counted and
+deleted at its lookup, as if read there.
 
 Pure Python (no torch): the model runner turns block data into tensors.
 """
@@ -57,6 +65,7 @@ class DiskTierStats:
     num_evictions: int  # files deleted to stay within the budget
     num_refused: int  # files refused (corrupt, truncated, another model's, bad identity)
     num_loads: int  # blocks handed to the pool
+    num_read_ahead: int  # of those, read and verified off the step loop beforehand
 
 
 @dataclass
@@ -93,6 +102,12 @@ class DiskTier:
         self.num_loads = 0
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="loraplex-kv-disk")
+        # Reads ahead for queued requests, by hash, oldest first (step thread only).
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="loraplex-kv-disk-read")
+        self._ahead: OrderedDict[bytes, concurrent.futures.Future[PortableBlock | Exception]] \
+            = OrderedDict()
+        self.num_read_ahead = 0
         self._rebuild()
 
     # ---- start ----------------------------------------------------------------------
@@ -155,6 +170,23 @@ class DiskTier:
         self._writer.submit(self._write, block_hash)
         self._evict_over_budget()
 
+    def read_ahead(self, blocks: list[tuple[bytes, _Key]]) -> None:
+        """Reads and verifies, on the reader thread, the blocks of a prefix (in order) that
+        a request will look up, up to the first that is not here."""
+        max_ahead = max(1, self.max_staged_bytes // self.layout.data_bytes)
+        for block_hash, key in blocks:
+            entry = self._index.get(block_hash)
+            if entry is None or entry.key != key:
+                break
+            if block_hash in self._ahead or block_hash in self._staged:
+                continue
+            with self._lock:
+                if block_hash in self._pending:  # not on disk yet: in memory anyway
+                    continue
+            self._ahead[block_hash] = self._reader.submit(self._read, block_hash, key)
+            while len(self._ahead) > max_ahead:
+                self._drop_ahead(next(iter(self._ahead)))
+
     def lookup(self, block_hash: bytes, key: _Key) -> bool:
         """Whether the block is here under exactly ``key``, verified (read, checksum,
         fingerprint, layout, hash chain) and held for ``take`` until ``end_step``. A file
@@ -167,19 +199,19 @@ class DiskTier:
         if self._staged_bytes + self.layout.data_bytes > self.max_staged_bytes:
             return False  # this step holds enough: the rest is recomputed
         with self._lock:
-            block = self._pending.get(block_hash)
+            block: PortableBlock | Exception | None = self._pending.get(block_hash)
+        future = self._ahead.pop(block_hash, None)
+        if block is None and future is not None and not future.cancel():
+            ready = future.done()
+            block = future.result()  # being read: as soon as reading it here
+            if ready and isinstance(block, PortableBlock):
+                self.num_read_ahead += 1
         if block is None:
-            path = self._path(block_hash)
-            try:
-                block = decode_block(path.read_bytes(), self.fingerprint, self.layout)
-                ident = block.identity
-                if ident.block_hash != block_hash \
-                        or (ident.parent_hash, ident.token_ids, ident.extra_keys) != key:
-                    raise BlockRefused("identity", "the file holds another block")
-            except (BlockRefused, OSError) as exc:
-                self._forget(block_hash)
-                self._refuse(path, exc)
-                return False
+            block = self._read(block_hash, key)
+        if isinstance(block, Exception):
+            self._forget(block_hash)
+            self._refuse(self._path(block_hash), block)
+            return False
         self._index.move_to_end(block_hash)
         self._staged[block_hash] = block
         self._staged_bytes += len(block.data)
@@ -210,17 +242,36 @@ class DiskTier:
         self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
 
     def stats(self) -> DiskTierStats:
         return DiskTierStats(len(self._index), self._bytes_used, self.max_bytes,
                              self.num_writes, self.num_evictions, self.num_refused,
-                             self.num_loads)
+                             self.num_loads, self.num_read_ahead)
 
     # ---- internals --------------------------------------------------------------------
 
     def _path(self, block_hash: bytes) -> Path:
         return self.dir / (block_hash.hex() + SUFFIX)
+
+    def _read(self, block_hash: bytes, key: _Key) -> PortableBlock | Exception:
+        """The block's file, verified against its hash and ``key``, or why it is refused."""
+        try:
+            block = decode_block(self._path(block_hash).read_bytes(), self.fingerprint,
+                                 self.layout)
+            ident = block.identity
+            if ident.block_hash != block_hash \
+                    or (ident.parent_hash, ident.token_ids, ident.extra_keys) != key:
+                raise BlockRefused("identity", "the file holds another block")
+        except (BlockRefused, OSError) as exc:
+            return exc
+        return block
+
+    def _drop_ahead(self, block_hash: bytes) -> None:
+        future = self._ahead.pop(block_hash, None)
+        if future is not None:
+            future.cancel()  # one being read finishes unread
 
     def _forget(self, block_hash: bytes) -> None:
         """Out of the index now; its file deleted on the writer thread, after any write
@@ -231,6 +282,7 @@ class DiskTier:
         self._bytes_used -= entry.num_bytes
         with self._lock:
             self._pending.pop(block_hash, None)
+        self._drop_ahead(block_hash)
         self._writer.submit(self._path(block_hash).unlink, True)
 
     def _evict_over_budget(self) -> None:

@@ -84,6 +84,7 @@ class EngineStats:
     kv_disk_writes: int = 0
     kv_disk_evictions: int = 0
     kv_disk_refused: int = 0
+    kv_disk_read_ahead: int = 0  # blocks loaded that were read off the step loop before
     # Prefill/decode transfers (kv_transfer.py): blocks exported after a prefill, placed in
     # the pool for a decode, and refused (malformed, another model's, not the request's).
     kv_transfer_exported: int = 0

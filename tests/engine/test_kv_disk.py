@@ -29,7 +29,9 @@ from loraplex.engine.kv_blocks import (
     model_fingerprint,
     read_header,
 )
+from loraplex.engine.kv_cache import extra_keys_for, hash_block
 from loraplex.errors import ConfigError
+from loraplex.model.truncate import save_first_layers
 from loraplex.testing import load_reference, reference_greedy
 
 BLOCK = 4
@@ -157,6 +159,60 @@ def test_tenants_and_adapter_versions_never_share_disk_blocks(
     assert of_r4()
     llm.engine.forget_adapter("r4", ref.digest)
     assert not of_r4()
+    _check_idle(llm, tmp_path)
+    llm.engine.close()
+
+
+def test_a_queued_request_has_its_disk_blocks_read_ahead(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    """A request that arrives while another runs (the pool holds one of them) has its
+    blocks read and verified on the reader thread; its lookups take them from memory."""
+    llm = _llm(tiny_llama_dir, tmp_path)
+    assert _run(llm, llama_adapters, "r4", "tenant-a", 0) == expected[("r4", 0)]
+    _evict_everything(llm, llama_adapters)
+    engine, disk = llm.engine, llm.engine.disk
+    assert disk is not None
+    disk.flush()
+    before = engine.stats()
+    ref = llm.add_lora(LoRARequest("r4", str(llama_adapters["r4"])))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("runs", _prompt(6), params, cache_salt="filler-x")
+    engine.add_request("waits", _prompt(1), params, adapter=ref, cache_salt="tenant-a")
+    disk._reader.submit(lambda: None).result()  # the reads are done before any step
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() if d.request_id == "waits"
+                   for t in d.new_token_ids]
+    assert tokens == expected[("r4", 1)]
+    after = engine.stats()
+    # (a preempted request may find its own blocks on disk too, read there)
+    assert after.kv_disk_hit_tokens - before.kv_disk_hit_tokens >= 16
+    assert after.kv_disk_read_ahead - before.kv_disk_read_ahead == 4
+    assert after.kv_disk_refused == before.kv_disk_refused
+    # alone, a request has no step to overlap: nothing is read ahead
+    _evict_everything(llm, llama_adapters)
+    assert _run(llm, llama_adapters, "r4", "tenant-a", 0) == expected[("r4", 0)]
+    assert engine.stats().kv_disk_read_ahead == after.kv_disk_read_ahead
+    # a file the reader refuses is counted and deleted at its lookup; the rest recomputes
+    _evict_everything(llm, llama_adapters)
+    disk.flush()
+    first = hash_block(None, tuple(_prompt(0)[:BLOCK]),
+                       extra_keys_for(("r4", ref.digest), "tenant-a"))
+    path = disk.dir / f"{first.hex()}.kvb"
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-100] + bytes([raw[-100] ^ 0x40]) + raw[-99:])
+    engine.add_request("runs-2", _prompt(6), params, cache_salt="filler-y")
+    engine.add_request("waits-2", _prompt(2), params, adapter=ref, cache_salt="tenant-a")
+    disk._reader.submit(lambda: None).result()
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() if d.request_id == "waits-2"
+                   for t in d.new_token_ids]
+    assert tokens == expected[("r4", 2)]
+    assert engine.stats().kv_disk_refused == after.kv_disk_refused + 1
+    disk.flush()
+    assert not path.exists()
     _check_idle(llm, tmp_path)
     llm.engine.close()
 
@@ -378,3 +434,27 @@ def test_bf16_disk_hits_match_its_own_single_engine_run(
     assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS) * 2
     _check_idle(again, tmp_path)
     again.engine.close()
+
+
+def test_a_draft_model_computes_its_own_kv_over_disk_hits(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    """The tier keeps the target's KV only; the draft model computes its own again over a
+    prefix loaded from disk (as over any prefix hit), so it proposes what it proposes
+    where the whole prompt was computed: the same tokens accepted."""
+    draft = save_first_layers(tiny_llama_dir, tmp_path / "draft", 2)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
+    plain = LLM(str(tiny_llama_dir), progress=False, max_lora_rank=16, block_size=BLOCK,
+                num_kv_blocks=10, speculative_config=spec, enable_prefix_caching=False)
+    llm = _llm(tiny_llama_dir, tmp_path / "tier", speculative_config=spec)
+    for i in range(2):
+        for adapter, salt in DOMAINS:
+            assert _run(plain, llama_adapters, adapter, salt, i) == expected[(adapter, i)]
+            assert _run(llm, llama_adapters, adapter, salt, i) == expected[(adapter, i)]
+    stats, alone = llm.engine.stats(), plain.engine.stats()
+    assert stats.kv_disk_hit_tokens >= 16 * len(DOMAINS)  # the second round's prefixes
+    assert stats.spec_num_accepted_tokens == alone.spec_num_accepted_tokens > 0
+    _check_idle(llm, tmp_path / "tier")
+    llm.engine.close()
+    plain.engine.close()

@@ -187,22 +187,30 @@ def test_seeded_sampling_and_n_continue_as_on_one_engine(
 def test_a_speculating_decode_engine_takes_transferred_blocks(
         tiny_llama_dir: Path, llama_adapters: dict[str, Path],
         expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
-    """The draft model keeps its own KV: it catches up over the prompt on the decode engine
-    while the target reads the transferred blocks."""
+    """The draft model keeps its own KV: it computes it again over the transferred prefix
+    (as over any prefix hit), so it proposes exactly what it proposes on one engine that
+    computed the whole prompt (the same tokens accepted), never from slots it never
+    filled."""
     draft = save_first_layers(tiny_llama_dir, tmp_path / "draft", 2)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
+    single = _llm(tiny_llama_dir, speculative_config=spec)
     prefill = _llm(tiny_llama_dir)
-    decode = _llm(tiny_llama_dir, speculative_config={
-        "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-        "disable_by_batch_size": None})
+    decode = _llm(tiny_llama_dir, speculative_config=spec)
     for adapter, salt in DOMAINS:
         ref = _ref(llama_adapters, adapter)
+        assert single.generate([_prompt(0)], GREEDY, _lora(ref), cache_salt=salt)[0] \
+            .outputs[0].token_ids == expected[(adapter, 0)]
+        single.engine.kv.drop_cached(lambda keys: True)  # no prefix hit on this one
         raws = _prefill(prefill, _prompt(0), ref, salt)
         assert _decode(decode, raws, _prompt(0), ref, salt) == [expected[(adapter, 0)]]
-    stats = decode.engine.stats()
+    stats, alone = decode.engine.stats(), single.engine.stats()
     assert stats.kv_transfer_imported == 4 * len(DOMAINS)
     assert stats.prefix_cache_hit_tokens == 16 * len(DOMAINS)
-    assert stats.spec_num_drafts > 0
-    _check_idle(prefill, decode)
+    assert alone.prefix_cache_hit_tokens == 0
+    assert stats.spec_num_drafts == alone.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens == alone.spec_num_accepted_tokens > 0
+    _check_idle(single, prefill, decode)
 
 
 def test_bf16_transfers_match_its_own_single_engine_run(
