@@ -206,7 +206,8 @@ class LLM:
         return self.engine.stats()
 
     def close(self) -> None:
-        self.engine.close()
+        """Releases the engine; with a disk tier, its prefix cache is saved there first."""
+        self.engine.close(save_cache=True)
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:

@@ -335,13 +335,17 @@ class EngineClient:
     # --- engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        clean = False
         try:
             self._loop()
+            clean = True
         except BaseException as exc:  # any escape kills the engine for good
             self._die(exc)
         finally:
             self._engine_closed = True
-            self.engine.close()
+            # Only a clean stop keeps the prefix cache (after a failure a block may be
+            # registered but never computed).
+            self.engine.close(save_cache=clean)
 
     def _loop(self) -> None:
         engine = self.engine

@@ -141,6 +141,17 @@ class LLMEngine:
             self.disk.put(BlockIdentity(e.block_hash, e.parent_hash, e.token_ids,
                                         e.extra_keys), data)
 
+    def _save_cached(self) -> None:
+        blocks = [b for b in self.kv.cached_blocks() if self.disk is not None
+                  and not self.disk.has(b.block_hash)]
+        for start in range(0, len(blocks), 64):  # bounded memory for the copies
+            batch = blocks[start:start + 64]
+            for b, data in zip(batch, self.runner.read_blocks([b.block_id for b in batch]),
+                               strict=True):
+                assert self.disk is not None
+                self.disk.put(BlockIdentity(b.block_hash, b.parent_hash, b.token_ids,
+                                            b.extra_keys), data)
+
     def _load_from_disk(self) -> None:
         """Writes the KV of the disk blocks this step's prefixes claimed into their fresh
         slots (after swap-ins, before the forward), and ends the tier's step."""
@@ -197,9 +208,14 @@ class LLMEngine:
         """The served model, as the engine boundary reports it."""
         return model_description(self.config, self.runner.args)
 
-    def close(self) -> None:
+    def close(self, *, save_cache: bool = False) -> None:
+        """Releases the engine's threads and files. ``save_cache`` (a clean stop, between
+        steps: every cached block computed) first hands the prefix cache's blocks to the
+        disk tier, so that a restart finds them there too."""
         self.adapters.close()
         if self.disk is not None:
+            if save_cache:
+                self._save_cached()
             self.disk.close()
         self._mask_thread.shutdown(wait=True)
         with self._grammar_lock:

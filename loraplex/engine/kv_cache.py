@@ -751,6 +751,18 @@ class KVCacheManager:
             assert key is not None
             yield block_hash, key[0], key[2]
 
+    def cached_blocks(self) -> list[EvictedBlock]:
+        """Every block in the prefix cache with its key and slot (what a clean stop saves
+        to the lower tier), least recently used first among the ref-0 ones."""
+        order = [*self._cached_free_ids,
+                 *(b for b in self._hash_to_block.values() if self._ref_counts[b] > 0)]
+        out = []
+        for block_id in order:
+            block_hash, key = self._block_hashes[block_id], self._block_keys[block_id]
+            assert block_hash is not None and key is not None
+            out.append(EvictedBlock(block_id, block_hash, *key))
+        return out
+
     def all_free_or_cached(self) -> bool:
         """Whether no request holds any device or host block."""
         return (

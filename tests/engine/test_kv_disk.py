@@ -458,3 +458,22 @@ def test_a_draft_model_computes_its_own_kv_over_disk_hits(
     _check_idle(llm, tmp_path / "tier")
     llm.engine.close()
     plain.engine.close()
+
+
+def test_a_clean_stop_saves_the_pool_for_the_restart(
+        tiny_llama_dir: Path, llama_adapters: dict[str, Path],
+        expected: dict[tuple[Any, int], list[int]], tmp_path: Path) -> None:
+    """Blocks still in the pool at a clean stop (never evicted) go to the tier, so the
+    restarted engine finds them, for their own tenant and adapter version only."""
+    llm = _llm(tiny_llama_dir, tmp_path)
+    assert _run(llm, llama_adapters, "r4", "tenant-a", 0) == expected[("r4", 0)]
+    assert llm.engine.stats().kv_disk_writes == 0  # nothing was evicted
+    llm.close()
+    assert len(_files(tmp_path)) >= 4
+    again = _llm(tiny_llama_dir, tmp_path)
+    assert _run(again, llama_adapters, "r4", "tenant-b", 1) == expected[("r4", 1)]
+    assert again.engine.stats().kv_disk_hit_tokens == 0
+    assert _run(again, llama_adapters, "r4", "tenant-a", 1) == expected[("r4", 1)]
+    assert again.engine.stats().kv_disk_hit_tokens == 16
+    _check_idle(again, tmp_path)
+    again.engine.close()
