@@ -19,9 +19,10 @@ from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
 from loraplex.engine.kv_blocks import BlockIdentity, KVLayout, model_fingerprint
-from loraplex.engine.kv_cache import KVCacheManager, extra_keys_for
+from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_disk import DiskTier
 from loraplex.engine.kv_events import KVEventLog
+from loraplex.engine.kv_hashing import extra_keys_for
 from loraplex.engine.kv_transfer import KVTransfer
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus

@@ -36,7 +36,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.engine.kv_cache import ExtraKey, hash_block
+from loraplex.engine.kv_hashing import ExtraKey, hash_block
 
 MAGIC = b"LPXKVB01"
 # Bumped whenever what the runner stores in a block changes (head order, rotary layout):

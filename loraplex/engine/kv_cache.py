@@ -11,69 +11,12 @@ this module asks for. Every physical block is in exactly one place at any time:
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-ExtraKey = tuple[str, ...]
-"""A tagged field of a block's cache key, e.g. ``("adapter", id, digest)``, ``("salt", s)``."""
-
-_HASH_DOMAIN = b"loraplex.kv.block.v1"
-
-
-def extra_keys_for(adapter: tuple[str, str] | None, cache_salt: str | None) -> tuple[ExtraKey, ...]:
-    """The extra keys of a request's blocks: its adapter identity and its cache salt.
-
-    ``adapter`` is ``(adapter_id, content_digest)``; ``None`` means the base model. Every
-    field carries a tag, so an adapter id can never collide with a salt, and a re-upload
-    under the same id (new digest) is a separate cache domain.
-    """
-    keys: list[ExtraKey] = []
-    if adapter is not None:
-        adapter_id, digest = adapter
-        if not adapter_id or not digest:
-            raise ValueError(f"adapter needs a non-empty id and digest, got {adapter!r}")
-        keys.append(("adapter", adapter_id, digest))
-    if cache_salt is not None:
-        keys.append(("salt", cache_salt))
-    return tuple(keys)
-
-
-def _encode_field(data: bytes) -> bytes:
-    return struct.pack("<Q", len(data)) + data
-
-
-def hash_block(
-    parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
-) -> bytes:
-    """The chained prefix-cache hash of one full block (sha256, 32 bytes).
-
-    The encoding is unambiguous: every variable-length part is length- or count-prefixed,
-    so no choice of tokens, adapter ids or salts can make two different keys encode alike.
-    """
-    digest = hashlib.sha256(_HASH_DOMAIN)
-    if parent is None:
-        digest.update(b"\x00")
-    else:
-        digest.update(b"\x01" + _encode_field(parent))
-    digest.update(struct.pack("<Q", len(token_ids)))
-    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    digest.update(struct.pack("<Q", len(extra_keys)))
-    for key in extra_keys:
-        digest.update(struct.pack("<Q", len(key)))
-        for part in key:
-            if not isinstance(part, str):
-                raise TypeError(f"extra key fields must be str, got {part!r} in {key!r}")
-            digest.update(_encode_field(part.encode("utf-8")))
-    return digest.digest()
-
-
-def _normalize_extra_keys(extra_keys: Sequence[Sequence[str]]) -> tuple[ExtraKey, ...]:
-    return tuple(tuple(key) for key in extra_keys)
-
+from loraplex.engine.kv_hashing import BlockKey, ExtraKey, hash_block, normalize_extra_keys
 
 RegisteredBlock = tuple[bytes, bytes | None, tuple[ExtraKey, ...]]
 """(block hash, parent hash, extra keys) of one block in the prefix cache."""
@@ -151,11 +94,6 @@ class KVCacheStats:
         if self.prefix_cache_queried_tokens == 0:
             return 0.0
         return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
-
-
-# What a registered block's hash stands for; compared on every hit so that a hash
-# collision can never serve another prompt's (or another tenant's) KV.
-BlockKey = tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]
 
 
 # A table entry whose block was released behind the request's sliding window.
@@ -327,7 +265,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return CachedPrefix((), 0)
-        keys = _normalize_extra_keys(extra_keys)
+        keys = normalize_extra_keys(extra_keys)
         pool = self.cached_run(token_ids, keys)
         block_ids = [block_id for block_id, _ in pool]
         lower: list[bytes] = []
@@ -354,7 +292,7 @@ class KVCacheManager:
         verifies them, never covering the last token. Changes nothing."""
         if not self.enable_prefix_caching:
             return []
-        keys = _normalize_extra_keys(extra_keys)
+        keys = normalize_extra_keys(extra_keys)
         run: list[tuple[int, bytes]] = []
         parent: bytes | None = None
         for index in range(self._max_prefix_blocks(token_ids)):
@@ -374,7 +312,7 @@ class KVCacheManager:
         lower tier may hold), never covering the last token."""
         if not self.enable_prefix_caching:
             return []
-        keys = _normalize_extra_keys(extra_keys)
+        keys = normalize_extra_keys(extra_keys)
         run = self.cached_run(token_ids, keys)
         parent = run[-1][1] if run else None
         chain: list[tuple[bytes, BlockKey]] = []
@@ -450,7 +388,7 @@ class KVCacheManager:
             )
         if request_id in self._swapped:
             raise ValueError(f"request {request_id!r} is swapped out; swap it in first")
-        keys = _normalize_extra_keys(extra_keys)
+        keys = normalize_extra_keys(extra_keys)
         request = self._requests.get(request_id)
         is_first_call = request is None
         claimed_ids: tuple[int, ...] = ()

@@ -43,7 +43,7 @@ from loraplex.engine.kv_blocks import (
     read_header,
     write_atomic,
 )
-from loraplex.engine.kv_cache import ExtraKey
+from loraplex.engine.kv_hashing import ExtraKey
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from loraplex.engine.kv_cache import ExtraKey, RegisteredBlock
+from loraplex.engine.kv_cache import RegisteredBlock
+from loraplex.engine.kv_hashing import ExtraKey
 
 MEDIUM: Final = "pool"
 MAX_PENDING: Final = 8192

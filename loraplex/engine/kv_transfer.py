@@ -30,7 +30,8 @@ from loraplex.engine.kv_blocks import (
     decode_block,
     encode_block,
 )
-from loraplex.engine.kv_cache import BlockKey, ExtraKey, KVCacheManager
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_hashing import BlockKey, ExtraKey
 from loraplex.engine.sampling_params import SamplingParams
 
 

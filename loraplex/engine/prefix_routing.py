@@ -3,7 +3,7 @@
 Every gateway follows the replicas' KV events (``kv_events.py``, through Redis) into a
 ``PrefixIndex``: per replica, the block hashes its prefix cache holds. A request's own
 hashes come from its prompt, adapter identity and tenant salt exactly as its engine will
-compute them (``kv_cache.hash_block``), so a replica only ever matches blocks of the same
+compute them (``kv_hashing.hash_block``), so a replica only ever matches blocks of the same
 adapter version for the same tenant: a tenant's prompt never draws it to a replica that
 caches another tenant's blocks of the same text.
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from loraplex.engine.kv_cache import extra_keys_for, hash_block
+from loraplex.engine.kv_hashing import extra_keys_for, hash_block
 
 MAX_ROUTED_BLOCKS: Final = 1024  # a prompt's first 1024 blocks count (16k tokens at 16)
 # A replica whose events claim more blocks than this is dropped from the index (no pool is

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.kv_cache import ExtraKey, extra_keys_for
+from loraplex.engine.kv_hashing import ExtraKey, extra_keys_for
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.share import NO_SHARE, Share
 

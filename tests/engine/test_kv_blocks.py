@@ -18,7 +18,8 @@ from loraplex.engine.kv_blocks import (
     encoded_size,
     read_header,
 )
-from loraplex.engine.kv_cache import KVCacheManager, extra_keys_for, hash_block
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_hashing import extra_keys_for, hash_block
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 FP = "ab" * 32

@@ -15,13 +15,8 @@ from hypothesis.stateful import (
 )
 
 from loraplex.engine import kv_cache
-from loraplex.engine.kv_cache import (
-    CachedPrefix,
-    ExtraKey,
-    KVCacheManager,
-    extra_keys_for,
-    hash_block,
-)
+from loraplex.engine.kv_cache import CachedPrefix, KVCacheManager
+from loraplex.engine.kv_hashing import BlockKey, ExtraKey, extra_keys_for, hash_block
 
 BS = 4
 ADAPTER_A = extra_keys_for(("adapter-a", "digest-a1"), None)
@@ -869,8 +864,8 @@ TestKVCacheMachine = KVCacheMachine.TestCase
 
 
 def _chain(token_ids: Sequence[int], keys: tuple[ExtraKey, ...],
-           ) -> list[tuple[bytes, kv_cache.BlockKey]]:
-    out: list[tuple[bytes, kv_cache.BlockKey]] = []
+           ) -> list[tuple[bytes, BlockKey]]:
+    out: list[tuple[bytes, BlockKey]] = []
     parent: bytes | None = None
     for start in range(0, len(token_ids) - BS + 1, BS):
         tokens = tuple(token_ids[start:start + BS])

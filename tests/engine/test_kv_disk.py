@@ -29,7 +29,7 @@ from loraplex.engine.kv_blocks import (
     model_fingerprint,
     read_header,
 )
-from loraplex.engine.kv_cache import extra_keys_for, hash_block
+from loraplex.engine.kv_hashing import extra_keys_for, hash_block
 from loraplex.errors import ConfigError
 from loraplex.model.truncate import save_first_layers
 from loraplex.testing import load_reference, reference_greedy

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.kv_cache import KVCacheManager, extra_keys_for
+from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_events import KVEventLog, batch
+from loraplex.engine.kv_hashing import extra_keys_for
 from loraplex.engine.prefix_routing import (
     PrefixIndex,
     matched_blocks,
