@@ -1,7 +1,7 @@
 """The Serve request router of the engine replicas: prefix-aware, then as Serve routes.
 
 Serve builds it in each gateway's process from the deployment's ``request_router_config``
-(``ray_backend.make_deployment``) and calls ``choose_replicas`` for every request; the
+(``ray_replica.make_deployment``) and calls ``choose_replicas`` for every request; the
 index it reads is the one that gateway's backend fills from the replicas' KV events
 (``prefix_routing.index_for``). How prefixes, adapter affinity and load are weighed is
 ``prefix_routing``'s docstring. Imported only in Ray mode.
