@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,39 @@ def tenant_keys(db_url: str, tenants: int) -> list[str]:
                     for t in range(tenants)]
     finally:
         engine.dispose()
+
+
+@contextlib.contextmanager
+def ray_gateway(name: str, serve_args: list[str], model: str, logs: Path, num_tenants: int,
+                secret: str) -> Iterator[tuple[Gateway, list[str], str]]:
+    """A fresh loopback Ray cluster (2 CPUs) and one ``loraplex serve --backend ray``
+    gateway on it (``serve_args`` add to the model, registry, Redis and cluster flags; a
+    fresh PostgreSQL schema and Redis key prefix named for ``name``), with
+    ``num_tenants`` tenants: (the gateway, their keys, the Redis prefix). All of it goes
+    on exit."""
+    from loraplex.registry import db
+    from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests
+
+    cluster_env = ray_env()
+    env = {**os.environ, **cluster_env, "LORAPLEX_CACHE_SALT_SECRET": secret,
+           "LORAPLEX_HOME": str(logs / "home")}
+    cluster = RayCluster(2, logs / f"{name}-ray.log", cluster_env)
+    gateway: Gateway | None = None
+    try:
+        cluster.wait_ready()
+        with postgres_schema(name) as db_url, redis_key_prefix(name) as prefix:
+            db.upgrade(db_url)
+            keys = tenant_keys(db_url, num_tenants)
+            argv = [str(Path(sys.executable).parent / "loraplex"), "serve", "--backend", "ray",
+                    "--ray-address", cluster.address, "--model", model,
+                    "--served-model-name", "demo", "--database-url", db_url,
+                    "--adapter-dir", str(logs / f"store-{name}"),
+                    "--redis-url", redis_url_for_tests(), "--redis-key-prefix", prefix,
+                    "--log-level", "warning", *serve_args]
+            gateway = Gateway(argv, env, free_port(), logs / f"{name}-gateway.log")
+            gateway.wait_ready(900)
+            yield gateway, keys, prefix
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        cluster.stop()

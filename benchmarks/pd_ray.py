@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -48,11 +47,7 @@ from _output import (  # noqa: E402
     save_figure,
     write_json,
 )
-from _scaleout import Gateway, RayCluster, ray_env, tenant_keys  # noqa: E402
-from _server_process import free_port  # noqa: E402
-
-from loraplex.registry import db  # noqa: E402
-from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
+from _scaleout import ray_gateway  # noqa: E402
 
 MODES = {"co-located": ["--replicas", "2"],
          "disaggregated": ["--prefill-replicas", "1", "--decode-replicas", "1"]}
@@ -167,39 +162,19 @@ def _summary(rows: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
 
 def run_mode(args: argparse.Namespace, mode: str, model: str, prompts: list[str],
              logs: Path) -> dict[str, Any]:
-    cluster_env = ray_env()
-    env = {**os.environ, **cluster_env, "LORAPLEX_CACHE_SALT_SECRET": "pd-bench",
-           "LORAPLEX_HOME": str(logs / "home")}
-    name = mode.replace("-", "")
-    cluster = RayCluster(2, logs / f"{name}-ray.log", cluster_env)
-    gateway: Gateway | None = None
-    try:
-        cluster.wait_ready()
-        with postgres_schema(f"pdray{name}") as db_url, \
-                redis_key_prefix(f"pdray{name}") as prefix:
-            db.upgrade(db_url)
-            [key] = tenant_keys(db_url, 1)
-            argv = [str(Path(sys.executable).parent / "loraplex"), "serve", "--backend", "ray",
-                    *MODES[mode], "--replica-cpus", "0.5", "--ray-address", cluster.address,
-                    "--model", model, "--served-model-name", "demo", "--database-url", db_url,
-                    "--adapter-dir", str(logs / f"store-{name}"), "--redis-url",
-                    redis_url_for_tests(), "--redis-key-prefix", prefix, "--max-num-seqs",
-                    str(args.max_num_seqs), "--log-level", "warning"]
-            gateway = Gateway(argv, env, free_port(), logs / f"{name}-gateway.log")
-            gateway.wait_ready(900)
-            asyncio.run(_drive(gateway.url, key, prompts[:2], 2, 2))  # warm both pools
-            t0 = time.perf_counter()
-            rows = asyncio.run(_drive(gateway.url, key, prompts, args.max_tokens,
-                                      args.concurrency))
-            result = _summary(rows, time.perf_counter() - t0)
-            print(f"  {mode}: TTFT p50 {result['ttft_s']['p50']:.3f} s, p99 "
-                  f"{result['ttft_s']['p99']:.3f} s, TPOT p50 {result['tpot_s']['p50'] * 1e3:.1f}"
-                  f" ms, {result['output_tokens_per_s']:.1f} tok/s", flush=True)
-            return result
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        cluster.stop()
+    serve_args = [*MODES[mode], "--replica-cpus", "0.5", "--max-num-seqs",
+                  str(args.max_num_seqs)]
+    with ray_gateway(f"pdray{mode.replace('-', '')}", serve_args, model, logs, 1,
+                     "pd-bench") as (gateway, [key], _):
+        asyncio.run(_drive(gateway.url, key, prompts[:2], 2, 2))  # warm both pools
+        t0 = time.perf_counter()
+        rows = asyncio.run(_drive(gateway.url, key, prompts, args.max_tokens,
+                                  args.concurrency))
+        result = _summary(rows, time.perf_counter() - t0)
+    print(f"  {mode}: TTFT p50 {result['ttft_s']['p50']:.3f} s, p99 "
+          f"{result['ttft_s']['p99']:.3f} s, TPOT p50 {result['tpot_s']['p50'] * 1e3:.1f}"
+          f" ms, {result['output_tokens_per_s']:.1f} tok/s", flush=True)
+    return result
 
 
 def main() -> None:

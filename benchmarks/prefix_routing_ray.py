@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -42,18 +41,9 @@ from _output import (  # noqa: E402
     save_figure,
     write_json,
 )
-from _scaleout import (  # noqa: E402
-    Gateway,
-    RayCluster,
-    ray_env,
-    settled_replica_stats,
-    summed,
-    tenant_keys,
-)
-from _server_process import free_port  # noqa: E402
+from _scaleout import ray_gateway, settled_replica_stats, summed  # noqa: E402
 
-from loraplex.registry import db  # noqa: E402
-from loraplex.testing import postgres_schema, redis_key_prefix, redis_url_for_tests  # noqa: E402
+from loraplex.testing import redis_url_for_tests  # noqa: E402
 
 MODES = ("adapter-only", "prefix-aware")
 WORDS = ("invoice ledger refund policy customer shipping warranty account balance order "
@@ -104,46 +94,23 @@ async def _drive(url: str, keys: list[str], work: list[tuple[int, str]],
 
 def run_mode(args: argparse.Namespace, mode: str, model: str, work: list[tuple[int, str]],
              logs: Path) -> dict[str, Any]:
-    cluster_env = ray_env()
-    env = {**os.environ, **cluster_env, "LORAPLEX_CACHE_SALT_SECRET": "prefix-routing-bench",
-           "LORAPLEX_HOME": str(logs / "home")}
-    name = mode.replace("-", "")
-    cluster = RayCluster(2, logs / f"{name}-ray.log", cluster_env)
-    gateway: Gateway | None = None
-    try:
-        cluster.wait_ready()
-        with postgres_schema(f"prefixray{name}") as db_url, \
-                redis_key_prefix(f"prefixray{name}") as prefix:
-            db.upgrade(db_url)
-            keys = tenant_keys(db_url, args.tenants)
-            argv = [str(Path(sys.executable).parent / "loraplex"), "serve", "--backend", "ray",
-                    "--replicas", "2", "--replica-cpus", "0.5", "--ray-address",
-                    cluster.address, "--model", model, "--served-model-name", "demo",
-                    "--database-url", db_url, "--adapter-dir", str(logs / f"store-{name}"),
-                    "--redis-url", redis_url_for_tests(), "--redis-key-prefix", prefix,
-                    "--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks",
-                    str(args.kv_blocks), "--log-level", "warning",
-                    *(["--no-prefix-routing"] if mode == "adapter-only" else [])]
-            gateway = Gateway(argv, env, free_port(), logs / f"{name}-gateway.log")
-            gateway.wait_ready(900)
-            url = gateway.url
-            before = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
-            ttfts = asyncio.run(_drive(url, keys, work, args.concurrency))
-            after = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
-            queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
-            hit = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
-            result = {"hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit,
-                      "queried_tokens": queried, "client_ttft_s": ttfts,
-                      "ttft_mean_s": statistics.mean(ttfts),
-                      "ttft_p50_s": statistics.median(ttfts),
-                      "ttft_p99_s": statistics.quantiles(ttfts, n=100)[98]}
-            print(f"  {mode}: hit rate {result['hit_rate']:.1%}, TTFT p50 "
-                  f"{result['ttft_p50_s']:.3f} s, p99 {result['ttft_p99_s']:.3f} s", flush=True)
-            return result
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        cluster.stop()
+    serve_args = ["--replicas", "2", "--replica-cpus", "0.5", "--max-num-seqs",
+                  str(args.max_num_seqs), "--num-kv-blocks", str(args.kv_blocks),
+                  *(["--no-prefix-routing"] if mode == "adapter-only" else [])]
+    with ray_gateway(f"prefixray{mode.replace('-', '')}", serve_args, model, logs,
+                     args.tenants, "prefix-routing-bench") as (gateway, keys, prefix):
+        before = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
+        ttfts = asyncio.run(_drive(gateway.url, keys, work, args.concurrency))
+        after = summed(settled_replica_stats(redis_url_for_tests(), prefix, 2))
+    queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
+    hit = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    result = {"hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit,
+              "queried_tokens": queried, "client_ttft_s": ttfts,
+              "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": statistics.median(ttfts),
+              "ttft_p99_s": statistics.quantiles(ttfts, n=100)[98]}
+    print(f"  {mode}: hit rate {result['hit_rate']:.1%}, TTFT p50 "
+          f"{result['ttft_p50_s']:.3f} s, p99 {result['ttft_p99_s']:.3f} s", flush=True)
+    return result
 
 
 def main() -> None:
