@@ -88,10 +88,12 @@ def test_a_pinned_adapter_keeps_its_slot_and_host_copy_under_thrashing(
     assert seen and all(in_slot and in_host for in_slot, in_host in seen)
     after = engine.stats()
     assert after.adapter_slots[slot] == identity(pinned)  # never moved
-    # Every request of the other three loaded from disk (one host entry for three), the
-    # pinned one's never.
+    # Every request of the other three loaded from disk (one host entry for three); the
+    # pinned one's never (it was in the host cache at every step, above). A pair's second
+    # prefetch may evict the first's copy before its install, which then reads it again:
+    # at most once more per request, as the loader thread and the steps interleave.
     others = sum(1 for name, _ in outputs if name != "r4")
-    assert after.adapter_disk_loads - loads_before == others
+    assert others <= after.adapter_disk_loads - loads_before <= 2 * others
     for (name, i), tokens in outputs.items():
         ref_model = load_reference(tiny_llama_dir, llama_adapters[name])
         assert tokens == reference_greedy(ref_model, _prompt(i), PARAMS.max_tokens)[0], name
