@@ -18,11 +18,10 @@ from loraplex.config import EngineConfig
 from loraplex.engine.backend import ModelDescription
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.grammar import Constraint, GrammarCompiler, MaskFiller
-from loraplex.engine.kv_blocks import BlockIdentity, KVLayout, model_fingerprint
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.kv_disk import DiskTier
 from loraplex.engine.kv_events import KVEventLog
 from loraplex.engine.kv_hashing import extra_keys_for
+from loraplex.engine.kv_offload import KVOffload, kv_identity, make_disk_tier
 from loraplex.engine.kv_transfer import KVTransfer
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
@@ -35,7 +34,6 @@ from loraplex.engine.stats import EngineStats
 from loraplex.engine.validation import check_params, check_prompt
 from loraplex.errors import (
     AdapterError,
-    ConfigError,
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
@@ -73,7 +71,10 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self._eos_ids()
-        self.disk = self._disk_tier()
+        a = self.runner.args
+        identity = functools.cache(functools.partial(kv_identity, config, a.num_layers,
+                                                     a.num_kv_heads, a.head_dim))
+        self.disk = make_disk_tier(config, identity)
         # What a router follows (the Ray replicas publish it): every block cached or evicted.
         self.kv_events = (KVEventLog(config.cache.block_size)
                           if config.cache.kv_events and config.cache.enable_prefix_caching
@@ -82,6 +83,8 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching,
                                  config.cache.swap_space_blocks, self.runner.sliding_window,
                                  lower_tier=self.disk, events=self.kv_events)
+        # What leaves the pool: the disk tier, and blocks moved to or from another engine.
+        self.offload = KVOffload(self.kv, self.runner, self.disk, identity)
         self.target_shapes = TargetShapes.from_model_dir(config.model.model)
         self.adapters = AdapterSlotCache(config.lora.max_loras, config.lora.max_cpu_loras,
                                        self._load_adapter, self.runner.set_lora_slot,
@@ -102,73 +105,17 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
 
-    @functools.cached_property
-    def _kv_identity(self) -> tuple[KVLayout, str]:
-        """The pool's block layout and the model fingerprint every block outside the pool
-        carries (``kv_blocks.py``)."""
-        a = self.runner.args
-        layout = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, self.config.cache.block_size,
-                          self.config.model.dtype)
-        return layout, model_fingerprint(self.config.model.model, layout)
-
-    @functools.cached_property
+    @property
     def transfer(self) -> KVTransfer:
         """This engine's side of prefill/decode transfers (``kv_transfer.py``)."""
-        return KVTransfer(self.kv, *self._kv_identity)
-
-    def _disk_tier(self) -> DiskTier | None:
-        """The prefix cache's disk tier, when ``kv_disk_dir`` asks for one."""
-        cache = self.config.cache
-        if cache.kv_disk_dir is None:
-            return None
-        layout, fingerprint = self._kv_identity
-        try:
-            return DiskTier(cache.kv_disk_dir, int(cache.kv_disk_gib * 2**30), fingerprint,
-                            layout)
-        except OSError as exc:
-            raise ConfigError(f"--kv-disk-dir {cache.kv_disk_dir}: cannot use it as a "
-                              f"folder ({exc.strerror or exc})") from None
-
-    def _save_evicted(self) -> None:
-        """Hands the KV of the blocks this step's allocations evicted to the disk tier,
-        before any transfer or forward overwrites their slots."""
-        if self.disk is None:
-            return
-        evicted = [e for e in self.kv.take_evictions() if not self.disk.has(e.block_hash)]
-        if not evicted:
-            return
-        for e, data in zip(evicted, self.runner.read_blocks([e.block_id for e in evicted]),
-                           strict=True):
-            self.disk.put(BlockIdentity(e.block_hash, e.parent_hash, e.token_ids,
-                                        e.extra_keys), data)
-
-    def _save_cached(self) -> None:
-        blocks = [b for b in self.kv.cached_blocks() if self.disk is not None
-                  and not self.disk.has(b.block_hash)]
-        for start in range(0, len(blocks), 64):  # bounded memory for the copies
-            batch = blocks[start:start + 64]
-            for b, data in zip(batch, self.runner.read_blocks([b.block_id for b in batch]),
-                               strict=True):
-                assert self.disk is not None
-                self.disk.put(BlockIdentity(b.block_hash, b.parent_hash, b.token_ids,
-                                            b.extra_keys), data)
-
-    def _load_from_disk(self) -> None:
-        """Writes the KV of the disk blocks this step's prefixes claimed into their fresh
-        slots (after swap-ins, before the forward), and ends the tier's step."""
-        if self.disk is None:
-            return
-        loads = self.kv.take_pending_loads()
-        self.runner.write_blocks([(block_id, self.disk.take(block_hash).data)
-                                  for block_id, block_hash in loads])
-        self.disk.end_step()
+        return self.offload.transfer
 
     def export_prompt_blocks(self, token_ids: Sequence[int], adapter: AdapterRef | None,
                              cache_salt: str | None) -> list[bytes]:
         """The portable form of the blocks this engine's prefix cache holds for the prompt
         under the adapter version and salt (after a prefill, ``kv_transfer.py``)."""
-        keys = extra_keys_for(adapter.key if adapter else None, cache_salt)
-        return self.transfer.export_prompt(token_ids, keys, self.runner.read_blocks)
+        return self.offload.export_prompt(
+            token_ids, extra_keys_for(adapter.key if adapter else None, cache_salt))
 
     def import_prompt_blocks(self, raws: Sequence[bytes], token_ids: Sequence[int],
                              adapter: AdapterRef | None, cache_salt: str | None) -> int:
@@ -177,12 +124,8 @@ class LLMEngine:
         are counted (``kv_transfer.py``); a deleted adapter version takes none."""
         if adapter is not None and self.adapters.is_deleted(adapter.key):
             return 0
-        keys = extra_keys_for(adapter.key if adapter else None, cache_salt)
-        blocks = self.transfer.verified(raws, token_ids, keys)
-        writes = self.transfer.place(blocks)
-        self._save_evicted()  # the slots they took may have held a block for the disk
-        self.runner.write_blocks(writes)
-        return len(blocks)
+        return self.offload.import_prompt(
+            raws, token_ids, extra_keys_for(adapter.key if adapter else None, cache_salt))
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.runner.args.eos_token_ids)
@@ -214,10 +157,7 @@ class LLMEngine:
         steps: every cached block computed) first hands the prefix cache's blocks to the
         disk tier, so that a restart finds them there too."""
         self.adapters.close()
-        if self.disk is not None:
-            if save_cache:
-                self._save_cached()
-            self.disk.close()
+        self.offload.close(save_cache)
         self._mask_thread.shutdown(wait=True)
         with self._grammar_lock:
             if self._grammar is not None:
@@ -322,10 +262,9 @@ class LLMEngine:
             constraint = self.grammar_constraint(params.grammar, cache_salt or "")
         request.constraint = constraint
         request.arrival_step = self.num_steps
-        if self.disk is not None and self.scheduler.has_unfinished() \
-                and not request.needs_prompt_logits:
+        if self.scheduler.has_unfinished() and not request.needs_prompt_logits:
             # It waits at least a step: its disk blocks are read meanwhile, off this thread.
-            self.disk.read_ahead(self.kv.uncached_chain(prompt, request.extra_keys))
+            self.offload.read_ahead(prompt, request.extra_keys)
         self._groups[request_id] = [request]
         self.scheduler.add(request)
 
@@ -372,10 +311,10 @@ class LLMEngine:
             self.adapters.install_pinned()
         plan = self.spec.plan(self.scheduler.running) if self.spec is not None else None
         out = self.scheduler.schedule(plan.num_tokens if plan is not None else None)
-        self._save_evicted()
+        self.offload.save_evicted()
         deltas = [self._error_delta(r, e) for r, e in out.failed]
         if out.is_empty:
-            self._load_from_disk()
+            self.offload.load_pending()
             self._end_siblings(out.failed)
             return deltas
         self.num_steps += 1
@@ -385,7 +324,7 @@ class LLMEngine:
         self.runner.swap_out(out.swap_out)
         self.runner.copy_blocks(out.block_copies)
         self.runner.swap_in(out.swap_in)
-        self._load_from_disk()
+        self.offload.load_pending()
         spec_ids = (self.spec.proposals(out, plan)
                     if self.spec is not None and plan is not None else {})
         masks = self._start_masks([s.request for s in out.scheduled if s.samples])
@@ -690,7 +629,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's figures now, as replica 0 (a deployment sets its own ordinal)."""
         kv = self.kv.stats()
-        disk = self.disk.stats() if self.disk is not None else None
         ad = self.adapters.stats()
         sched = self.scheduler
         return EngineStats(
@@ -726,25 +664,10 @@ class LLMEngine:
             running_adapters=_adapters_of(sched.running),
             waiting_adapters=_adapters_of([*sched.waiting, *sched.swapped]),
             tenants=sched.tenant_stats(),
-            kv_disk_max_bytes=disk.max_bytes if disk else 0,
             kv_disk_hit_tokens=kv.lower_tier_hit_tokens,
-            kv_disk_blocks=disk.num_blocks if disk else 0,
-            kv_disk_bytes_used=disk.bytes_used if disk else 0,
-            kv_disk_writes=disk.num_writes if disk else 0,
-            kv_disk_evictions=disk.num_evictions if disk else 0,
-            kv_disk_refused=disk.num_refused if disk else 0,
-            kv_disk_read_ahead=disk.num_read_ahead if disk else 0,
-            **self._transfer_stats(),
+            **self.offload.stats(),
             **(self.spec.stats() if self.spec is not None else {}),
         )
-
-
-    def _transfer_stats(self) -> dict[str, Any]:
-        if "transfer" not in self.__dict__:  # none made: no transfer yet
-            return {}
-        t = self.transfer.stats()
-        return {"kv_transfer_exported": t.num_exported, "kv_transfer_imported": t.num_imported,
-                "kv_transfer_refused": t.num_refused}
 
 
 def _identity(key: AdapterKey) -> str:
