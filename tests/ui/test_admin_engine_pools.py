@@ -7,7 +7,6 @@ The page goes to ``artifacts/screenshots/engine-pools.png``."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import shutil
 import signal
@@ -24,9 +23,7 @@ import pytest
 from servers import clean_env, free_port, serve_command, wait_ready
 from test_admin_figures import SERVED, admin, new_tenant, signed_in_page, watch_errors
 
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
-from loraplex.engine.client import EngineClient
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.testing import (
     bootstrap_admin,
     postgres_schema,
@@ -85,19 +82,19 @@ def pd_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
             shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def _in_process(model_dir: Path, prompt: str, max_tokens: int) -> str:
+def _in_process(model_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """The same greedy completions from one engine in this process (the offline ``LLM``:
+    the browser fixture's event loop may be running in this thread)."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(prompt)
-
-    async def run() -> str:
-        config = EngineConfig(ModelConfig(str(model_dir)), CacheConfig(num_kv_blocks=128),
-                              LoRAConfig(max_lora_rank=16))
-        async with EngineClient.from_config(config) as client:
-            return "".join([d.text_delta async for d in client.generate(
-                ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))])
-
-    return asyncio.run(run())
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    llm = LLM(str(model_dir), progress=False, num_kv_blocks=128, max_lora_rank=16)
+    try:
+        outs = llm.generate([tokenizer.encode(p) for p in prompts],
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        return [o.outputs[0].text for o in outs]
+    finally:
+        llm.close()
 
 
 def _settled_pools(server: UIServer) -> list[dict[str, Any]]:
@@ -121,13 +118,13 @@ def test_completions_go_through_both_pools_and_match_one_engine(
     _, key = new_tenant(pd_server)
     client = openai.OpenAI(base_url=f"{pd_server.url}/v1", api_key=key, max_retries=0,
                            timeout=120)
-    want = _in_process(tiny_llama_dir, PROMPT, 8)
+    want, want_streamed = _in_process(tiny_llama_dir, [PROMPT, PROMPT + " "], 8)
     plain = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=8,
                                       temperature=0)
     assert plain.choices[0].text == want
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=SERVED, prompt=PROMPT + " ", max_tokens=8, temperature=0, stream=True))
-    assert streamed == _in_process(tiny_llama_dir, PROMPT + " ", 8)
+    assert streamed == want_streamed
     pools = _settled_pools(pd_server)
     assert [p["role"] for p in pools] == ["prefill", "decode"]
     assert [p["num_replicas"] for p in pools] == [1, 1]
