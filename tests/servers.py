@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -99,6 +100,17 @@ def wait_ready(url: str, proc: subprocess.Popen[str] | subprocess.Popen[bytes],
     describe = (lambda: f"\n--- {log} ---\n{log.read_text(errors='replace')[-4000:]}") \
         if log is not None else str
     wait_until(ready_check(url), proc, what, also=also, describe=describe)
+
+
+def stop_gracefully(proc: subprocess.Popen[str] | subprocess.Popen[bytes],
+                    timeout_s: float = 30) -> None:
+    """SIGINT (a server's clean stop), then SIGKILL past ``timeout_s``; waits for it."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from servers import clean_env, free_port, serve_command, wait_ready
+from servers import clean_env, free_port, serve_command, stop_gracefully, wait_ready
 
 from loraplex.model.demo import prepare_demo_model
 
@@ -70,12 +69,7 @@ def test_serve_holds_at_most_one_and_a_half_times_the_weights(tmp_path: Path) ->
         wait_ready(f"http://127.0.0.1:{port}", proc)
         served = vm_rss(Path(f"/proc/{proc.pid}/status").read_text())
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_gracefully(proc)
     weights = float32_weight_bytes(model_dir)
     engine = served - imports_rss() - kv_pool_bytes(model_dir)
     mib = 1 << 20

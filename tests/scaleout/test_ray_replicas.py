@@ -35,7 +35,7 @@ import openai
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from servers import ready_check, wait_ready, wait_until
+from servers import ready_check, stop_gracefully, wait_ready, wait_until
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the ray extra is not installed", allow_module_level=True)
@@ -148,12 +148,7 @@ def stop_cluster(head: subprocess.Popen[bytes]) -> None:
     """Stops a ``ray start --block`` head and everything it started (SIGINT is its graceful
     stop; a few of its agents outlive it otherwise)."""
     spawned = process_descendants(head.pid)
-    head.send_signal(signal.SIGINT)
-    try:
-        head.wait(30)
-    except subprocess.TimeoutExpired:
-        head.kill()
-        head.wait()
+    stop_gracefully(head)
     for pid in spawned:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -319,12 +314,7 @@ def _stop_with_children(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
     spawned = process_descendants(proc.pid)
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_gracefully(proc, 60)
     for pid in spawned:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from servers import clean_env, free_port, serve_command, wait_ready
+from servers import clean_env, free_port, serve_command, stop_gracefully, wait_ready
 from test_admin_figures import SERVED, admin, new_tenant, signed_in_page, watch_errors
 
 from loraplex import LLM, SamplingParams
@@ -73,12 +72,7 @@ def pd_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
             wait_ready(url, proc, log=log)
             yield UIServer(url, admin_key)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_gracefully(proc, 120)
             shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
