@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from loraplex.engine.kv_hashing import BlockKey, ExtraKey, hash_block, normalize_extra_keys
+from loraplex.engine.kv_hashing import (
+    BlockKey,
+    ExtraKey,
+    hash_block,
+    normalize_extra_keys,
+    prefix_chain,
+)
 
 RegisteredBlock = tuple[bytes, bytes | None, tuple[ExtraKey, ...]]
 """(block hash, parent hash, extra keys) of one block in the prefix cache."""
@@ -265,23 +271,19 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return CachedPrefix((), 0)
-        keys = normalize_extra_keys(extra_keys)
-        pool = self.cached_run(token_ids, keys)
-        block_ids = [block_id for block_id, _ in pool]
+        block_ids: list[int] = []
         lower: list[bytes] = []
-        parent = pool[-1][1] if pool else None
-        # past the pool's run, only the lower tier (its blocks need fresh slots)
-        tier = self.lower_tier
-        for index in range(len(pool), self._max_prefix_blocks(token_ids) if tier else 0):
-            assert tier is not None
-            start = index * self.block_size
-            block_tokens = tuple(token_ids[start : start + self.block_size])
-            block_hash = hash_block(parent, block_tokens, keys)
-            if block_hash in self._hash_to_block \
-                    or not tier.lookup(block_hash, (parent, block_tokens, keys)):
+        for block_hash, key in self._prefix_chain(token_ids, extra_keys):
+            if not lower:
+                block_id = self._hash_to_block.get(block_hash)
+                if block_id is not None and self._block_keys[block_id] == key:
+                    block_ids.append(block_id)
+                    continue
+            # past the pool's run, only the lower tier (its blocks need fresh slots)
+            if self.lower_tier is None or block_hash in self._hash_to_block \
+                    or not self.lower_tier.lookup(block_hash, key):
                 break
             lower.append(block_hash)
-            parent = block_hash
         return CachedPrefix(tuple(block_ids), (len(block_ids) + len(lower)) * self.block_size,
                             tuple(lower))
 
@@ -290,39 +292,30 @@ class KVCacheManager:
         """``(block id, block hash)`` of the pool's cached blocks that hold the longest
         prefix of ``token_ids`` under ``extra_keys``, verified as ``get_computed_blocks``
         verifies them, never covering the last token. Changes nothing."""
-        if not self.enable_prefix_caching:
-            return []
-        keys = normalize_extra_keys(extra_keys)
         run: list[tuple[int, bytes]] = []
-        parent: bytes | None = None
-        for index in range(self._max_prefix_blocks(token_ids)):
-            start = index * self.block_size
-            block_tokens = tuple(token_ids[start : start + self.block_size])
-            block_hash = hash_block(parent, block_tokens, keys)
+        for block_hash, key in self._prefix_chain(token_ids, extra_keys):
             block_id = self._hash_to_block.get(block_hash)
-            if block_id is None or self._block_keys[block_id] != (parent, block_tokens, keys):
+            if block_id is None or self._block_keys[block_id] != key:
                 break
             run.append((block_id, block_hash))
-            parent = block_hash
         return run
 
     def uncached_chain(self, token_ids: Sequence[int],
                        extra_keys: Sequence[Sequence[str]] = ()) -> list[tuple[bytes, BlockKey]]:
         """``(hash, key)`` of the prompt's full blocks past the pool's cached run (those a
         lower tier may hold), never covering the last token."""
+        chain = self._prefix_chain(token_ids, extra_keys)
+        for block_hash, key in chain:
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None or self._block_keys[block_id] != key:
+                return [(block_hash, key), *chain]
+        return []
+
+    def _prefix_chain(self, token_ids: Sequence[int], extra_keys: Sequence[Sequence[str]],
+                      ) -> Iterator[tuple[bytes, BlockKey]]:
         if not self.enable_prefix_caching:
-            return []
-        keys = normalize_extra_keys(extra_keys)
-        run = self.cached_run(token_ids, keys)
-        parent = run[-1][1] if run else None
-        chain: list[tuple[bytes, BlockKey]] = []
-        for index in range(len(run), self._max_prefix_blocks(token_ids)):
-            start = index * self.block_size
-            block_tokens = tuple(token_ids[start : start + self.block_size])
-            block_hash = hash_block(parent, block_tokens, keys)
-            chain.append((block_hash, (parent, block_tokens, keys)))
-            parent = block_hash
-        return chain
+            return iter(())
+        return prefix_chain(token_ids, self.block_size, normalize_extra_keys(extra_keys))
 
     def block_key(self, block_id: int) -> BlockKey:
         """The key a cached block is registered under: (parent hash, token ids, extra keys)."""
@@ -354,10 +347,6 @@ class KVCacheManager:
             placed.append((block_id, index))
         self._release([block_id for block_id, _ in placed])
         return placed
-
-    def _max_prefix_blocks(self, token_ids: Sequence[int]) -> int:
-        # never the last token: at least one is always computed
-        return max(0, (len(token_ids) - 1) // self.block_size)
 
     # ---- allocation ----------------------------------------------------------------------
 

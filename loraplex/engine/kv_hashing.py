@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 ExtraKey = tuple[str, ...]
 """A tagged field of a block's cache key, e.g. ``("adapter", id, digest)``, ``("salt", s)``."""
@@ -69,3 +69,19 @@ def normalize_extra_keys(extra_keys: Sequence[Sequence[str]]) -> tuple[ExtraKey,
 # What a registered block's hash stands for; compared on every hit so that a hash
 # collision can never serve another prompt's (or another tenant's) KV.
 BlockKey = tuple[bytes | None, tuple[int, ...], tuple[ExtraKey, ...]]
+
+
+def prefix_chain(token_ids: Sequence[int], block_size: int, extra_keys: tuple[ExtraKey, ...],
+                 max_blocks: int | None = None) -> Iterator[tuple[bytes, BlockKey]]:
+    """``(hash, key)`` of each full block of a prompt that a cache hit can cover, chained
+    from the first (never the block of the last token: at least one token is always
+    computed), at most ``max_blocks``. Lazy: a caller that stops early hashes no more."""
+    num_blocks = max(0, (len(token_ids) - 1) // block_size)
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    parent: bytes | None = None
+    for start in range(0, num_blocks * block_size, block_size):
+        block_tokens = tuple(token_ids[start:start + block_size])
+        block_hash = hash_block(parent, block_tokens, extra_keys)
+        yield block_hash, (parent, block_tokens, extra_keys)
+        parent = block_hash

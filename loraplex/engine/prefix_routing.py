@@ -3,7 +3,7 @@
 Every gateway follows the replicas' KV events (``kv_events.py``, through Redis) into a
 ``PrefixIndex``: per replica, the block hashes its prefix cache holds. A request's own
 hashes come from its prompt, adapter identity and tenant salt exactly as its engine will
-compute them (``kv_hashing.hash_block``), so a replica only ever matches blocks of the same
+compute them (``kv_hashing.prefix_chain``), so a replica only ever matches blocks of the same
 adapter version for the same tenant: a tenant's prompt never draws it to a replica that
 caches another tenant's blocks of the same text.
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from loraplex.engine.kv_hashing import extra_keys_for, hash_block
+from loraplex.engine.kv_hashing import extra_keys_for, prefix_chain
 
 MAX_ROUTED_BLOCKS: Final = 1024  # a prompt's first 1024 blocks count (16k tokens at 16)
 # A replica whose events claim more blocks than this is dropped from the index (no pool is
@@ -43,13 +43,8 @@ def request_hashes(prompt_token_ids: Sequence[int], block_size: int, adapter_key
         adapter_id, _, digest = adapter_key.partition("@")
         adapter = (adapter_id, digest)
     keys = extra_keys_for(adapter, cache_salt)
-    hashes: list[bytes] = []
-    parent: bytes | None = None
-    for index in range(min((len(prompt_token_ids) - 1) // block_size, MAX_ROUTED_BLOCKS)):
-        start = index * block_size
-        parent = hash_block(parent, tuple(prompt_token_ids[start:start + block_size]), keys)
-        hashes.append(parent)
-    return hashes
+    return [block_hash for block_hash, _ in prefix_chain(prompt_token_ids, block_size, keys,
+                                                          MAX_ROUTED_BLOCKS)]
 
 
 def matched_blocks(blocks: set[bytes], hashes: Sequence[bytes]) -> int:

@@ -14,7 +14,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from loraplex.engine import kv_cache
+from loraplex.engine import kv_cache, kv_hashing
 from loraplex.engine.kv_cache import CachedPrefix, KVCacheManager
 from loraplex.engine.kv_hashing import BlockKey, ExtraKey, extra_keys_for, hash_block
 
@@ -184,7 +184,12 @@ def test_miss_across_cache_domains(
 def test_hash_collision_is_refused_after_comparing_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, token_ids, extra_keys: b"same")
+    def same(parent: bytes | None, token_ids: Sequence[int], extra_keys: object) -> bytes:
+        return b"same"
+
+    # where prompts are hashed (kv_hashing.prefix_chain) and where blocks are registered
+    monkeypatch.setattr(kv_hashing, "hash_block", same)
+    monkeypatch.setattr(kv_cache, "hash_block", same)
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     prefill(manager, "r1", [1, 2, 3, 4, 5])
     assert hit_tokens(manager, [1, 2, 3, 4, 5]) == 4  # the colliding hash still works as a key
