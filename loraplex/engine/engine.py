@@ -22,7 +22,6 @@ from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_events import KVEventLog
 from loraplex.engine.kv_hashing import extra_keys_for
 from loraplex.engine.kv_offload import KVOffload, kv_identity, make_disk_tier
-from loraplex.engine.kv_transfer import KVTransfer
 from loraplex.engine.outputs import RequestMetrics, SequenceDelta
 from loraplex.engine.request import AdapterKey, AdapterRef, Request, RequestStatus
 from loraplex.engine.sampling_params import GrammarSpec, SamplingParams
@@ -104,11 +103,6 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
-
-    @property
-    def transfer(self) -> KVTransfer:
-        """This engine's side of prefill/decode transfers (``kv_transfer.py``)."""
-        return self.offload.transfer
 
     def export_prompt_blocks(self, token_ids: Sequence[int], adapter: AdapterRef | None,
                              cache_salt: str | None) -> list[bytes]:

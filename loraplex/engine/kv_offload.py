@@ -62,9 +62,7 @@ class KVOffload:
     @functools.cached_property
     def transfer(self) -> KVTransfer:
         """This engine's side of prefill/decode transfers (made on first use: the
-        fingerprint reads the weights' files)."""
-        if self.disk is not None:
-            return KVTransfer(self.kv, self.disk.layout, self.disk.fingerprint)
+        fingerprint reads the weights' files, once per engine)."""
         return KVTransfer(self.kv, *self._identity())
 
     def save_evicted(self) -> None:

@@ -39,7 +39,7 @@ from loraplex.engine import kv_events
 from loraplex.engine.backend import ModelDescription, description_mismatch
 from loraplex.engine.client import EngineClient
 from loraplex.engine.fairness import TenantStats
-from loraplex.engine.kv_transfer import needs_prefill, prefill_params
+from loraplex.engine.kv_transfer import prefill_params
 from loraplex.engine.outputs import SequenceDelta
 from loraplex.engine.request import AdapterRef
 from loraplex.engine.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ from loraplex.errors import (
     LoraplexError,
     ModelLoadError,
     PromptTooLongError,
+    first_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,11 +105,10 @@ Chunk = tuple[list[SequenceDelta], RemoteError | None]
 @dataclass(frozen=True)
 class Prefilled:
     """What a prefill replica hands a decode replica (through Ray's object store): the
-    prompt's blocks in the portable form, or why it computed none (the decode replica
-    then computes the prompt itself, and refuses the request if it must)."""
+    prompt's blocks in the portable form; none when it refused the prompt (the decode
+    replica then computes it itself, and refuses the request if it must)."""
 
     blocks: tuple[bytes, ...] = ()
-    error: RemoteError | None = None
 
 
 def prefill_app(config: RayConfig) -> str:
@@ -233,7 +233,6 @@ class EngineReplica:
         self._ordinal = int(serve.get_replica_context().rank.rank) + (
             ray_config.replicas if role == "prefill" else 0)
         self._role = role
-        self._block_size = engine_config.cache.block_size
         self._config = ray_config
         client = EngineClient.from_config(engine_config)
         mismatch = description_mismatch(expected, client.description)
@@ -291,11 +290,9 @@ class EngineReplica:
                       adapter_key: str = "", share: Share = NO_SHARE) -> Prefilled:
         """Computes the prompt (one greedy token, nobody reads it) and returns its blocks
         (``kv_transfer.py``). The arguments are ``generate``'s, so the routers read both
-        alike; ``params`` only says whether there is anything to hand over."""
+        alike; the gateway calls this only where ``needs_prefill``."""
         try:
             lora = await self._lora(adapter_key)
-            if not needs_prefill(len(prompt_token_ids), params, self._block_size):
-                return Prefilled()
             async for _ in self._client.generate(prompt_token_ids, prefill_params(), lora,
                                                  cache_salt, f"{request_id}:prefill",
                                                  share=share):
@@ -303,7 +300,9 @@ class EngineReplica:
             blocks = await self._client.run_in_engine(
                 lambda e: e.export_prompt_blocks(prompt_token_ids, lora, cache_salt))
         except LoraplexError as exc:
-            return Prefilled(error=RemoteError.of(exc))
+            logger.info("replica %d: prefill of %s refused: %s", self._ordinal, request_id,
+                        first_line(exc))
+            return Prefilled()
         return Prefilled(tuple(blocks))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -128,7 +128,8 @@ def test_blocks_of_another_tenant_version_or_model_are_refused(
                        r4, "tenant-a", expected[("r4", 0)]) == 4
     assert refused_for(raws[1:], r4, "tenant-a", expected[("r4", 0)]) == 3
     # another model's fingerprint, with a valid checksum
-    layout, fingerprint = decode.engine.transfer.layout, decode.engine.transfer.fingerprint
+    transfer = decode.engine.offload.transfer
+    layout, fingerprint = transfer.layout, transfer.fingerprint
     foreign = model_fingerprint(tiny_qwen2_dir, layout)
     forged = [encode_block(dataclasses.replace(decode_block(r, fingerprint, layout),
                                                fingerprint=foreign)) for r in raws]
