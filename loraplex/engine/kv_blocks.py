@@ -36,7 +36,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.engine.kv_hashing import ExtraKey, hash_block
+from loraplex.engine.kv_hashing import BlockKey, ExtraKey, hash_block
 
 MAGIC = b"LPXKVB01"
 # Bumped whenever what the runner stores in a block changes (head order, rotary layout):
@@ -88,6 +88,11 @@ class BlockIdentity:
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     extra_keys: tuple[ExtraKey, ...]
+
+    @property
+    def key(self) -> BlockKey:
+        """What the pool compares on every hit: (parent hash, token ids, extra keys)."""
+        return self.parent_hash, self.token_ids, self.extra_keys
 
     def is_consistent(self) -> bool:
         """Whether the hash is the one its parent, tokens and extra keys make."""

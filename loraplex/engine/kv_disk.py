@@ -142,7 +142,7 @@ class DiskTier:
                 self._refuse(path, exc)
                 continue
             found.append((mtime, ident.block_hash,
-                          _Entry((ident.parent_hash, ident.token_ids, ident.extra_keys), size)))
+                          _Entry(ident.key, size)))
         for _, block_hash, entry in sorted(found, key=lambda f: f[0]):
             self._index[block_hash] = entry
             self._bytes_used += entry.num_bytes
@@ -262,7 +262,7 @@ class DiskTier:
                                  self.layout)
             ident = block.identity
             if ident.block_hash != block_hash \
-                    or (ident.parent_hash, ident.token_ids, ident.extra_keys) != key:
+                    or ident.key != key:
                 raise BlockRefused("identity", "the file holds another block")
         except (BlockRefused, OSError) as exc:
             return exc

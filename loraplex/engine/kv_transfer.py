@@ -31,7 +31,7 @@ from loraplex.engine.kv_blocks import (
     encode_block,
 )
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.kv_hashing import BlockKey, ExtraKey
+from loraplex.engine.kv_hashing import ExtraKey, prefix_chain
 from loraplex.engine.sampling_params import SamplingParams
 
 
@@ -72,8 +72,8 @@ class KVTransfer:
         data = read_blocks([block_id for block_id, _ in run])
         out = []
         for (block_id, block_hash), raw in zip(run, data, strict=True):
-            parent, tokens, keys = self.kv.block_key(block_id)
-            out.append(encode_block(PortableBlock(BlockIdentity(block_hash, parent, tokens, keys),
+            out.append(encode_block(PortableBlock(BlockIdentity(block_hash,
+                                                                *self.kv.block_key(block_id)),
                                                   self.fingerprint, self.layout, raw)))
         self._num_exported += len(out)
         return out
@@ -81,32 +81,26 @@ class KVTransfer:
     def verified(self, raws: Sequence[bytes], token_ids: Sequence[int],
                  extra_keys: tuple[ExtraKey, ...]) -> list[PortableBlock]:
         """The leading blocks of ``raws`` that this request may use (module docstring)."""
-        size = self.kv.block_size
         blocks: list[PortableBlock] = []
-        parent: bytes | None = None
-        for index, raw in enumerate(raws):
+        # The request's own chain: a block's hash is checked against the parent, tokens
+        # and keys it carries (decode_block), and here against the request's.
+        wanted = prefix_chain(token_ids, self.kv.block_size, extra_keys)
+        for raw, (block_hash, _) in zip(raws, wanted, strict=False):  # extras: refused
             try:
                 block = decode_block(raw, self.fingerprint, self.layout)
             except BlockRefused:
                 break
-            ident = block.identity
-            if (index + 1) * size > len(token_ids) - 1 or ident.parent_hash != parent \
-                    or ident.extra_keys != extra_keys \
-                    or ident.token_ids != tuple(token_ids[index * size:(index + 1) * size]):
+            if block.identity.block_hash != block_hash:
                 break
             blocks.append(block)
-            parent = ident.block_hash
         self._num_refused += len(raws) - len(blocks)
         return blocks
 
     def place(self, blocks: Sequence[PortableBlock]) -> list[tuple[int, bytes]]:
         """Registers verified blocks in the pool: ``(block id, data)`` the caller writes
         (after saving the evictions this made)."""
-        keys: list[tuple[bytes, BlockKey]] = [
-            (b.identity.block_hash,
-             (b.identity.parent_hash, b.identity.token_ids, b.identity.extra_keys))
-            for b in blocks]
-        placed = self.kv.import_cached(keys)
+        placed = self.kv.import_cached([(b.identity.block_hash, b.identity.key)
+                                        for b in blocks])
         self._num_imported += len(placed)
         return [(block_id, blocks[index].data) for block_id, index in placed]
 
